@@ -1,0 +1,154 @@
+//! The crate's single error type.
+
+use std::time::Duration;
+
+/// A `Result` whose error defaults to [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in `distlock`.
+///
+/// Contention is *not* an error: a try-style call that finds the lock held
+/// elsewhere returns `Ok(None)`. Variants are meant to be matched on; the enum
+/// is `#[non_exhaustive]` so new failure modes can be added without a breaking
+/// change.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An error from the database driver (connection, protocol, SQL).
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+
+    /// Applying the crate's migrations failed.
+    #[error(transparent)]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+
+    /// The key cannot name a lock (empty, or contains a NUL byte, which
+    /// PostgreSQL text cannot hold).
+    #[error("invalid lock key {name:?}: {reason}")]
+    InvalidKey {
+        /// The offending name (truncated to 64 characters).
+        name: String,
+        /// Why it was rejected.
+        reason: &'static str,
+    },
+
+    /// The deadline passed before the lock could be taken.
+    #[error(
+        "timed out after {waited:?} waiting for lock {key}{}",
+        holder_suffix(*holder_pid, holder_application.as_deref())
+    )]
+    Timeout {
+        /// The key that was asked for.
+        key: String,
+        /// How long the caller waited.
+        waited: Duration,
+        /// Backend pid of a session holding the lock, when PostgreSQL shows it.
+        holder_pid: Option<i32>,
+        /// `application_name` of that session, when set.
+        holder_application: Option<String>,
+    },
+
+    /// The server reported that the lock was not held when it was released.
+    #[error("lock {key} was not held by this session when released")]
+    LockNotHeld {
+        /// The key that was released.
+        key: String,
+    },
+
+    /// The lock can no longer be trusted (connection closed or terminated,
+    /// heartbeat failed or stalled, backend changed).
+    #[error("lock {key} was lost: {reason}")]
+    LockLost {
+        /// The key of the lost lock.
+        key: String,
+        /// Why it was declared lost.
+        reason: crate::LossReason,
+    },
+
+    /// Statements on one connection ran on different server backends: a
+    /// transaction-pooling proxy (such as PgBouncer with
+    /// `pool_mode=transaction`) sits between the client and PostgreSQL, so a
+    /// session-scoped lock cannot be held. Use the transaction-scoped API or
+    /// connect to PostgreSQL directly (or through a session-pooling proxy).
+    #[error(
+        "backend pid changed from {expected_pid} to {actual_pid}: a transaction-pooling proxy \
+         cannot hold session-scoped locks; use with_advisory_lock or a direct connection"
+    )]
+    PoolerDetected {
+        /// The backend pid that took the lock.
+        expected_pid: i32,
+        /// The backend pid that answered later.
+        actual_pid: i32,
+    },
+
+    /// PostgreSQL's shared lock table is full (SQLSTATE 53200, "out of shared
+    /// memory"); raise `max_locks_per_transaction` or hold fewer locks.
+    #[error(
+        "PostgreSQL's lock table is full while locking {key} (SQLSTATE 53200); \
+         raise max_locks_per_transaction or hold fewer locks"
+    )]
+    LockTableFull {
+        /// The key whose acquisition failed.
+        key: String,
+    },
+
+    /// Releasing a lock did not finish before its deadline; the connection
+    /// was closed so that PostgreSQL frees the lock when it notices.
+    #[error("releasing lock {key} did not finish within {after:?}; its connection was closed")]
+    ReleaseTimedOut {
+        /// The key being released.
+        key: String,
+        /// The deadline that passed.
+        after: Duration,
+    },
+
+    /// A fencing token older than the newest one seen for the resource.
+    #[error(
+        "stale fencing token for {resource}: presented {presented}, but {current} was already seen"
+    )]
+    StaleFencingToken {
+        /// The protected resource.
+        resource: String,
+        /// The token that was presented.
+        presented: i64,
+        /// The highest token recorded so far.
+        current: i64,
+    },
+
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(&'static str),
+}
+
+fn holder_suffix(pid: Option<i32>, application: Option<&str>) -> String {
+    match (pid, application) {
+        (Some(pid), Some(app)) if !app.is_empty() => {
+            format!(" (held by pid {pid}, application {app:?})")
+        }
+        (Some(pid), _) => format!(" (held by pid {pid})"),
+        _ => String::new(),
+    }
+}
+
+/// SQLSTATE of "out of shared memory", raised when the lock table is full.
+const OUT_OF_SHARED_MEMORY: &str = "53200";
+/// SQLSTATE of "lock_not_available", raised when `lock_timeout` expires.
+pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// Returns the SQLSTATE of a database error, if it is one.
+pub(crate) fn sqlstate(err: &sqlx::Error) -> Option<String> {
+    err.as_database_error()
+        .and_then(|db| db.code())
+        .map(|code| code.into_owned())
+}
+
+/// Maps a driver error raised while locking `key` to the crate's variants.
+pub(crate) fn locking_error(err: sqlx::Error, key: &impl std::fmt::Display) -> Error {
+    if sqlstate(&err).as_deref() == Some(OUT_OF_SHARED_MEMORY) {
+        Error::LockTableFull {
+            key: key.to_string(),
+        }
+    } else {
+        Error::Database(err)
+    }
+}

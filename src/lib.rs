@@ -1,0 +1,26 @@
+//! PostgreSQL-first distributed locks for Rust.
+#![forbid(unsafe_code)]
+#![warn(
+    missing_docs,
+    unreachable_pub,
+    missing_debug_implementations,
+    rust_2018_idioms
+)]
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    clippy::unwrap_used
+)]
+
+mod error;
+pub mod fence;
+mod key;
+mod loss;
+pub mod postgres;
+
+pub use error::{Error, Result};
+pub use fence::FencingToken;
+pub use key::LockKey;
+pub use loss::LossReason;
+pub use postgres::{AdvisoryKey, Holder, LockMode, PgLocker, PgLockerBuilder, SessionLock};

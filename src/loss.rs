@@ -1,0 +1,52 @@
+//! Why a held lock stopped being trustworthy.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Why a lease was declared lost.
+///
+/// Reported by `SessionLock::loss` and inside [`Error::LockLost`](crate::Error::LockLost).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LossReason {
+    /// The connection holding the lock failed (closed, reset, or the backend
+    /// was terminated). The text is the driver's error message.
+    ConnectionFailed(String),
+    /// A heartbeat got no answer within its deadline. The holder can no longer
+    /// tell whether the server still holds its lock, so it must stop trusting it.
+    HeartbeatTimedOut(Duration),
+    /// The backend answering on the lock's connection is not the one that took
+    /// the lock: a transaction-pooling proxy moved the session.
+    BackendChanged {
+        /// The backend pid that took the lock.
+        expected_pid: i32,
+        /// The backend pid that answered the heartbeat.
+        actual_pid: i32,
+    },
+    /// The lease's time to live ran out or its key now holds another owner's
+    /// token (lease-based backends such as Redis).
+    Expired,
+    /// The background task keeping the lock stopped (for example because the
+    /// runtime shut down); the connection was closed.
+    KeeperStopped,
+}
+
+impl fmt::Display for LossReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ConnectionFailed(msg) => write!(f, "connection failed: {msg}"),
+            Self::HeartbeatTimedOut(after) => {
+                write!(f, "heartbeat got no answer within {after:?}")
+            }
+            Self::BackendChanged {
+                expected_pid,
+                actual_pid,
+            } => write!(
+                f,
+                "backend pid changed from {expected_pid} to {actual_pid} (transaction-pooling proxy?)"
+            ),
+            Self::Expired => f.write_str("the lease expired or was taken over"),
+            Self::KeeperStopped => f.write_str("the task keeping the lock stopped"),
+        }
+    }
+}

@@ -1,0 +1,59 @@
+//! A pooled connection that is closed, not returned, while it may hold a lock.
+
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnection, Postgres};
+
+/// Wraps a pooled connection. While *armed* (it may hold a session lock or be
+/// blocked in a lock wait), dropping it detaches the connection from the pool
+/// and drops the socket, so PostgreSQL ends the session and frees its locks.
+/// Disarmed, it returns to the pool as usual.
+///
+/// Closing by dropping the socket needs no runtime and never blocks, which is
+/// what makes every future of this crate safe to drop at any `.await`.
+#[derive(Debug)]
+pub(crate) struct HeldConn {
+    conn: Option<PoolConnection<Postgres>>,
+    armed: bool,
+}
+
+impl HeldConn {
+    /// Wraps `conn`; `armed` decides what dropping it does.
+    pub(crate) fn new(conn: PoolConnection<Postgres>, armed: bool) -> Self {
+        Self {
+            conn: Some(conn),
+            armed,
+        }
+    }
+
+    /// The connection, for running statements.
+    pub(crate) fn conn(&mut self) -> &mut PgConnection {
+        match self.conn.as_mut() {
+            Some(conn) => conn,
+            // `conn` is only taken by `Drop`, after which `self` is gone.
+            None => unreachable!("HeldConn used after drop"),
+        }
+    }
+
+    /// Returns the connection to the pool (it must hold no lock).
+    pub(crate) fn into_pool(mut self) {
+        self.armed = false;
+    }
+
+    /// Closes the connection by dropping its socket.
+    pub(crate) fn close(mut self) {
+        self.armed = true;
+    }
+}
+
+impl Drop for HeldConn {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take()
+            && self.armed
+        {
+            // Detach frees the pool slot; dropping the raw connection closes
+            // the socket without a graceful Terminate, which is what we want
+            // for a session that may still hold a lock.
+            drop(conn.detach());
+        }
+    }
+}

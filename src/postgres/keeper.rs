@@ -1,0 +1,149 @@
+//! The task that owns a session lock's connection: it runs the heartbeat,
+//! reports loss, and performs the release (requested or on drop).
+
+use std::time::Duration;
+
+use sqlx::Row;
+use tokio::sync::{oneshot, watch};
+use tokio::time::{Instant, sleep_until, timeout};
+
+use super::conn::HeldConn;
+use super::locker::Config;
+use super::sql::{bind_key, keyed};
+use crate::{Error, LockKey, LossReason};
+
+/// What `SessionLock::release` sends: where to put the outcome.
+pub(crate) type ReleaseRequest = oneshot::Sender<Result<(), Error>>;
+
+/// The keeper's end of a session lock.
+pub(crate) struct Keeper {
+    pub(crate) conn: HeldConn,
+    pub(crate) key: LockKey,
+    pub(crate) pid: i32,
+    pub(crate) heartbeat: Duration,
+    pub(crate) heartbeat_timeout: Duration,
+    pub(crate) release_timeout: Duration,
+    pub(crate) loss: watch::Sender<Option<LossReason>>,
+    pub(crate) release: oneshot::Receiver<ReleaseRequest>,
+}
+
+impl Keeper {
+    pub(crate) fn new(
+        conn: HeldConn,
+        key: LockKey,
+        pid: i32,
+        config: &Config,
+    ) -> (Self, watch::Receiver<Option<LossReason>>, oneshot::Sender<ReleaseRequest>) {
+        let (loss, loss_rx) = watch::channel(None);
+        let (release_tx, release) = oneshot::channel();
+        let keeper = Self {
+            conn,
+            key,
+            pid,
+            heartbeat: config.heartbeat,
+            heartbeat_timeout: config.heartbeat_timeout,
+            release_timeout: config.release_timeout,
+            loss,
+            release,
+        };
+        (keeper, loss_rx, release_tx)
+    }
+
+    /// Runs until the lock is released (on request or because the guard was
+    /// dropped). If the task is cancelled instead, the armed connection is
+    /// closed on drop and the server frees the lock.
+    pub(crate) async fn run(mut self) {
+        // `sleep_until` rather than `interval`: an interval's first tick fires
+        // at once and would put a heartbeat in front of a quick release.
+        let mut next = Instant::now() + self.heartbeat;
+        loop {
+            tokio::select! {
+                biased;
+                request = &mut self.release => {
+                    let outcome = release(self.conn, &self.key, self.pid, self.release_timeout).await;
+                    report_release(&self.key, request.ok(), outcome);
+                    return;
+                }
+                () = sleep_until(next) => {
+                    if let Err(reason) = heartbeat(&mut self.conn, self.pid, self.heartbeat_timeout).await {
+                        return self.lost(reason).await;
+                    }
+                    next = Instant::now() + self.heartbeat;
+                }
+            }
+        }
+    }
+
+    /// Closes the connection, publishes the loss, then waits for the guard
+    /// to be released or dropped so `release()` can report it.
+    async fn lost(self, reason: LossReason) {
+        tracing::warn!(key = %self.key, %reason, "distlock session lock lost");
+        self.conn.close();
+        self.loss.send_replace(Some(reason.clone()));
+        if let Ok(reply) = self.release.await {
+            let _ = reply.send(Err(Error::LockLost {
+                key: self.key.to_string(),
+                reason,
+            }));
+        }
+    }
+}
+
+/// One heartbeat: the same backend must still answer, within the deadline.
+async fn heartbeat(conn: &mut HeldConn, pid: i32, deadline: Duration) -> Result<(), LossReason> {
+    let query = sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()").fetch_one(conn.conn());
+    match timeout(deadline, query).await {
+        Err(_) => Err(LossReason::HeartbeatTimedOut(deadline)),
+        Ok(Err(err)) => Err(LossReason::ConnectionFailed(err.to_string())),
+        Ok(Ok(actual)) if actual != pid => Err(LossReason::BackendChanged {
+            expected_pid: pid,
+            actual_pid: actual,
+        }),
+        Ok(Ok(_)) => Ok(()),
+    }
+}
+
+/// Unlocks on the lock's own connection. Only a confirmed unlock by the same
+/// backend returns the connection to the pool; anything else closes it, which
+/// frees the lock on the server.
+async fn release(mut conn: HeldConn, key: &LockKey, pid: i32, deadline: Duration) -> Result<(), Error> {
+    let args = key.args()?;
+    let sql = keyed!(args; "SELECT pg_advisory_unlock(", "), pg_backend_pid()"; "$1", "$2");
+    let query = bind_key(sqlx::query(sql), args).fetch_one(conn.conn());
+    let row = match timeout(deadline, query).await {
+        Err(_) => {
+            return Err(Error::ReleaseTimedOut {
+                key: key.to_string(),
+                after: deadline,
+            });
+        }
+        Ok(row) => row?,
+    };
+    let (unlocked, actual): (bool, i32) = (row.try_get(0)?, row.try_get(1)?);
+    if actual != pid {
+        return Err(Error::PoolerDetected {
+            expected_pid: pid,
+            actual_pid: actual,
+        });
+    }
+    if !unlocked {
+        return Err(Error::LockNotHeld {
+            key: key.to_string(),
+        });
+    }
+    conn.into_pool();
+    Ok(())
+}
+
+fn report_release(key: &LockKey, reply: Option<ReleaseRequest>, outcome: Result<(), Error>) {
+    match (&outcome, &reply) {
+        (Ok(()), _) => tracing::debug!(%key, "distlock session lock released"),
+        (Err(err), None) => {
+            tracing::warn!(%key, error = %err, "background release of a dropped session lock failed; connection closed");
+        }
+        (Err(_), Some(_)) => {}
+    }
+    if let Some(reply) = reply {
+        let _ = reply.send(outcome);
+    }
+}

@@ -1,0 +1,322 @@
+//! Session-scoped locks: a guard that keeps a dedicated connection holding
+//! `pg_advisory_lock` until it is released.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use sqlx::Row;
+use tokio::sync::{oneshot, watch};
+use tracing::Instrument;
+
+use super::conn::HeldConn;
+use super::holders;
+use super::keeper::{Keeper, ReleaseRequest};
+use super::locker::PgLocker;
+use super::sql::{CLIENT_CHECK_INTERVAL, bind_key, keyed, millis_setting};
+use crate::error::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::key::KeyArgs;
+use crate::{Error, FencingToken, LockKey, LossReason};
+
+/// A session-scoped advisory lock, held on a dedicated pooled connection until
+/// [`release`](Self::release) or drop.
+///
+/// A background task owns the connection: every heartbeat interval it checks
+/// that the same backend still answers within the heartbeat deadline, and if
+/// not, [`lost`](Self::lost) completes and the connection is closed. Treat a
+/// lost lock as gone: another process may hold it already.
+///
+/// There is no `Deref` to the connection: run the protected work on your own
+/// connections (the lock protects *work*, not a connection).
+///
+/// # Dropping
+///
+/// Dropping the guard without [`release`](Self::release) never blocks: the
+/// background task unlocks and returns the connection to the pool, or closes
+/// the connection if that fails or does not finish within the release
+/// deadline. If the runtime has shut down, the connection is closed, so
+/// PostgreSQL frees the lock when the session ends.
+#[must_use = "the lock is released as soon as the guard is dropped"]
+pub struct SessionLock {
+    key: LockKey,
+    token: Option<FencingToken>,
+    pid: i32,
+    acquired_at: Instant,
+    loss: watch::Receiver<Option<LossReason>>,
+    release: Option<oneshot::Sender<ReleaseRequest>>,
+}
+
+impl fmt::Debug for SessionLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SessionLock")
+            .field("key", &self.key)
+            .field("fencing_token", &self.token)
+            .field("backend_pid", &self.pid)
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+impl SessionLock {
+    fn start(conn: HeldConn, key: LockKey, pid: i32, token: Option<FencingToken>, locker: &PgLocker) -> Self {
+        let (keeper, loss, release) = Keeper::new(conn, key.clone(), pid, locker.config());
+        let span = tracing::debug_span!("distlock.keeper", key = %key, pid);
+        tokio::spawn(keeper.run().instrument(span));
+        Self {
+            key,
+            token,
+            pid,
+            acquired_at: Instant::now(),
+            loss,
+            release: Some(release),
+        }
+    }
+
+    /// The key this lock holds.
+    pub fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    /// The fencing token issued with this lock, when the locker was built with
+    /// `.fencing(true)`; `None` otherwise.
+    pub fn fencing_token(&self) -> Option<FencingToken> {
+        self.token
+    }
+
+    /// The backend process id of the session holding the lock.
+    pub fn backend_pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Completes when the lock can no longer be trusted: the connection
+    /// closed or was terminated, a heartbeat failed or got no answer in time,
+    /// or a different backend answered. Returns why.
+    ///
+    /// Typical use is racing the work against it:
+    ///
+    /// ```no_run
+    /// # async fn demo(lock: distlock::SessionLock) -> Result<(), distlock::Error> {
+    /// # async fn work() {}
+    /// tokio::select! {
+    ///     () = work() => lock.release().await?,
+    ///     reason = lock.lost() => eprintln!("stopped: lock lost ({reason})"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only watches a channel.
+    pub async fn lost(&self) -> LossReason {
+        let mut loss = self.loss.clone();
+        match loss.wait_for(Option::is_some).await {
+            Ok(reason) => reason.clone().unwrap_or(LossReason::KeeperStopped),
+            Err(_) => LossReason::KeeperStopped,
+        }
+    }
+
+    /// `true` once [`lost`](Self::lost) would complete.
+    pub fn is_lost(&self) -> bool {
+        self.loss.borrow().is_some() || self.loss.has_changed().is_err()
+    }
+
+    /// Why the lock was lost, if it was.
+    pub fn loss(&self) -> Option<LossReason> {
+        if let Some(reason) = self.loss.borrow().clone() {
+            return Some(reason);
+        }
+        self.loss.has_changed().is_err().then_some(LossReason::KeeperStopped)
+    }
+
+    /// How long the lock has been held.
+    pub fn held_for(&self) -> Duration {
+        self.acquired_at.elapsed()
+    }
+
+    /// Releases the lock and returns its connection to the pool.
+    ///
+    /// Costs 1 round trip. Fails with [`Error::LockLost`] if the lock had been
+    /// lost (it may be held by someone else now), and with
+    /// [`Error::ReleaseTimedOut`] if the server did not answer within the
+    /// release deadline; in both cases, and on any other error, the
+    /// connection is closed, so PostgreSQL frees whatever the session held.
+    ///
+    /// # Cancel safety
+    ///
+    /// The release is carried out by the lock's background task once asked
+    /// for, so dropping this future after its first poll still releases the
+    /// lock (the outcome is then only logged). Dropped before its first poll,
+    /// it drops the guard, which releases the lock in the background too.
+    pub async fn release(mut self) -> Result<(), Error> {
+        let span = tracing::debug_span!(
+            "distlock.release",
+            key = %self.key,
+            hold_ms = self.acquired_at.elapsed().as_secs_f64() * 1e3,
+            outcome = tracing::field::Empty,
+        );
+        let (reply, outcome) = oneshot::channel();
+        let sent = self.release.take().map(|tx| tx.send(reply).is_ok());
+        let result = match (sent, outcome.await) {
+            (Some(true), Ok(result)) => result,
+            _ => Err(Error::LockLost {
+                key: self.key.to_string(),
+                reason: self.loss().unwrap_or(LossReason::KeeperStopped),
+            }),
+        };
+        span.record("outcome", if result.is_ok() { "released" } else { "error" });
+        result
+    }
+}
+
+impl PgLocker {
+    /// Takes the session-scoped lock `key` if it is free, without waiting;
+    /// `Ok(None)` if another session holds it.
+    ///
+    /// The lock lives on a connection taken from the pool for as long as the
+    /// returned [`SessionLock`] lives. Costs 1 round trip (the backend pid
+    /// used by the heartbeat comes back with the lock attempt), plus whatever
+    /// the pool spends handing out a connection.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it returns leaves no lock held: until the
+    /// lock is confirmed and handed to its guard, the connection is closed,
+    /// not pooled, if the future is dropped, so the server ends the session
+    /// and frees anything it took.
+    pub async fn try_lock(&self, key: impl Into<LockKey>) -> Result<Option<SessionLock>, Error> {
+        let key = key.into();
+        let span = acquire_span(&key, "try");
+        self.try_lock_inner(key).instrument(span).await
+    }
+
+    async fn try_lock_inner(&self, key: LockKey) -> Result<Option<SessionLock>, Error> {
+        let args = key.args()?;
+        let started = Instant::now();
+        let mut conn = HeldConn::new(self.pool().acquire().await?, true);
+        let sql = keyed!(args; "SELECT pg_try_advisory_lock(", "), pg_backend_pid()"; "$1", "$2");
+        let row = bind_key(sqlx::query(sql), args)
+            .fetch_one(conn.conn())
+            .await
+            .map_err(|err| locking_error(err, &key))?;
+        let (locked, pid): (bool, i32) = (row.try_get(0)?, row.try_get(1)?);
+        record_wait(started);
+        if !locked {
+            tracing::Span::current().record("outcome", "busy");
+            conn.into_pool();
+            return Ok(None);
+        }
+        tracing::Span::current().record("outcome", "acquired");
+        Ok(Some(SessionLock::start(conn, key, pid, None, self)))
+    }
+
+    /// Takes the session-scoped lock `key`, waiting up to `timeout`; fails
+    /// with [`Error::Timeout`] (naming the holder's pid and application when
+    /// PostgreSQL shows them) when the deadline passes.
+    ///
+    /// The wait happens on the server (`pg_advisory_lock` under a
+    /// statement-local `lock_timeout`), so the lock passes to this waiter the
+    /// moment its holder releases it; nothing polls. Costs 1 round trip, plus
+    /// 1 to name the holder on timeout. A `timeout` of zero is a single try.
+    /// If the server does not answer within `timeout` plus the heartbeat
+    /// deadline (a stalled network), the attempt is abandoned and reported as
+    /// a timeout.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future while it waits closes its connection rather than
+    /// returning it to the pool; the server abandons the wait within 100 ms
+    /// (`client_connection_check_interval`), and a lock granted in that
+    /// window dies with the session. No lock is left held.
+    pub async fn lock(&self, key: impl Into<LockKey>, timeout: Duration) -> Result<SessionLock, Error> {
+        let key = key.into();
+        let span = acquire_span(&key, "wait");
+        self.lock_inner(key, timeout).instrument(span).await
+    }
+
+    async fn lock_inner(&self, key: LockKey, timeout: Duration) -> Result<SessionLock, Error> {
+        let args = key.args()?;
+        let started = Instant::now();
+        let deadline = tokio::time::Instant::from_std(started + timeout);
+        let pooled = tokio::time::timeout_at(deadline, self.pool().acquire()).await;
+        let Ok(pooled) = pooled else {
+            return Err(self.timeout_error(&key, started, None).await);
+        };
+        let mut conn = HeldConn::new(pooled?, true);
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let attempt = wait_for_lock(&mut conn, args, remaining);
+        let grace = deadline + self.config().heartbeat_timeout;
+        let outcome = tokio::time::timeout_at(grace, attempt).await;
+        record_wait(started);
+        match outcome {
+            Ok(Ok(pid)) => {
+                tracing::Span::current().record("outcome", "acquired");
+                Ok(SessionLock::start(conn, key, pid, None, self))
+            }
+            Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                Err(self.timeout_error(&key, started, Some(conn)).await)
+            }
+            Ok(Err(err)) => {
+                tracing::Span::current().record("outcome", "error");
+                Err(locking_error(err, &key))
+            }
+            // The server did not answer in time: drop (close) the connection.
+            Err(_) => {
+                drop(conn);
+                Err(self.timeout_error(&key, started, None).await)
+            }
+        }
+    }
+
+    /// Builds [`Error::Timeout`], naming the holder if it can be seen
+    /// (looked up on `conn` when it is still usable, else on the pool).
+    async fn timeout_error(&self, key: &LockKey, started: Instant, conn: Option<HeldConn>) -> Error {
+        tracing::Span::current().record("outcome", "timeout");
+        let holder = match conn {
+            Some(mut conn) => {
+                let found = holders::first_holder(conn.conn(), key).await;
+                if found.is_ok() {
+                    conn.into_pool();
+                }
+                found.ok().flatten()
+            }
+            None => match self.pool().try_acquire() {
+                Some(mut pooled) => holders::first_holder(&mut pooled, key).await.ok().flatten(),
+                None => None,
+            },
+        };
+        Error::Timeout {
+            key: key.to_string(),
+            waited: started.elapsed(),
+            holder_pid: holder.as_ref().map(|h| h.pid),
+            holder_application: holder.and_then(|h| h.application_name),
+        }
+    }
+}
+
+/// Waits on the server for the session lock; returns the backend pid.
+async fn wait_for_lock(conn: &mut HeldConn, args: KeyArgs<'_>, timeout: Duration) -> Result<i32, sqlx::Error> {
+    // Outside a transaction block, `set_config(.., true)` lasts for this one
+    // statement: the session's own settings are untouched afterwards.
+    let sql = keyed!(args;
+        "SELECT set_config('lock_timeout', $1, true), \
+         set_config('client_connection_check_interval', $2, true), \
+         pg_backend_pid(), pg_advisory_lock(", ")"; "$3", "$4");
+    let query = sqlx::query(sql)
+        .bind(millis_setting(timeout))
+        .bind(CLIENT_CHECK_INTERVAL);
+    let row = bind_key(query, args).fetch_one(conn.conn()).await?;
+    row.try_get(2)
+}
+
+fn acquire_span(key: &LockKey, mode: &'static str) -> tracing::Span {
+    tracing::debug_span!(
+        "distlock.acquire",
+        key = %key,
+        mode,
+        outcome = tracing::field::Empty,
+        wait_ms = tracing::field::Empty,
+    )
+}
+
+fn record_wait(started: Instant) {
+    tracing::Span::current().record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
+}

@@ -1,0 +1,47 @@
+//! The SQL text of every locking statement, one static string per key shape.
+//!
+//! Keys are always bound as parameters, never formatted into SQL: each
+//! statement exists in three shapes (`hashtext($n)`, `$n::int8`,
+//! `$n::int4, hashtext($m)`) chosen by [`KeyArgs`].
+
+use sqlx::postgres::{PgArguments, Postgres};
+use sqlx::query::Query;
+
+use crate::key::KeyArgs;
+
+/// Builds a `match` over the key shape yielding a `&'static str` for each.
+/// `$a` and `$b` are the placeholders the key's one or two values bind to.
+macro_rules! keyed {
+    ($args:expr; $pre:literal, $post:literal; $a:literal, $b:literal) => {
+        match $args {
+            $crate::key::KeyArgs::Text(_) => concat!($pre, "hashtext(", $a, ")", $post),
+            $crate::key::KeyArgs::BigInt(_) => concat!($pre, $a, "::int8", $post),
+            $crate::key::KeyArgs::Pair(..) => concat!($pre, $a, "::int4, hashtext(", $b, ")", $post),
+        }
+    };
+}
+pub(crate) use keyed;
+
+/// Binds the key's values, in order, to `query`.
+pub(crate) fn bind_key<'q>(
+    query: Query<'q, Postgres, PgArguments>,
+    args: KeyArgs<'q>,
+) -> Query<'q, Postgres, PgArguments> {
+    match args {
+        KeyArgs::Text(name) => query.bind(name),
+        KeyArgs::BigInt(id) => query.bind(id),
+        KeyArgs::Pair(ns, name) => query.bind(ns).bind(name),
+    }
+}
+
+/// `lock_timeout` and friends take milliseconds as text; `0` means "forever",
+/// so a wait always gets at least one millisecond and at most `i32::MAX`.
+pub(crate) fn millis_setting(d: std::time::Duration) -> String {
+    let ms = d.as_millis().clamp(1, i32::MAX as u128);
+    format!("{ms}ms")
+}
+
+/// How often a waiting backend checks that its client is still there
+/// (`client_connection_check_interval`, PostgreSQL 14+), so a wait whose
+/// client went away does not linger on the server.
+pub(crate) const CLIENT_CHECK_INTERVAL: &str = "100ms";

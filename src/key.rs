@@ -231,7 +231,12 @@ mod tests {
 
     #[test]
     fn hashed64_matches_sqlx_golden_values() {
-        for name in ["my first Postgres advisory lock!", "invoice:process", "é", "x"] {
+        for name in [
+            "my first Postgres advisory lock!",
+            "invoice:process",
+            "é",
+            "x",
+        ] {
             let ours = LockKey::hashed64(name).pg_bigint();
             let sqlx = match sqlx::postgres::PgAdvisoryLock::new(name).key() {
                 sqlx::postgres::PgAdvisoryLockKey::BigInt(k) => Some(*k),

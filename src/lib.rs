@@ -1,4 +1,4 @@
-//! PostgreSQL-first distributed locks for Rust.
+#![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 #![warn(
     missing_docs,

@@ -116,7 +116,10 @@ impl PgLocker {
 }
 
 /// The sessions holding or awaiting `key`, on `conn`.
-pub(crate) async fn holders_of(conn: &mut PgConnection, key: &LockKey) -> Result<Vec<Holder>, Error> {
+pub(crate) async fn holders_of(
+    conn: &mut PgConnection,
+    key: &LockKey,
+) -> Result<Vec<Holder>, Error> {
     let args = key.args()?;
     let sql: String = [HOLDERS_SQL, key_filter(args), ORDER].concat();
     let query = bind_key(sqlx::query::<Postgres>(sqlx::AssertSqlSafe(sql)), args);
@@ -152,7 +155,9 @@ fn decode(row: &PgRow) -> Result<Holder, Error> {
             LockMode::Exclusive
         },
         granted: row.try_get(5)?,
-        application_name: row.try_get::<Option<String>, _>(6)?.filter(|s| !s.is_empty()),
+        application_name: row
+            .try_get::<Option<String>, _>(6)?
+            .filter(|s| !s.is_empty()),
         client_addr: row.try_get(7)?,
         since: since_us.map(|us| SystemTime::UNIX_EPOCH + Duration::from_micros(us.unsigned_abs())),
     })

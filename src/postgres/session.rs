@@ -57,7 +57,13 @@ impl fmt::Debug for SessionLock {
 }
 
 impl SessionLock {
-    fn start(conn: HeldConn, key: LockKey, pid: i32, token: Option<FencingToken>, locker: &PgLocker) -> Self {
+    fn start(
+        conn: HeldConn,
+        key: LockKey,
+        pid: i32,
+        token: Option<FencingToken>,
+        locker: &PgLocker,
+    ) -> Self {
         let (keeper, loss, release) = Keeper::new(conn, key.clone(), pid, locker.config());
         let span = tracing::debug_span!("distlock.keeper", key = %key, pid);
         tokio::spawn(keeper.run().instrument(span));
@@ -124,7 +130,10 @@ impl SessionLock {
         if let Some(reason) = self.loss.borrow().clone() {
             return Some(reason);
         }
-        self.loss.has_changed().is_err().then_some(LossReason::KeeperStopped)
+        self.loss
+            .has_changed()
+            .is_err()
+            .then_some(LossReason::KeeperStopped)
     }
 
     /// How long the lock has been held.
@@ -226,7 +235,11 @@ impl PgLocker {
     /// returning it to the pool; the server abandons the wait within 100 ms
     /// (`client_connection_check_interval`), and a lock granted in that
     /// window dies with the session. No lock is left held.
-    pub async fn lock(&self, key: impl Into<LockKey>, timeout: Duration) -> Result<SessionLock, Error> {
+    pub async fn lock(
+        &self,
+        key: impl Into<LockKey>,
+        timeout: Duration,
+    ) -> Result<SessionLock, Error> {
         let key = key.into();
         let span = acquire_span(&key, "wait");
         self.lock_inner(key, timeout).instrument(span).await
@@ -268,7 +281,12 @@ impl PgLocker {
 
     /// Builds [`Error::Timeout`], naming the holder if it can be seen
     /// (looked up on `conn` when it is still usable, else on the pool).
-    async fn timeout_error(&self, key: &LockKey, started: Instant, conn: Option<HeldConn>) -> Error {
+    async fn timeout_error(
+        &self,
+        key: &LockKey,
+        started: Instant,
+        conn: Option<HeldConn>,
+    ) -> Error {
         tracing::Span::current().record("outcome", "timeout");
         let holder = match conn {
             Some(mut conn) => {
@@ -293,7 +311,11 @@ impl PgLocker {
 }
 
 /// Waits on the server for the session lock; returns the backend pid.
-async fn wait_for_lock(conn: &mut HeldConn, args: KeyArgs<'_>, timeout: Duration) -> Result<i32, sqlx::Error> {
+async fn wait_for_lock(
+    conn: &mut HeldConn,
+    args: KeyArgs<'_>,
+    timeout: Duration,
+) -> Result<i32, sqlx::Error> {
     // Outside a transaction block, `set_config(.., true)` lasts for this one
     // statement: the session's own settings are untouched afterwards.
     let sql = keyed!(args;

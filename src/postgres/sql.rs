@@ -16,7 +16,9 @@ macro_rules! keyed {
         match $args {
             $crate::key::KeyArgs::Text(_) => concat!($pre, "hashtext(", $a, ")", $post),
             $crate::key::KeyArgs::BigInt(_) => concat!($pre, $a, "::int8", $post),
-            $crate::key::KeyArgs::Pair(..) => concat!($pre, $a, "::int4, hashtext(", $b, ")", $post),
+            $crate::key::KeyArgs::Pair(..) => {
+                concat!($pre, $a, "::int4, hashtext(", $b, ")", $post)
+            }
         }
     };
 }

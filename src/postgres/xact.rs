@@ -86,11 +86,7 @@ impl PgLocker {
     /// # Cancel safety
     ///
     /// As for [`with_advisory_lock`](Self::with_advisory_lock).
-    pub async fn with_shared_advisory_lock<K, F, T, E>(
-        &self,
-        key: K,
-        f: F,
-    ) -> Result<Option<T>, E>
+    pub async fn with_shared_advisory_lock<K, F, T, E>(&self, key: K, f: F) -> Result<Option<T>, E>
     where
         K: Into<LockKey>,
         F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
@@ -127,7 +123,10 @@ impl PgLocker {
         E: From<Error>,
     {
         let key = key.into();
-        match self.run_in_xact(key.clone(), Mode::Wait(timeout), f).await? {
+        match self
+            .run_in_xact(key.clone(), Mode::Wait(timeout), f)
+            .await?
+        {
             Some(value) => Ok(value),
             // `run_in_xact` in wait mode reports a missed deadline as an
             // error, never as `None`; keep a typed answer anyway.
@@ -178,7 +177,10 @@ impl PgLocker {
             Ok(locked) => locked,
             Err(err) => {
                 let _ = tx.rollback().await;
-                return Err(self.xact_lock_failed(err, &key, mode, started, &mut held).await.into());
+                return Err(self
+                    .xact_lock_failed(err, &key, mode, started, &mut held)
+                    .await
+                    .into());
             }
         };
         let span = tracing::Span::current();
@@ -196,7 +198,14 @@ impl PgLocker {
             Err(_) => tx.rollback().await,
         };
         span.record("hold_ms", hold.elapsed().as_secs_f64() * 1e3);
-        span.record("outcome", if result.is_ok() { "committed" } else { "rolled_back" });
+        span.record(
+            "outcome",
+            if result.is_ok() {
+                "committed"
+            } else {
+                "rolled_back"
+            },
+        );
         match (result, end) {
             (Ok(value), Ok(())) => {
                 held.into_pool();
@@ -249,11 +258,17 @@ async fn lock_in_xact(
     match mode {
         Mode::Try => {
             let sql = keyed!(args; "SELECT pg_try_advisory_xact_lock(", ")"; "$1", "$2");
-            bind_key(sqlx::query(sql), args).fetch_one(&mut *conn).await.and_then(first_bool)
+            bind_key(sqlx::query(sql), args)
+                .fetch_one(&mut *conn)
+                .await
+                .and_then(first_bool)
         }
         Mode::TryShared => {
             let sql = keyed!(args; "SELECT pg_try_advisory_xact_lock_shared(", ")"; "$1", "$2");
-            bind_key(sqlx::query(sql), args).fetch_one(&mut *conn).await.and_then(first_bool)
+            bind_key(sqlx::query(sql), args)
+                .fetch_one(&mut *conn)
+                .await
+                .and_then(first_bool)
         }
         Mode::Wait(timeout) => {
             // One statement: remember the caller's lock_timeout, wait under
@@ -269,7 +284,10 @@ async fn lock_in_xact(
             let query = sqlx::query(sql)
                 .bind(millis_setting(timeout))
                 .bind(CLIENT_CHECK_INTERVAL);
-            bind_key(query, args).execute(&mut *conn).await.map(|_| true)
+            bind_key(query, args)
+                .execute(&mut *conn)
+                .await
+                .map(|_| true)
         }
     }
 }

@@ -16,11 +16,15 @@
 mod error;
 pub mod fence;
 mod key;
+pub mod lease;
 mod loss;
+mod migrate;
 pub mod postgres;
 
 pub use error::{Error, Result};
 pub use fence::FencingToken;
 pub use key::LockKey;
+pub use lease::{Lease, Locker};
 pub use loss::LossReason;
+pub use migrate::{SCHEMA, migrate};
 pub use postgres::{AdvisoryKey, Holder, LockMode, PgLocker, PgLockerBuilder, SessionLock};

@@ -1,6 +1,6 @@
 //! The PostgreSQL backend: advisory locks through a `sqlx::PgPool`.
 
-mod conn;
+pub(crate) mod conn;
 mod holders;
 mod keeper;
 mod locker;

@@ -1,0 +1,79 @@
+//! The crate's own migrations: schema `distlock` and its tables.
+
+use sqlx::PgPool;
+use sqlx::migrate::Migrator;
+
+use crate::Error;
+use crate::postgres::conn::HeldConn;
+
+/// The schema holding every object of this crate.
+pub const SCHEMA: &str = "distlock";
+
+/// Serialises concurrent `migrate` calls before the schema exists
+/// (`CREATE SCHEMA IF NOT EXISTS` is not safe against a concurrent creator).
+/// The two-`int4` keyspace with namespace `0x646c` ("dl") keeps it apart from
+/// application keys.
+const MIGRATE_LOCK: (i32, i32) = (0x646c, 1);
+
+/// The embedded migrations, with their table moved into schema `distlock` so
+/// they never mix with the application's own `_sqlx_migrations`.
+fn migrator() -> Migrator {
+    let mut migrator = sqlx::migrate!("./migrations");
+    migrator.dangerous_set_table_name("distlock._sqlx_migrations");
+    migrator
+}
+
+/// Applies the crate's migrations (fencing tokens, fence, idempotency keys,
+/// job runs), creating schema `distlock` if it does not exist.
+///
+/// Idempotent, and safe to run from many processes at once: they queue on an
+/// advisory lock and the later ones find nothing to do.
+///
+/// # Privileges
+///
+/// A superuser is not needed. The role running it must either own schema
+/// `distlock` (created beforehand by an administrator:
+/// `CREATE SCHEMA distlock AUTHORIZATION app;`) or may create it
+/// (`GRANT CREATE ON DATABASE mydb TO app;`). Other roles that use the tables
+/// need `GRANT USAGE ON SCHEMA distlock TO other;`,
+/// `GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA distlock TO other;`
+/// and `GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA distlock TO other;`.
+///
+/// # Cancel safety
+///
+/// Dropping the future closes its connection, which frees the lock it holds;
+/// a migration in progress is rolled back by the server.
+pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
+    // Armed: if this future is dropped, the session (and its lock) ends.
+    let mut conn = HeldConn::new(pool.acquire().await?, true);
+    sqlx::query("SELECT pg_advisory_lock($1, $2)")
+        .bind(MIGRATE_LOCK.0)
+        .bind(MIGRATE_LOCK.1)
+        .execute(conn.conn())
+        .await?;
+    create_and_run(conn.conn()).await?;
+    let unlocked: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1, $2)")
+        .bind(MIGRATE_LOCK.0)
+        .bind(MIGRATE_LOCK.1)
+        .fetch_one(conn.conn())
+        .await?;
+    if unlocked {
+        conn.into_pool();
+    }
+    Ok(())
+}
+
+async fn create_and_run(conn: &mut sqlx::PgConnection) -> Result<(), Error> {
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+            .bind(SCHEMA)
+            .fetch_one(&mut *conn)
+            .await?;
+    if !exists {
+        sqlx::query("CREATE SCHEMA IF NOT EXISTS distlock")
+            .execute(&mut *conn)
+            .await?;
+    }
+    migrator().run(conn).await?;
+    Ok(())
+}

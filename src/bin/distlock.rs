@@ -1,0 +1,2 @@
+//! The `distlock` command-line tool (placeholder until the CLI lands).
+fn main() {}

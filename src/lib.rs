@@ -15,6 +15,7 @@
 
 mod error;
 pub mod fence;
+pub mod idempotency;
 mod key;
 pub mod lease;
 mod loss;

@@ -63,6 +63,26 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
     Ok(())
 }
 
+/// Whether every embedded migration is already applied, with its checksum.
+async fn up_to_date(conn: &mut sqlx::PgConnection) -> Result<bool, Error> {
+    let table: Option<String> =
+        sqlx::query_scalar("SELECT to_regclass('distlock._sqlx_migrations')::text")
+            .fetch_one(&mut *conn)
+            .await?;
+    if table.is_none() {
+        return Ok(false);
+    }
+    let applied: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT version, checksum FROM distlock._sqlx_migrations WHERE success")
+            .fetch_all(&mut *conn)
+            .await?;
+    Ok(migrator().iter().all(|m| {
+        applied
+            .iter()
+            .any(|(version, checksum)| *version == m.version && *checksum == *m.checksum)
+    }))
+}
+
 async fn create_and_run(conn: &mut sqlx::PgConnection) -> Result<(), Error> {
     let exists: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
@@ -73,7 +93,15 @@ async fn create_and_run(conn: &mut sqlx::PgConnection) -> Result<(), Error> {
         sqlx::query("CREATE SCHEMA IF NOT EXISTS distlock")
             .execute(&mut *conn)
             .await?;
+    } else if up_to_date(conn).await? {
+        // Nothing to do, and nothing that needs DDL privileges: a role with
+        // only the usage grants may call `migrate` at startup too.
+        return Ok(());
     }
-    migrator().run(conn).await?;
+    // `run_direct` is what `Migrator::run` calls after acquiring; calling it
+    // on a plain `&mut PgConnection` avoids sqlx's "implementation of
+    // `Acquire` is not general enough" error, which would make this future
+    // unusable in `tokio::spawn`.
+    migrator().run_direct(None, conn, false).await?;
     Ok(())
 }

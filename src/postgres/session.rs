@@ -5,6 +5,7 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use sqlx::Row;
+use sqlx::postgres::PgRow;
 use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
 
@@ -199,10 +200,10 @@ impl PgLocker {
 
     async fn try_lock_inner(&self, key: LockKey) -> Result<Option<SessionLock>, Error> {
         let args = key.args()?;
+        let fencing = self.config().fencing.then(|| key.fencing_name());
         let started = Instant::now();
         let mut conn = HeldConn::new(self.pool().acquire().await?, true);
-        let sql = keyed!(args; "SELECT pg_try_advisory_lock(", "), pg_backend_pid()"; "$1", "$2");
-        let row = bind_key(sqlx::query(sql), args)
+        let row = try_lock_query(args, fencing.as_deref())
             .fetch_one(conn.conn())
             .await
             .map_err(|err| locking_error(err, &key))?;
@@ -213,8 +214,9 @@ impl PgLocker {
             conn.into_pool();
             return Ok(None);
         }
+        let token = fencing_token(&row, 2, fencing.is_some())?;
         tracing::Span::current().record("outcome", "acquired");
-        Ok(Some(SessionLock::start(conn, key, pid, None, self)))
+        Ok(Some(SessionLock::start(conn, key, pid, token, self)))
     }
 
     /// Takes the session-scoped lock `key`, waiting up to `timeout`; fails
@@ -255,14 +257,15 @@ impl PgLocker {
         };
         let mut conn = HeldConn::new(pooled?, true);
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let attempt = wait_for_lock(&mut conn, args, remaining);
+        let fencing = self.config().fencing.then(|| key.fencing_name());
+        let attempt = wait_for_lock(&mut conn, args, remaining, fencing.as_deref());
         let grace = deadline + self.config().heartbeat_timeout;
         let outcome = tokio::time::timeout_at(grace, attempt).await;
         record_wait(started);
         match outcome {
-            Ok(Ok(pid)) => {
+            Ok(Ok((pid, token))) => {
                 tracing::Span::current().record("outcome", "acquired");
-                Ok(SessionLock::start(conn, key, pid, None, self))
+                Ok(SessionLock::start(conn, key, pid, token, self))
             }
             Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
                 Err(self.timeout_error(&key, started, Some(conn)).await)
@@ -310,24 +313,79 @@ impl PgLocker {
     }
 }
 
-/// Waits on the server for the session lock; returns the backend pid.
+/// The try statement: lock attempt and backend pid in one round trip; with
+/// fencing, the token is issued by the same statement, only if the lock was
+/// taken (`$1` is the counter's name, the key binds after it).
+fn try_lock_query<'q>(args: KeyArgs<'q>, fencing: Option<&'q str>) -> PgQuery<'q> {
+    let Some(counter) = fencing else {
+        let sql = keyed!(args; "SELECT pg_try_advisory_lock(", "), pg_backend_pid()"; "$1", "$2");
+        return bind_key(sqlx::query(sql), args);
+    };
+    let sql = keyed!(args;
+        "WITH l AS (SELECT pg_try_advisory_lock(",
+        ") AS ok, pg_backend_pid() AS pid), \
+         t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
+               SELECT $1, 1 FROM l WHERE l.ok \
+               ON CONFLICT (lock_key) DO UPDATE SET token = f.token + 1, issued_at = now() \
+               RETURNING f.token) \
+         SELECT l.ok, l.pid, (SELECT token FROM t) FROM l"; "$2", "$3");
+    bind_key(sqlx::query(sql).bind(counter), args)
+}
+
+/// Waits on the server for the session lock; returns the backend pid and,
+/// with fencing, the token issued in the same statement.
 async fn wait_for_lock(
     conn: &mut HeldConn,
     args: KeyArgs<'_>,
     timeout: Duration,
-) -> Result<i32, sqlx::Error> {
+    fencing: Option<&str>,
+) -> Result<(i32, Option<FencingToken>), sqlx::Error> {
     // Outside a transaction block, `set_config(.., true)` lasts for this one
     // statement: the session's own settings are untouched afterwards.
-    let sql = keyed!(args;
-        "SELECT set_config('lock_timeout', $1, true), \
-         set_config('client_connection_check_interval', $2, true), \
-         pg_backend_pid(), pg_advisory_lock(", ")"; "$3", "$4");
-    let query = sqlx::query(sql)
+    let query = match fencing {
+        None => sqlx::query(keyed!(args;
+            "SELECT pg_backend_pid(), set_config('lock_timeout', $1, true), \
+             set_config('client_connection_check_interval', $2, true), pg_advisory_lock(",
+            ")"; "$3", "$4"))
         .bind(millis_setting(timeout))
-        .bind(CLIENT_CHECK_INTERVAL);
+        .bind(CLIENT_CHECK_INTERVAL),
+        // The token's INSERT runs after the wait, and ON CONFLICT DO UPDATE
+        // reads the newest committed counter, so tokens strictly increase.
+        Some(counter) => sqlx::query(keyed!(args;
+            "WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), \
+             set_config('client_connection_check_interval', $2, true), pg_advisory_lock(",
+            ")), t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
+               SELECT $3, 1 FROM l \
+               ON CONFLICT (lock_key) DO UPDATE SET token = f.token + 1, issued_at = now() \
+               RETURNING f.token) \
+             SELECT l.pid, (SELECT token FROM t) FROM l"; "$4", "$5"))
+        .bind(millis_setting(timeout))
+        .bind(CLIENT_CHECK_INTERVAL)
+        .bind(counter),
+    };
     let row = bind_key(query, args).fetch_one(conn.conn()).await?;
-    row.try_get(2)
+    let pid = row.try_get(0)?;
+    let token = fencing_token(&row, 1, fencing.is_some()).map_err(|err| match err {
+        Error::Database(err) => err,
+        other => sqlx::Error::Protocol(other.to_string()),
+    })?;
+    Ok((pid, token))
 }
+
+/// Reads the fencing token column; a lock taken with fencing on must have one.
+fn fencing_token(row: &PgRow, column: usize, fencing: bool) -> Result<Option<FencingToken>, Error> {
+    if !fencing {
+        return Ok(None);
+    }
+    match row.try_get::<Option<i64>, _>(column)? {
+        Some(token) => Ok(Some(FencingToken::new(token))),
+        None => Err(Error::Database(sqlx::Error::Protocol(
+            "the lock statement issued no fencing token".into(),
+        ))),
+    }
+}
+
+type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
 
 fn acquire_span(key: &LockKey, mode: &'static str) -> tracing::Span {
     tracing::debug_span!(

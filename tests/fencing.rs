@@ -1,0 +1,307 @@
+//! Fencing tokens: issued with session locks, checked by the resource.
+
+use std::time::Duration;
+
+use distlock::{Error, FencingToken, LockKey, PgLocker};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection, PgPool};
+
+async fn fenced(pool: &PgPool) -> PgLocker {
+    distlock::migrate(pool).await.expect("migrate");
+    PgLocker::builder(pool.clone()).fencing(true).build()
+}
+
+async fn token_of(locker: &PgLocker, key: impl Into<LockKey>) -> i64 {
+    let lock = locker.try_lock(key).await.expect("try_lock").expect("free");
+    let token = lock.fencing_token().expect("fencing on").value();
+    lock.release().await.expect("release");
+    token
+}
+
+#[sqlx::test(migrations = false)]
+async fn tokens_strictly_increase_per_key(pool: PgPool) {
+    let locker = fenced(&pool).await;
+    let mut last = 0;
+    for _ in 0..20 {
+        let token = token_of(&locker, "fence:a").await;
+        assert!(token > last, "{token} after {last}");
+        last = token;
+    }
+    // Another key has its own counter.
+    assert_eq!(token_of(&locker, "fence:b").await, 1);
+    // The waiting path issues tokens too.
+    let lock = locker
+        .lock("fence:a", Duration::from_secs(5))
+        .await
+        .expect("lock");
+    assert_eq!(
+        lock.fencing_token().map(FencingToken::value),
+        Some(last + 1)
+    );
+    lock.release().await.expect("release");
+}
+
+#[sqlx::test(migrations = false)]
+async fn each_key_form_has_its_own_counter(pool: PgPool) {
+    let locker = fenced(&pool).await;
+    assert_eq!(token_of(&locker, LockKey::id(7)).await, 1);
+    assert_eq!(token_of(&locker, LockKey::namespaced(3, "x")).await, 1);
+    assert_eq!(token_of(&locker, LockKey::hashed64("y")).await, 1);
+    assert_eq!(token_of(&locker, LockKey::id(7)).await, 2);
+    let names: Vec<String> =
+        sqlx::query_scalar("SELECT lock_key FROM distlock.fencing_tokens ORDER BY lock_key")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(names, ["3:x", "7", "y"]);
+}
+
+#[sqlx::test(migrations = false)]
+async fn busy_try_issues_no_token(pool: PgPool) {
+    let locker = fenced(&pool).await;
+    let held = locker.try_lock("fence:busy").await.unwrap().unwrap();
+    assert_eq!(held.fencing_token().map(FencingToken::value), Some(1));
+    assert!(locker.try_lock("fence:busy").await.unwrap().is_none());
+    held.release().await.unwrap();
+    assert_eq!(token_of(&locker, "fence:busy").await, 2);
+}
+
+#[sqlx::test(migrations = false)]
+async fn no_token_without_fencing(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    let lock = locker.try_lock("plain").await.unwrap().unwrap();
+    assert_eq!(lock.fencing_token(), None);
+    lock.release().await.unwrap();
+    let lock = locker.lock("plain", Duration::from_secs(1)).await.unwrap();
+    assert_eq!(lock.fencing_token(), None);
+    lock.release().await.unwrap();
+}
+
+#[sqlx::test(migrations = false)]
+async fn tokens_increase_across_lockers_and_pools(
+    pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    let pool_a = pool_opts
+        .clone()
+        .max_connections(8)
+        .connect_with(connect_opts.clone())
+        .await
+        .unwrap();
+    let pool_b = pool_opts
+        .max_connections(8)
+        .connect_with(connect_opts)
+        .await
+        .unwrap();
+    let a = fenced(&pool_a).await;
+    let b = fenced(&pool_b).await;
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let locker = if i % 2 == 0 { a.clone() } else { b.clone() };
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            for _ in 0..15 {
+                let lock = locker
+                    .lock("shared", Duration::from_secs(20))
+                    .await
+                    .unwrap();
+                seen.push(lock.fencing_token().unwrap().value());
+                lock.release().await.unwrap();
+            }
+            seen
+        }));
+    }
+    let mut all = Vec::new();
+    for task in tasks {
+        let seen = task.await.unwrap();
+        assert!(
+            seen.windows(2).all(|w| w[0] < w[1]),
+            "per task increasing: {seen:?}"
+        );
+        all.extend(seen);
+    }
+    all.sort_unstable();
+    let expected: Vec<i64> = (1..=120).collect();
+    assert_eq!(
+        all, expected,
+        "every acquisition got its own, gapless token"
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn check_rejects_stale_accepts_equal_and_newer(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let t = FencingToken::new;
+    distlock::fence::check(&mut conn, "res", t(5))
+        .await
+        .unwrap();
+    distlock::fence::check(&mut conn, "res", t(5))
+        .await
+        .expect("equal accepted");
+    distlock::fence::check(&mut conn, "res", t(9))
+        .await
+        .expect("newer accepted");
+    match distlock::fence::check(&mut conn, "res", t(6)).await {
+        Err(Error::StaleFencingToken {
+            resource,
+            presented,
+            current,
+        }) => {
+            assert_eq!((resource.as_str(), presented, current), ("res", 6, 9));
+        }
+        other => panic!("expected StaleFencingToken, got {other:?}"),
+    }
+    assert_eq!(
+        distlock::fence::current(&mut conn, "res").await.unwrap(),
+        Some(t(9))
+    );
+    assert_eq!(
+        distlock::fence::current(&mut conn, "other").await.unwrap(),
+        None
+    );
+    // Another resource is independent.
+    distlock::fence::check(&mut conn, "other", t(1))
+        .await
+        .unwrap();
+    assert!(matches!(
+        distlock::fence::check(&mut conn, "", t(1)).await,
+        Err(Error::InvalidKey { .. })
+    ));
+}
+
+#[sqlx::test(migrations = false)]
+async fn stale_check_leaves_the_transaction_usable_and_the_write_is_rolled_back(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE doc (id int PRIMARY KEY, body text)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO doc VALUES (1, 'v0')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    for (token, body) in [(2, "from 2"), (1, "from 1")] {
+        let mut tx = conn.begin().await.unwrap();
+        let checked = distlock::fence::check(&mut tx, "doc:1", FencingToken::new(token)).await;
+        if checked.is_ok() {
+            sqlx::query("UPDATE doc SET body = $1 WHERE id = 1")
+                .bind(body)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+        } else {
+            // The transaction is still usable after a rejected token.
+            let one: i32 = sqlx::query_scalar("SELECT 1")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+            assert_eq!(one, 1);
+            tx.rollback().await.unwrap();
+        }
+    }
+    let body: String = sqlx::query_scalar("SELECT body FROM doc WHERE id = 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(body, "from 2");
+}
+
+#[sqlx::test(migrations = false)]
+async fn sql_function_gives_the_same_answers(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    let check = |token: i64| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query("SELECT distlock.fence_check('sql-res', $1)")
+                .bind(token)
+                .execute(&pool)
+                .await
+        }
+    };
+    check(3).await.expect("first accepted");
+    check(3).await.expect("equal accepted");
+    check(4).await.expect("newer accepted");
+    let err = check(2).await.expect_err("stale rejected");
+    let db = err.as_database_error().expect("database error");
+    assert_eq!(db.code().as_deref(), Some("DL001"));
+    assert!(db.message().contains("presented 2"), "{}", db.message());
+    // The Rust check sees what the SQL function recorded, and vice versa.
+    let mut conn = pool.acquire().await.unwrap();
+    assert!(
+        distlock::fence::check(&mut conn, "sql-res", FencingToken::new(3))
+            .await
+            .is_err()
+    );
+    distlock::fence::check(&mut conn, "sql-res", FencingToken::new(10))
+        .await
+        .unwrap();
+    assert!(check(9).await.is_err());
+}
+
+#[sqlx::test(migrations = false)]
+async fn trigger_enforces_the_fence_on_an_application_table(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE ledger (id int PRIMARY KEY, amount int, fence bigint NOT NULL);
+         CREATE FUNCTION ledger_fence() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM distlock.fence_check('ledger:' || NEW.id, NEW.fence); RETURN NEW; END $$;
+         CREATE TRIGGER ledger_fence BEFORE INSERT OR UPDATE ON ledger
+           FOR EACH ROW EXECUTE FUNCTION ledger_fence();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("INSERT INTO ledger VALUES (1, 10, 5)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE ledger SET amount = 20, fence = 6 WHERE id = 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let stale = sqlx::query("UPDATE ledger SET amount = 99, fence = 5 WHERE id = 1")
+        .execute(&pool)
+        .await;
+    assert!(stale.is_err(), "stale write must fail");
+    let amount: i32 = sqlx::query_scalar("SELECT amount FROM ledger")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(amount, 20);
+}
+
+#[sqlx::test(migrations = false)]
+async fn overtaken_holder_is_fenced_off(pool: PgPool) {
+    let locker = PgLocker::builder(pool.clone())
+        .fencing(true)
+        .heartbeat(Duration::from_millis(100))
+        .build();
+    distlock::migrate(&pool).await.unwrap();
+    let a = locker.try_lock("job").await.unwrap().unwrap();
+    let a_token = a.fencing_token().unwrap();
+    // A's session dies (as after a long pause); B takes over and writes.
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(a.backend_pid())
+        .execute(&pool)
+        .await
+        .unwrap();
+    let b = locker.lock("job", Duration::from_secs(5)).await.unwrap();
+    let b_token = b.fencing_token().unwrap();
+    assert!(b_token > a_token);
+    let mut conn = pool.acquire().await.unwrap();
+    distlock::fence::check(&mut conn, "job-output", b_token)
+        .await
+        .unwrap();
+    // A wakes up: told its lock is gone, and its write is rejected anyway.
+    tokio::time::timeout(Duration::from_secs(2), a.lost())
+        .await
+        .expect("lost fires");
+    assert!(matches!(
+        distlock::fence::check(&mut conn, "job-output", a_token).await,
+        Err(Error::StaleFencingToken { .. })
+    ));
+    b.release().await.unwrap();
+}

@@ -1,0 +1,192 @@
+//! `distlock::migrate`: idempotent, concurrent-safe, works without superuser.
+
+use distlock::{FencingToken, PgLocker};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+async fn applied(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM distlock._sqlx_migrations WHERE success")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+fn migration_count() -> i64 {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+    let n = std::fs::read_dir(dir).unwrap().filter(|e| {
+        e.as_ref()
+            .unwrap()
+            .path()
+            .extension()
+            .is_some_and(|x| x == "sql")
+    });
+    i64::try_from(n.count()).unwrap()
+}
+
+#[sqlx::test(migrations = false)]
+async fn migrate_is_idempotent_and_keeps_its_own_table(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    distlock::migrate(&pool).await.unwrap();
+    assert_eq!(applied(&pool).await, migration_count());
+    let public: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_tables WHERE tablename = '_sqlx_migrations' AND schemaname = 'public')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(!public, "the application's migrations table is untouched");
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT tablename::text FROM pg_tables WHERE schemaname = 'distlock' ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        tables,
+        [
+            "_sqlx_migrations",
+            "fence_seen",
+            "fencing_tokens",
+            "idempotency_keys",
+            "job_runs"
+        ]
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn concurrent_migrate_calls_all_succeed(
+    pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        let pool = pool_opts
+            .clone()
+            .max_connections(2)
+            .connect_with(connect_opts.clone())
+            .await
+            .unwrap();
+        tasks.push(tokio::spawn(async move { distlock::migrate(&pool).await }));
+    }
+    for task in tasks {
+        task.await
+            .unwrap()
+            .expect("every concurrent migrate succeeds");
+    }
+    let pool = pool_opts.connect_with(connect_opts).await.unwrap();
+    assert_eq!(applied(&pool).await, migration_count());
+}
+
+/// A role that is not a superuser, unique per test (roles are cluster-wide).
+async fn make_role(admin: &PgPool, tag: &str) -> String {
+    let db: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(admin)
+        .await
+        .unwrap();
+    let role = format!("dl_{tag}_{}", &db[db.len().saturating_sub(12)..])
+        .replace(['-', '.'], "_")
+        .to_lowercase();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE;"
+    )))
+    .execute(admin)
+    .await
+    .unwrap();
+    role
+}
+
+async fn drop_role(admin: &PgPool, role: &str) {
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP OWNED BY {role} CASCADE; DROP ROLE IF EXISTS {role};"
+    )))
+    .execute(admin)
+    .await;
+}
+
+async fn exercise_as(connect_opts: &PgConnectOptions, role: &str) {
+    let pool = PgPoolOptions::new()
+        .max_connections(3)
+        .connect_with(connect_opts.clone().username(role))
+        .await
+        .unwrap();
+    let is_super: bool =
+        sqlx::query_scalar("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(!is_super);
+    distlock::migrate(&pool)
+        .await
+        .expect("migrate as a non-superuser");
+    distlock::migrate(&pool).await.expect("and again");
+    let locker = PgLocker::builder(pool.clone()).fencing(true).build();
+    let lock = locker.try_lock("as-role").await.unwrap().unwrap();
+    assert_eq!(lock.fencing_token().map(FencingToken::value), Some(1));
+    let mut conn = pool.acquire().await.unwrap();
+    distlock::fence::check(&mut conn, "r", lock.fencing_token().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        distlock::idempotency::claim(&mut conn, "s", "k")
+            .await
+            .unwrap()
+    );
+    lock.release().await.unwrap();
+    drop(conn);
+    pool.close().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn role_owning_the_schema_can_migrate(pool: PgPool) {
+    let role = make_role(&pool, "own").await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE SCHEMA distlock AUTHORIZATION {role}"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let opts = pool.connect_options().as_ref().clone();
+    exercise_as(&opts, &role).await;
+    drop_role(&pool, &role).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn role_allowed_to_create_the_schema_can_migrate(pool: PgPool) {
+    let role = make_role(&pool, "crt").await;
+    let db: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "GRANT CREATE ON DATABASE \"{db}\" TO {role}"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let opts = pool.connect_options().as_ref().clone();
+    exercise_as(&opts, &role).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "REVOKE CREATE ON DATABASE \"{db}\" FROM {role}"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    drop_role(&pool, &role).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn other_roles_work_with_the_documented_grants(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    let role = make_role(&pool, "use").await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "GRANT USAGE ON SCHEMA distlock TO {role};
+         GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA distlock TO {role};
+         GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA distlock TO {role};"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let opts = pool.connect_options().as_ref().clone();
+    exercise_as(&opts, &role).await;
+    drop_role(&pool, &role).await;
+}

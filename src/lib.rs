@@ -16,14 +16,17 @@
 mod error;
 pub mod fence;
 pub mod idempotency;
+pub mod job;
 mod key;
 pub mod lease;
 mod loss;
+pub mod metrics;
 mod migrate;
 pub mod postgres;
 
 pub use error::{Error, Result};
 pub use fence::FencingToken;
+pub use job::{JobContext, JobOutcome, LockWaiter, SingletonJob, WaitReport};
 pub use key::LockKey;
 pub use lease::{Lease, Locker};
 pub use loss::LossReason;

@@ -1,0 +1,348 @@
+//! Running work once across a fleet: the singleton-job runner for cron-style
+//! ticks, and a waiting lock that reports who holds it (for migration
+//! runners).
+//!
+//! [`SingletonJob`] works on any [`Locker`] (PostgreSQL, Redis), so it takes
+//! an `Arc<dyn Locker>`. [`LockWaiter`] is PostgreSQL only, because only
+//! PostgreSQL can say who holds a lock.
+
+mod catch;
+mod context;
+mod outcome;
+mod wait;
+mod window;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+pub use context::JobContext;
+pub use outcome::JobOutcome;
+pub use wait::{LockWaiter, WaitReport};
+
+use crate::{Error, Lease, LockKey, Locker, LossReason};
+use catch::CatchUnwind;
+use window::{Claim, WindowStart};
+
+/// Runs a job on at most one replica at a time: try the lock, run, release.
+///
+/// Every replica calls [`run`](Self::run) on its tick; the one that takes the
+/// lock runs the job and the others get [`JobOutcome::Skipped`] (logged at
+/// `INFO`: contention is normal, not an error). While the job runs, the lease
+/// is watched: if it is lost, the job's cancellation token fires at once, the
+/// job is stopped (after an optional [grace period](Self::stop_grace)), and
+/// the outcome is [`JobOutcome::Lost`]. The lease is released at the end
+/// whatever happened: success, error, or panic (caught and reported as
+/// [`JobOutcome::Panicked`]).
+///
+/// Two options close the gaps a lock alone leaves for periodic work:
+///
+/// - [`min_hold`](Self::min_hold): keep the lease until at least that long
+///   after it was taken (ShedLock's `lockAtLeastFor`). Without it, a job
+///   that takes 5 ms on one replica frees the lock before a slower replica's
+///   identical tick arrives, and the job runs twice in one tick.
+/// - [`once_per_window`](Self::once_per_window): record each run in
+///   `distlock.job_runs` keyed by (job, window start), so a replica restarted
+///   within the same window does not run the job again (PostgreSQL only;
+///   needs [`migrate`](crate::migrate)).
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use distlock::{JobOutcome, PgLocker, SingletonJob};
+///
+/// let job = SingletonJob::new(Arc::new(PgLocker::new(pool.clone())), "cron:invoice-reminders")
+///     .min_hold(Duration::from_secs(30));
+/// let mut tick = tokio::time::interval(Duration::from_secs(60));
+/// loop {
+///     tick.tick().await;
+///     let outcome = job
+///         .run(async |ctx| {
+///             // ... send reminders; stop early when ctx.is_cancelled() ...
+///             Ok::<_, distlock::Error>(3)
+///         })
+///         .await?;
+///     if let JobOutcome::Ran(sent) = outcome {
+///         println!("sent {sent} reminders");
+///     }
+/// }
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+#[must_use = "a SingletonJob does nothing until .run() is called"]
+pub struct SingletonJob {
+    locker: Arc<dyn Locker>,
+    key: LockKey,
+    min_hold: Duration,
+    stop_grace: Duration,
+    window: Option<RunWindow>,
+}
+
+/// The per-window run record's settings.
+#[derive(Debug, Clone)]
+struct RunWindow {
+    pool: PgPool,
+    length: Duration,
+}
+
+/// Whether the run goes on after the window check.
+enum Window<T, E> {
+    /// Run the job under this lease (in this window, if one is configured).
+    Run(Box<dyn Lease>, Option<WindowStart>),
+    /// The run is over before the job started.
+    Done(JobOutcome<T, E>),
+}
+
+/// How a job that started came to an end (before the lease is released).
+enum Finished<T, E> {
+    Returned(Result<T, E>),
+    Panicked(String),
+    Lost(LossReason),
+}
+
+impl SingletonJob {
+    /// A job guarded by the lock `key` taken from `locker`.
+    ///
+    /// Defaults: no minimum hold, no run record, and a job whose lease is
+    /// lost is stopped at once (no grace period).
+    pub fn new(locker: Arc<dyn Locker>, key: impl Into<LockKey>) -> Self {
+        Self {
+            locker,
+            key: key.into(),
+            min_hold: Duration::ZERO,
+            stop_grace: Duration::ZERO,
+            window: None,
+        }
+    }
+
+    /// Keeps the lease until at least `min_hold` after it was taken, even if
+    /// the job finished sooner (like ShedLock's `lockAtLeastFor`).
+    ///
+    /// Set it somewhat below the tick interval and above the clock skew
+    /// between replicas' ticks: then a fast run on one replica still covers
+    /// the other replicas' identical ticks. When the job finishes early,
+    /// [`run`](Self::run) returns at once and a background task releases the
+    /// lease when the time is up (or drops it if the runtime shuts down,
+    /// which frees it too).
+    pub fn min_hold(mut self, min_hold: Duration) -> Self {
+        self.min_hold = min_hold;
+        self
+    }
+
+    /// How long a job whose lease was lost may go on to wind down after its
+    /// cancellation token fired before it is dropped (default zero: dropped
+    /// at once). A grace period lets a job that watches the token stop at a
+    /// clean point; during it the job runs without a lock.
+    pub fn stop_grace(mut self, grace: Duration) -> Self {
+        self.stop_grace = grace;
+        self
+    }
+
+    /// Runs the job at most once per `window` (PostgreSQL only).
+    ///
+    /// After taking the lock, the runner inserts (job key, window start)
+    /// into `distlock.job_runs`; if that row exists, the job already started
+    /// in this window and the outcome is [`JobOutcome::AlreadyRanInWindow`].
+    /// Windows are aligned to the Unix epoch on the database server's clock
+    /// (a one-day window starts at midnight UTC), so replicas agree on them
+    /// whatever their own clocks say.
+    ///
+    /// The row is written *before* the job starts: a replica that crashes
+    /// mid-run is not retried within the window (at most once). Its
+    /// `finished_at` and `outcome` columns record how runs ended; delete a
+    /// row to allow another run in that window.
+    ///
+    /// Costs 2 round trips per run (record, finish). Needs
+    /// [`migrate`](crate::migrate). A zero `window` makes `run` fail with
+    /// [`Error::InvalidConfig`].
+    pub fn once_per_window(mut self, pool: PgPool, window: Duration) -> Self {
+        self.window = Some(RunWindow {
+            pool,
+            length: window,
+        });
+        self
+    }
+
+    /// The job's lock key.
+    pub fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    /// Tries the lock and, if it was free, runs `job` with a [`JobContext`]
+    /// (the lease and a cancellation token), then releases the lock.
+    ///
+    /// Returns `Err` only when the lock backend or the run record fails
+    /// before the job starts; everything that happens to the job itself is a
+    /// [`JobOutcome`]. Costs the backend's try and release (for PostgreSQL 1
+    /// round trip each), plus 2 with a run record.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future drops the job and the lease; a dropped lease is
+    /// released in the background, and the cancellation token fires.
+    pub async fn run<F, T, E>(&self, job: F) -> Result<JobOutcome<T, E>, Error>
+    where
+        F: AsyncFnOnce(JobContext<'_>) -> Result<T, E>,
+    {
+        let span = tracing::info_span!(
+            "distlock.job",
+            job = %self.key,
+            backend = self.locker.backend(),
+            outcome = tracing::field::Empty,
+        );
+        let outcome = self.run_inner(job).instrument(span.clone()).await?;
+        span.record("outcome", outcome.name());
+        Ok(outcome)
+    }
+
+    async fn run_inner<F, T, E>(&self, job: F) -> Result<JobOutcome<T, E>, Error>
+    where
+        F: AsyncFnOnce(JobContext<'_>) -> Result<T, E>,
+    {
+        let Some(lease) = self.locker.try_lock(self.key.clone()).await? else {
+            tracing::info!(job = %self.key, "job skipped: another holder has the lock");
+            crate::metrics::job_finished(&self.key, "skipped", None);
+            return Ok(JobOutcome::Skipped);
+        };
+        let acquired = Instant::now();
+
+        let (lease, window_start) = match self.claim_window(lease).await? {
+            Window::Run(lease, start) => (lease, start),
+            Window::Done(outcome) => return Ok(outcome),
+        };
+
+        let finished = self.supervise(&*lease, window_start, job).await;
+        let took = acquired.elapsed();
+
+        let outcome = match finished {
+            Finished::Returned(Ok(value)) => JobOutcome::Ran(value),
+            Finished::Returned(Err(err)) => JobOutcome::Failed(err),
+            Finished::Panicked(message) => {
+                tracing::error!(job = %self.key, panic = %message, "job panicked; releasing its lock");
+                JobOutcome::Panicked(message)
+            }
+            Finished::Lost(reason) => {
+                tracing::warn!(job = %self.key, %reason, "job stopped: its lock was lost");
+                JobOutcome::Lost(reason)
+            }
+        };
+        if let (Some(window), Some(start)) = (&self.window, window_start)
+            && let Err(err) =
+                window::finish(&window.pool, &self.key.to_string(), start, outcome.name()).await
+        {
+            tracing::warn!(job = %self.key, error = %err, "could not record how the job run ended");
+        }
+        crate::metrics::job_finished(&self.key, outcome.name(), Some(took));
+        if matches!(outcome, JobOutcome::Lost(_)) {
+            // Nothing to release: drop it (the backend has closed its session).
+            drop(lease);
+        } else {
+            self.release(lease, acquired).await;
+        }
+        Ok(outcome)
+    }
+
+    /// With a run record configured, claims the current window. Hands the
+    /// lease back with the window start, or ends the run with the outcome.
+    async fn claim_window<T, E>(&self, lease: Box<dyn Lease>) -> Result<Window<T, E>, Error> {
+        let Some(window) = &self.window else {
+            return Ok(Window::Run(lease, None));
+        };
+        let claim = window::claim(&window.pool, &self.key.to_string(), window.length).await;
+        match claim {
+            Ok(Claim::Claimed(start)) => Ok(Window::Run(lease, Some(start))),
+            Ok(Claim::AlreadyRan(start)) => {
+                tracing::info!(job = %self.key, "job skipped: it already ran in this window");
+                crate::metrics::job_finished(&self.key, "already_ran_in_window", None);
+                release_now(lease).await;
+                Ok(Window::Done(JobOutcome::AlreadyRanInWindow {
+                    window_start: start.to_system_time(),
+                }))
+            }
+            Err(err) => {
+                release_now(lease).await;
+                Err(err)
+            }
+        }
+    }
+
+    /// Runs the job against the lease's loss.
+    async fn supervise<F, T, E>(
+        &self,
+        lease: &dyn Lease,
+        window_start: Option<WindowStart>,
+        job: F,
+    ) -> Finished<T, E>
+    where
+        F: AsyncFnOnce(JobContext<'_>) -> Result<T, E>,
+    {
+        let token = CancellationToken::new();
+        // Fires the token however this function ends (including being dropped).
+        let _cancel_at_end = token.clone().drop_guard();
+        let ctx = JobContext {
+            lease,
+            token: token.clone(),
+            window_start: window_start.map(WindowStart::to_system_time),
+        };
+        let mut running = CatchUnwind::new(job(ctx));
+        tokio::select! {
+            // Loss first: a job finishing in the same poll as the loss did its
+            // last steps without a lock.
+            biased;
+            reason = lease.lost() => {
+                token.cancel();
+                if !self.stop_grace.is_zero() {
+                    // Let a job that watches its token stop cleanly; its result
+                    // no longer counts.
+                    let _ = tokio::time::timeout(self.stop_grace, &mut running).await;
+                }
+                Finished::Lost(reason)
+            }
+            result = &mut running => match result {
+                Ok(returned) => Finished::Returned(returned),
+                Err(message) => Finished::Panicked(message),
+            },
+        }
+    }
+
+    /// Releases the lease now, or in the background once the minimum hold
+    /// time has passed.
+    async fn release(&self, lease: Box<dyn Lease>, acquired: Instant) {
+        let until = acquired + self.min_hold;
+        if Instant::now() >= until {
+            release_now(lease).await;
+            return;
+        }
+        let until = tokio::time::Instant::from_std(until);
+        let span = tracing::debug_span!("distlock.job.min_hold", job = %self.key);
+        tokio::spawn(
+            async move {
+                let lost = {
+                    tokio::select! {
+                        () = tokio::time::sleep_until(until) => false,
+                        _ = lease.lost() => true,
+                    }
+                };
+                if lost {
+                    drop(lease);
+                } else {
+                    release_now(lease).await;
+                }
+            }
+            .instrument(span),
+        );
+    }
+}
+
+/// Releases a lease, logging (not returning) a failure: by now the job has
+/// finished, and the backend frees a lease it cannot release cleanly.
+async fn release_now(lease: Box<dyn Lease>) {
+    let key = lease.key().clone();
+    if let Err(err) = lease.release().await {
+        tracing::warn!(job = %key, error = %err, "releasing the job's lock failed");
+    }
+}

@@ -1,0 +1,383 @@
+//! The singleton-job runner and the migration-runner waiter: one replica
+//! runs, the others skip; a lost lease stops the job; the lock outlives a fast
+//! job by the minimum hold; a run record keeps a window to one run; a panic
+//! releases the lock.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use distlock::{
+    Error, JobOutcome, LockKey, LockWaiter, Locker, LossReason, PgLocker, SingletonJob,
+};
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+
+/// A locker with a fast heartbeat, so loss is noticed within ~100 ms.
+fn locker(pool: &PgPool) -> Arc<dyn Locker> {
+    Arc::new(
+        PgLocker::builder(pool.clone())
+            .heartbeat(Duration::from_millis(100))
+            .build(),
+    )
+}
+
+/// The pid of the session holding `key` (granted), as an observer sees it.
+async fn holder_pid(pool: &PgPool, key: &str) -> Option<i32> {
+    PgLocker::new(pool.clone())
+        .holders_of(key)
+        .await
+        .expect("holders_of")
+        .into_iter()
+        .find(|h| h.granted)
+        .map(|h| h.pid)
+}
+
+#[sqlx::test(migrations = false)]
+async fn two_runners_on_one_key_one_runs_the_other_skips(pool: PgPool) {
+    init_tracing();
+    let first = SingletonJob::new(locker(&pool), "job:report");
+    let second = SingletonJob::new(locker(&pool), "job:report");
+    let (started_tx, started_rx) = oneshot::channel();
+    let (finish_tx, finish_rx) = oneshot::channel::<()>();
+
+    let running = tokio::spawn(async move {
+        first
+            .run(async |_ctx| {
+                let _ = started_tx.send(());
+                let _ = finish_rx.await;
+                Ok::<_, Error>("report")
+            })
+            .await
+    });
+    started_rx.await.expect("first job started");
+    let ran_twice = Arc::new(AtomicBool::new(false));
+    let flag = ran_twice.clone();
+    let skipped = second
+        .run(async |_ctx| {
+            flag.store(true, Ordering::SeqCst);
+            Ok::<_, Error>("report")
+        })
+        .await
+        .expect("second run");
+    assert!(matches!(skipped, JobOutcome::Skipped), "{skipped:?}");
+    assert!(skipped.is_skipped());
+    assert!(!ran_twice.load(Ordering::SeqCst), "the second job must not run");
+
+    finish_tx.send(()).expect("first job waits");
+    let ran = running.await.expect("join").expect("first run");
+    assert_eq!(ran.name(), "ran");
+    assert_eq!(ran.ran(), Some("report"));
+
+    let mut obs = observer_for(&pool).await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(2)).await;
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn concurrent_ticks_run_the_job_exactly_once(pool: PgPool) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut ticks = tokio::task::JoinSet::new();
+    for _ in 0..3 {
+        // Each replica has its own locker; min_hold covers ticks that arrive
+        // after a fast run has finished.
+        let job = SingletonJob::new(locker(&pool), "job:tick").min_hold(Duration::from_millis(500));
+        let runs = runs.clone();
+        ticks.spawn(async move {
+            job.run(async |_ctx| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Error>(())
+            })
+            .await
+            .expect("run")
+        });
+    }
+    let outcomes = ticks.join_all().await;
+    let ran = outcomes.iter().filter(|o| o.is_ran()).count();
+    let skipped = outcomes.iter().filter(|o| o.is_skipped()).count();
+    assert_eq!((ran, skipped), (1, 2), "{outcomes:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_lost_lease_cancels_the_job_and_reports_lost(pool: PgPool) {
+    init_tracing();
+    let job = SingletonJob::new(locker(&pool), "job:lost").stop_grace(Duration::from_secs(5));
+    let told = Arc::new(AtomicBool::new(false));
+    let (started_tx, started_rx) = oneshot::channel();
+
+    let told_in_job = told.clone();
+    let run = tokio::spawn(async move {
+        job.run(async |ctx| {
+            let _ = started_tx.send(());
+            // A well-behaved job: work until told the lock is gone.
+            tokio::select! {
+                () = ctx.cancelled() => told_in_job.store(true, Ordering::SeqCst),
+                () = tokio::time::sleep(Duration::from_secs(30)) => {}
+            }
+            assert!(ctx.lease().is_lost(), "the token fires because of the loss");
+            Ok::<_, Error>(())
+        })
+        .await
+    });
+    started_rx.await.expect("job started");
+    let pid = holder_pid(&pool, "job:lost").await.expect("lock held");
+    let mut obs = observer_for(&pool).await;
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&mut obs)
+        .await
+        .expect("terminate");
+    assert!(terminated);
+
+    let outcome = bounded("lost job ends", Duration::from_secs(5), run)
+        .await
+        .expect("join")
+        .expect("run");
+    assert!(
+        matches!(outcome, JobOutcome::Lost(LossReason::ConnectionFailed(_))),
+        "{outcome:?}"
+    );
+    assert!(told.load(Ordering::SeqCst), "the job saw its token fire");
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn without_grace_a_lost_job_is_stopped_at_once(pool: PgPool) {
+    let job = SingletonJob::new(locker(&pool), "job:stubborn");
+    let token_seen = Arc::new(std::sync::Mutex::new(None));
+    let (started_tx, started_rx) = oneshot::channel();
+    let slot = token_seen.clone();
+    let run = tokio::spawn(async move {
+        job.run(async |ctx| {
+            *slot.lock().expect("slot") = Some(ctx.cancellation_token().clone());
+            let _ = started_tx.send(());
+            // Ignores its token: the runner must drop it.
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            Ok::<_, Error>(())
+        })
+        .await
+    });
+    started_rx.await.expect("job started");
+    let pid = holder_pid(&pool, "job:stubborn").await.expect("lock held");
+    let mut obs = observer_for(&pool).await;
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(&mut obs)
+        .await
+        .expect("terminate");
+    let outcome = bounded("stubborn job stopped", Duration::from_secs(5), run)
+        .await
+        .expect("join")
+        .expect("run");
+    assert!(matches!(outcome, JobOutcome::Lost(_)), "{outcome:?}");
+    let token = token_seen.lock().expect("slot").clone().expect("token");
+    assert!(token.is_cancelled(), "spawned helpers holding the token are told");
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_lock_is_kept_for_the_minimum_hold_time(pool: PgPool) {
+    let min_hold = Duration::from_millis(800);
+    let job = SingletonJob::new(locker(&pool), "job:fast").min_hold(min_hold);
+    let acquired = Instant::now();
+    let outcome = job
+        .run(async |_ctx| Ok::<_, Error>(()))
+        .await
+        .expect("run");
+    assert!(outcome.is_ran());
+    assert!(
+        acquired.elapsed() < min_hold / 2,
+        "run returns without waiting for the minimum hold"
+    );
+
+    // Another replica's identical tick, a little later, still finds it held.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let late = SingletonJob::new(locker(&pool), "job:fast")
+        .run(async |_ctx| Ok::<_, Error>(()))
+        .await
+        .expect("late run");
+    assert!(matches!(late, JobOutcome::Skipped), "{late:?}");
+
+    let mut obs = observer_for(&pool).await;
+    let raw = Raw::text("job:fast");
+    assert!(!raw_can_take(&mut obs, &raw).await, "still held");
+    eventually("lock freed after min hold", Duration::from_secs(3), async || {
+        raw_can_take(&mut obs, &raw).await
+    })
+    .await;
+    assert!(
+        acquired.elapsed() >= min_hold,
+        "freed only after the minimum hold ({:?})",
+        acquired.elapsed()
+    );
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_run_record_prevents_a_second_run_in_the_same_window(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let day = Duration::from_secs(86_400);
+    let job = SingletonJob::new(locker(&pool), "job:daily").once_per_window(pool.clone(), day);
+
+    let first = job
+        .run(async |ctx| Ok::<_, Error>(ctx.window_start()))
+        .await
+        .expect("first run");
+    let window_start = first.ran().flatten().expect("ran with a window start");
+    let since_epoch = window_start
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after epoch");
+    assert_eq!(since_epoch.as_secs() % 86_400, 0, "aligned to midnight UTC");
+    assert_eq!(since_epoch.subsec_nanos(), 0);
+
+    // A restarted replica (a new runner) in the same window.
+    let restarted =
+        SingletonJob::new(locker(&pool), "job:daily").once_per_window(pool.clone(), day);
+    let second = restarted
+        .run(async |_ctx| -> Result<Option<std::time::SystemTime>, Error> {
+            panic!("must not run twice in one window")
+        })
+        .await
+        .expect("second run");
+    match second {
+        JobOutcome::AlreadyRanInWindow { window_start: w } => assert_eq!(w, window_start),
+        other => panic!("expected AlreadyRanInWindow, got {other:?}"),
+    }
+
+    // Another job in the same window is independent.
+    let other = SingletonJob::new(locker(&pool), "job:other")
+        .once_per_window(pool.clone(), day)
+        .run(async |_ctx| Ok::<_, Error>(()))
+        .await
+        .expect("other job");
+    assert!(other.is_ran());
+
+    let rows: Vec<(String, Option<String>, bool)> = sqlx::query_as(
+        "SELECT job, outcome, finished_at IS NOT NULL FROM distlock.job_runs ORDER BY job",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("job_runs");
+    assert_eq!(
+        rows,
+        vec![
+            ("job:daily".to_owned(), Some("ran".to_owned()), true),
+            ("job:other".to_owned(), Some("ran".to_owned()), true),
+        ]
+    );
+    let mut obs = observer_for(&pool).await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(2)).await;
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_zero_window_is_a_configuration_error(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let err = SingletonJob::new(locker(&pool), "job:zero")
+        .once_per_window(pool.clone(), Duration::ZERO)
+        .run(async |_ctx| Ok::<_, Error>(()))
+        .await
+        .expect_err("zero window");
+    assert!(matches!(err, Error::InvalidConfig(_)), "{err:?}");
+    let mut obs = observer_for(&pool).await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(2)).await;
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_panicking_job_releases_the_lock(pool: PgPool) {
+    let job = SingletonJob::new(locker(&pool), "job:panics");
+    let outcome = job
+        .run(async |_ctx| -> Result<(), Error> { panic!("boom in the job") })
+        .await
+        .expect("run");
+    match &outcome {
+        JobOutcome::Panicked(message) => assert_eq!(message, "boom in the job"),
+        other => panic!("expected Panicked, got {other:?}"),
+    }
+    let mut obs = observer_for(&pool).await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(2)).await;
+    // And the next tick can run.
+    let next = job.run(async |_ctx| Ok::<_, Error>(())).await.expect("next");
+    assert!(next.is_ran());
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_failing_job_is_reported_and_releases_the_lock(pool: PgPool) {
+    let job = SingletonJob::new(locker(&pool), "job:fails");
+    let outcome = job
+        .run(async |_ctx| Err::<(), _>(std::io::Error::other("disk full")))
+        .await
+        .expect("run");
+    match outcome {
+        JobOutcome::Failed(err) => assert_eq!(err.to_string(), "disk full"),
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    let mut obs = observer_for(&pool).await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(2)).await;
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_waiter_reports_the_holder_and_names_it_at_the_deadline(pool: PgPool) {
+    init_tracing();
+    let mut obs = observer_for(&pool).await;
+    let obs_pid = backend_pid(&mut obs).await;
+    assert!(raw_try_lock(&mut obs, &Raw::text("app:migrations")).await);
+
+    let locker = PgLocker::new(pool.clone());
+    let mut reports = Vec::new();
+    let err = LockWaiter::new(&locker, "app:migrations", Duration::from_millis(1200))
+        .report_every(Duration::from_millis(300))
+        .on_report(|report| reports.push(report.clone()))
+        .lock()
+        .await
+        .expect_err("held by the observer");
+    assert!(!reports.is_empty(), "reported while waiting");
+    let report = &reports[0];
+    assert_eq!(report.key, LockKey::from("app:migrations"));
+    assert_eq!(report.holders.len(), 1);
+    assert_eq!(report.holders[0].pid, obs_pid);
+    assert_eq!(report.holders[0].application_name.as_deref(), Some(OBSERVER_APP));
+    assert!(report.holders[0].since.is_some());
+    assert_eq!(report.waiting, 1, "this waiter");
+    let text = report.to_string();
+    assert!(text.contains(&format!("held by pid {obs_pid}")), "{text}");
+    assert!(text.contains(OBSERVER_APP), "{text}");
+
+    match &err {
+        Error::Timeout {
+            holder_pid,
+            holder_application,
+            ..
+        } => {
+            assert_eq!(*holder_pid, Some(obs_pid));
+            assert_eq!(holder_application.as_deref(), Some(OBSERVER_APP));
+        }
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    assert!(err.to_string().contains(&obs_pid.to_string()), "{err}");
+
+    // Once the holder lets go, a waiter gets the lock.
+    let waiter = {
+        let locker = locker.clone();
+        tokio::spawn(async move {
+            LockWaiter::new(&locker, "app:migrations", Duration::from_secs(5))
+                .lock()
+                .await
+        })
+    };
+    wait_for_waiters(&mut obs, 1, Duration::from_secs(3)).await;
+    assert!(raw_unlock(&mut obs, &Raw::text("app:migrations")).await);
+    let lock = bounded("waiter gets the lock", Duration::from_secs(3), waiter)
+        .await
+        .expect("join")
+        .expect("lock");
+    lock.release().await.expect("release");
+    close(obs).await;
+}

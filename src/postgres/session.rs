@@ -284,7 +284,7 @@ impl PgLocker {
 
     /// Builds [`Error::Timeout`], naming the holder if it can be seen
     /// (looked up on `conn` when it is still usable, else on the pool).
-    async fn timeout_error(
+    pub(super) async fn timeout_error(
         &self,
         key: &LockKey,
         started: Instant,

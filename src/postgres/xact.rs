@@ -168,12 +168,42 @@ impl PgLocker {
     {
         let args = key.args()?;
         let started = Instant::now();
-        let pooled = self.pool().acquire().await.map_err(Error::from)?;
+        let deadline = match mode {
+            Mode::Wait(timeout) => Some(tokio::time::Instant::from_std(started + timeout)),
+            Mode::Try | Mode::TryShared => None,
+        };
+        let pooled = match deadline {
+            Some(deadline) => {
+                match tokio::time::timeout_at(deadline, self.pool().acquire()).await {
+                    Ok(pooled) => pooled,
+                    Err(_) => return Err(self.timeout_error(&key, started, None).await.into()),
+                }
+            }
+            None => self.pool().acquire().await,
+        };
         // A waiting attempt may leave the backend blocked in a lock wait if
         // dropped; such a connection must be closed, not pooled.
-        let mut held = HeldConn::new(pooled, matches!(mode, Mode::Wait(_)));
+        let mut held = HeldConn::new(pooled.map_err(Error::from)?, deadline.is_some());
         let mut tx = held.conn().begin().await.map_err(Error::from)?;
-        let locked = match lock_in_xact(&mut tx, args, mode).await {
+        let attempt = lock_in_xact(&mut tx, args, mode);
+        let attempt = match deadline {
+            // The server gives up at the deadline (lock_timeout); if it does
+            // not answer shortly after, the network is stalled: give up too,
+            // and let the armed connection close.
+            Some(deadline) => {
+                let grace = deadline + self.config().heartbeat_timeout;
+                match tokio::time::timeout_at(grace, attempt).await {
+                    Ok(result) => result,
+                    Err(_) => {
+                        drop(tx);
+                        held.close();
+                        return Err(self.timeout_error(&key, started, None).await.into());
+                    }
+                }
+            }
+            None => attempt.await,
+        };
+        let locked = match attempt {
             Ok(locked) => locked,
             Err(err) => {
                 let _ = tx.rollback().await;

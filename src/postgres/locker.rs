@@ -39,6 +39,7 @@ pub struct PgLocker {
 pub(crate) struct Inner {
     pub(crate) pool: PgPool,
     pub(crate) config: Config,
+    pub(crate) pooler: super::pooler::PoolerCheck,
 }
 
 /// Settings shared by every lock of one [`PgLocker`].
@@ -145,6 +146,7 @@ impl PgLockerBuilder {
             inner: Arc::new(Inner {
                 pool: self.pool,
                 config: self.config,
+                pooler: super::pooler::PoolerCheck::default(),
             }),
         }
     }

@@ -203,6 +203,7 @@ impl PgLocker {
         let fencing = self.config().fencing.then(|| key.fencing_name());
         let started = Instant::now();
         let mut conn = HeldConn::new(self.pool().acquire().await?, true);
+        self.inner.pooler.ensure_session(conn.conn()).await?;
         let row = try_lock_query(args, fencing.as_deref())
             .fetch_one(conn.conn())
             .await
@@ -256,6 +257,7 @@ impl PgLocker {
             return Err(self.timeout_error(&key, started, None).await);
         };
         let mut conn = HeldConn::new(pooled?, true);
+        self.inner.pooler.ensure_session(conn.conn()).await?;
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
         let fencing = self.config().fencing.then(|| key.fencing_name());
         let attempt = wait_for_lock(&mut conn, args, remaining, fencing.as_deref());

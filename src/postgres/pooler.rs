@@ -1,0 +1,77 @@
+//! Detecting a transaction-pooling proxy before handing out session locks.
+//!
+//! Behind PgBouncer with `pool_mode=transaction`, each statement may run on a
+//! different server backend, so a session-level lock would be taken on one
+//! backend and left there for whoever uses it next. Before its first session
+//! lock, a locker asks which backend answers a few consecutive statements on
+//! the lock's connection; if the answer changes, it refuses with
+//! [`Error::PoolerDetected`]. The probe runs once per `PgLocker` (3 round
+//! trips) and *before* any lock is taken, so a refused attempt leaves nothing
+//! behind. A proxy that happens to keep one backend through the probe is
+//! caught later by the heartbeat, which compares the backend pid on every
+//! beat and reports the lock lost.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use sqlx::PgConnection;
+
+use crate::Error;
+
+/// How many statements the probe runs.
+const PROBES: usize = 3;
+
+/// SQLSTATE 26000: a prepared statement vanished between two statements,
+/// which is what a transaction pooler without prepared-statement support
+/// produces.
+const INVALID_STATEMENT_NAME: &str = "26000";
+
+/// Whether a locker has verified that its connections are real sessions.
+#[derive(Debug, Default)]
+pub(crate) struct PoolerCheck {
+    passed: AtomicBool,
+}
+
+impl PoolerCheck {
+    /// Runs the probe on `conn` unless a previous one passed.
+    pub(crate) async fn ensure_session(&self, conn: &mut PgConnection) -> Result<(), Error> {
+        if self.passed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        probe(conn).await?;
+        self.passed.store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+async fn probe(conn: &mut PgConnection) -> Result<(), Error> {
+    let mut first = None;
+    for _ in 0..PROBES {
+        // Unnamed statements: a named one could itself be missing on the
+        // next backend and hide the real diagnosis.
+        let pid = sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+            .persistent(false)
+            .fetch_one(&mut *conn)
+            .await;
+        let pid = match pid {
+            Ok(pid) => pid,
+            Err(err) if crate::error::sqlstate(&err).as_deref() == Some(INVALID_STATEMENT_NAME) => {
+                return Err(Error::PoolerDetected {
+                    expected_pid: first.unwrap_or(0),
+                    actual_pid: 0,
+                });
+            }
+            Err(err) => return Err(err.into()),
+        };
+        match first {
+            None => first = Some(pid),
+            Some(expected) if expected != pid => {
+                return Err(Error::PoolerDetected {
+                    expected_pid: expected,
+                    actual_pid: pid,
+                });
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,124 @@
+//! Command-line arguments.
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::EXIT_CODES_HELP;
+
+/// Cluster-wide locks on PostgreSQL advisory locks.
+#[derive(Debug, Parser)]
+#[command(name = "distlock", version, about, after_long_help = EXIT_CODES_HELP)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Run a command while holding a cluster-wide lock (a distributed flock(1)).
+    ///
+    /// Exits with the command's exit code when it ran, 75 when the lock is
+    /// held elsewhere, 124 when --wait ran out, 76 when the lock was lost
+    /// while the command ran (the command is stopped). See --help for all codes.
+    Run(RunArgs),
+    /// List the sessions holding or awaiting advisory locks in the database.
+    Holders(HoldersArgs),
+}
+
+/// Where the locks live.
+#[derive(Debug, Args)]
+pub(crate) struct ConnArgs {
+    /// PostgreSQL connection URL; its password is never printed.
+    // hide_env_values: `--help` would otherwise print the URL, password included.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_name = "URL")]
+    pub(crate) database_url: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    /// The lock's name (locks hashtext(KEY), as `distlock::LockKey::from`).
+    pub(crate) key: String,
+
+    /// Wait up to this long for the lock (e.g. 30s, 500ms, 2m) instead of
+    /// exiting with 75 at once when it is held elsewhere.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub(crate) wait: Option<Duration>,
+
+    /// After the lock is lost: how long the command may take to exit after
+    /// SIGTERM before it gets SIGKILL.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub(crate) grace: Duration,
+
+    /// How often the lock's connection is checked; a lost lock is noticed
+    /// within about twice this.
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
+    pub(crate) heartbeat: Duration,
+
+    /// No messages and no progress line (errors are still printed).
+    #[arg(short, long)]
+    pub(crate) quiet: bool,
+
+    #[command(flatten)]
+    pub(crate) conn: ConnArgs,
+
+    /// The command to run, after `--`.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub(crate) command: Vec<OsString>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct HoldersArgs {
+    /// Only the holders of this lock name.
+    pub(crate) key: Option<String>,
+
+    /// Print JSON (an array of objects) instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
+
+    #[command(flatten)]
+    pub(crate) conn: ConnArgs,
+}
+
+/// Parses `30s`, `500ms`, `2m`, `1h 30m` (humantime's syntax).
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text.trim())
+        .map_err(|err| format!("{err} (examples: 30s, 500ms, 2m)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_like_people_write_them() {
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn the_command_comes_after_a_double_dash() {
+        let cli = Cli::try_parse_from([
+            "distlock", "run", "nightly", "--wait", "5s", "--", "sh", "-c", "echo hi",
+        ])
+        .expect("parses");
+        let Command::Run(run) = cli.command else {
+            panic!("expected run");
+        };
+        assert_eq!(run.key, "nightly");
+        assert_eq!(run.wait, Some(Duration::from_secs(5)));
+        assert_eq!(run.command, ["sh", "-c", "echo hi"]);
+        assert!(Cli::try_parse_from(["distlock", "run", "nightly"]).is_err());
+    }
+
+    #[test]
+    fn clap_configuration_is_valid() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,82 @@
+//! Turning the connection arguments into a lock backend.
+//!
+//! This is the one place that knows which backends exist: commands get an
+//! `Arc<dyn Locker>` (plus the PostgreSQL locker where a command needs
+//! PostgreSQL-only features such as naming holders). A Redis backend plugs in
+//! here: a repeatable `--redis-url` in [`ConnArgs`] and a branch in
+//! [`connect`] building `RedisLocker`/`Redlock`.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use distlock::{Locker, PgLocker};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+use crate::Failure;
+use crate::args::ConnArgs;
+use crate::redact::redact_url;
+
+/// The lock backend chosen by the arguments.
+#[derive(Debug, Clone)]
+pub(crate) struct Backend {
+    /// Hands out the leases.
+    pub(crate) locker: Arc<dyn Locker>,
+    /// The same locker when the backend is PostgreSQL (holders, wait reports).
+    pub(crate) postgres: Option<PgLocker>,
+}
+
+/// Connects to the backend named by `conn`. `application` becomes the
+/// sessions' `application_name`, so `distlock holders` (and `pg_stat_activity`)
+/// show what a lock is held for. `heartbeat` is the session lock's check interval.
+pub(crate) async fn connect(
+    conn: &ConnArgs,
+    application: &str,
+    heartbeat: Duration,
+) -> Result<Backend, Failure> {
+    let Some(url) = conn.database_url.as_deref() else {
+        return Err(Failure::usage(
+            "no database: pass --database-url or set DATABASE_URL",
+        ));
+    };
+    let target = redact_url(url);
+    let options = PgConnectOptions::from_str(url)
+        .map_err(|err| Failure::usage(format!("invalid database URL {target}: {err}")))?
+        .application_name(&truncate_name(application));
+    let pool = PgPoolOptions::new()
+        // One connection holds the lock, one looks up holders while waiting.
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options)
+        .await
+        .map_err(|err| Failure::unavailable(format!("could not connect to {target}: {err}")))?;
+    let locker = PgLocker::builder(pool).heartbeat(heartbeat).build();
+    Ok(Backend {
+        locker: Arc::new(locker.clone()),
+        postgres: Some(locker),
+    })
+}
+
+/// PostgreSQL keeps 63 bytes of `application_name`; cut at a character
+/// boundary rather than let the server cut through one.
+fn truncate_name(name: &str) -> String {
+    let mut end = name.len().min(63);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    name[..end].to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::truncate_name;
+
+    #[test]
+    fn application_names_are_cut_at_a_character_boundary() {
+        assert_eq!(truncate_name("distlock run nightly"), "distlock run nightly");
+        let long = format!("distlock run {}", "é".repeat(40));
+        let cut = truncate_name(&long);
+        assert!(cut.len() <= 63);
+        assert!(long.starts_with(&cut));
+    }
+}

@@ -1,0 +1,370 @@
+//! The `distlock` CLI, spawned as a real process against a test database:
+//! one of two concurrent runs skips with 75, `--wait` queues, a lost lock
+//! stops the command, `holders` shows a running lock, passwords never show.
+#![cfg(feature = "cli")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use distlock::PgLocker;
+use sqlx::PgPool;
+use tokio::process::{Child, Command};
+
+const EXIT_BUSY: i32 = 75;
+const EXIT_LOST: i32 = 76;
+const EXIT_TIMEOUT: i32 = 124;
+const EXIT_UNAVAILABLE: i32 = 69;
+
+/// A URL for the test's own database (trust authentication, no password).
+fn url_of(pool: &PgPool) -> String {
+    let opts = pool.connect_options();
+    format!(
+        "postgres://{}@{}:{}/{}",
+        opts.get_username(),
+        opts.get_host(),
+        opts.get_port(),
+        opts.get_database().unwrap_or("postgres")
+    )
+}
+
+/// `distlock ARGS` with DATABASE_URL pointing at `url`, output captured.
+fn distlock(url: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_distlock"));
+    cmd.args(args)
+        .env("DATABASE_URL", url)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    cmd
+}
+
+async fn finish(child: Child, what: &str) -> Output {
+    bounded(what, Duration::from_secs(20), child.wait_with_output())
+        .await
+        .expect("wait for distlock")
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// Waits until some session holds `key` (granted); returns its pid.
+async fn wait_until_held(pool: &PgPool, key: &str) -> i32 {
+    let locker = PgLocker::new(pool.clone());
+    let start = Instant::now();
+    loop {
+        let holders = locker.holders_of(key).await.expect("holders_of");
+        if let Some(holder) = holders.iter().find(|h| h.granted) {
+            return holder.pid;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{key} never held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A scratch directory unique to this test run.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "distlock-cli-{name}-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+async fn wait_for_file(path: &Path) -> String {
+    let start = Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path)
+            && text.ends_with('\n')
+        {
+            return text;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{path:?} never written");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn of_two_concurrent_runs_one_runs_and_the_other_skips(pool: PgPool) {
+    let url = url_of(&pool);
+    let a = distlock(&url, &["run", "k", "--", "sleep", "1"])
+        .spawn()
+        .expect("spawn a");
+    let b = distlock(&url, &["run", "k", "--", "sleep", "1"])
+        .spawn()
+        .expect("spawn b");
+    let (a, b) = tokio::join!(finish(a, "run a"), finish(b, "run b"));
+    let mut codes = [a.status.code(), b.status.code()];
+    codes.sort();
+    assert_eq!(
+        codes,
+        [Some(0), Some(EXIT_BUSY)],
+        "{}\n{}",
+        text(&a),
+        text(&b)
+    );
+    let skipped = if a.status.code() == Some(EXIT_BUSY) {
+        &a
+    } else {
+        &b
+    };
+    let stderr = String::from_utf8_lossy(&skipped.stderr);
+    assert!(stderr.contains("held elsewhere"), "{stderr}");
+    assert!(stderr.contains("distlock run k"), "names the holder: {stderr}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn with_wait_the_second_run_follows_the_first(pool: PgPool) {
+    let url = url_of(&pool);
+    let dir = scratch("wait");
+    let log = dir.join("log");
+    let log_arg = log.to_string_lossy().into_owned();
+    let first = distlock(
+        &url,
+        &[
+            "run",
+            "queue",
+            "--",
+            "sh",
+            "-c",
+            "echo first-start >> \"$0\"; sleep 1; echo first-end >> \"$0\"",
+            &log_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn first");
+    wait_until_held(&pool, "queue").await;
+    let second = distlock(
+        &url,
+        &[
+            "run",
+            "queue",
+            "--wait",
+            "10s",
+            "--",
+            "sh",
+            "-c",
+            "echo second >> \"$0\"",
+            &log_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn second");
+    let (first, second) = tokio::join!(finish(first, "first"), finish(second, "second"));
+    assert_eq!(first.status.code(), Some(0), "{}", text(&first));
+    assert_eq!(second.status.code(), Some(0), "{}", text(&second));
+    let order = std::fs::read_to_string(&log).expect("log");
+    assert_eq!(order, "first-start\nfirst-end\nsecond\n");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_wait_that_runs_out_exits_124_naming_the_holder(pool: PgPool) {
+    let url = url_of(&pool);
+    let mut obs = observer_for(&pool).await;
+    let obs_pid = backend_pid(&mut obs).await;
+    assert!(raw_try_lock(&mut obs, &Raw::text("busy")).await);
+    let started = Instant::now();
+    let out = finish(
+        distlock(&url, &["run", "busy", "--wait", "700ms", "--", "true"])
+            .spawn()
+            .expect("spawn"),
+        "timed-out run",
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(EXIT_TIMEOUT), "{}", text(&out));
+    assert!(started.elapsed() >= Duration::from_millis(700));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("pid {obs_pid}")), "{stderr}");
+    assert!(stderr.contains(OBSERVER_APP), "{stderr}");
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_lost_lock_stops_the_command_and_exits_76(pool: PgPool) {
+    let url = url_of(&pool);
+    let dir = scratch("lost");
+    let pid_file = dir.join("pid");
+    let pid_arg = pid_file.to_string_lossy().into_owned();
+    let run = distlock(
+        &url,
+        &[
+            "run",
+            "lost",
+            "--heartbeat",
+            "200ms",
+            "--grace",
+            "2s",
+            "--",
+            "sh",
+            "-c",
+            "echo $$ > \"$0\"; exec sleep 30",
+            &pid_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    let child_pid = wait_for_file(&pid_file).await.trim().to_owned();
+    let holder = wait_until_held(&pool, "lost").await;
+    let mut obs = observer_for(&pool).await;
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(holder)
+        .fetch_one(&mut obs)
+        .await
+        .expect("terminate");
+    assert!(terminated);
+
+    let started = Instant::now();
+    let out = finish(run, "run whose lock is lost").await;
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", text(&out));
+    assert!(started.elapsed() < Duration::from_secs(5), "stopped promptly");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("was lost"), "{stderr}");
+    assert!(
+        !Path::new(&format!("/proc/{child_pid}")).exists(),
+        "the command (pid {child_pid}) was stopped"
+    );
+    close(obs).await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[sqlx::test(migrations = false)]
+async fn sigterm_is_forwarded_to_the_command(pool: PgPool) {
+    let url = url_of(&pool);
+    let dir = scratch("signal");
+    let ready = dir.join("ready");
+    let ready_arg = ready.to_string_lossy().into_owned();
+    let run = distlock(
+        &url,
+        &[
+            "run",
+            "signals",
+            "--",
+            "sh",
+            "-c",
+            "trap 'exit 7' TERM; echo ready > \"$0\"; sleep 30 > /dev/null 2>&1 & wait",
+            &ready_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    wait_for_file(&ready).await;
+    let pid = run.id().expect("pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid fits")),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("signal distlock");
+    let out = finish(run, "signalled run").await;
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out));
+    // The lock was released on the way out.
+    let mut obs = observer_for(&pool).await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(3)).await;
+    close(obs).await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[sqlx::test(migrations = false)]
+async fn holders_lists_a_running_lock_as_table_and_json(pool: PgPool) {
+    let url = url_of(&pool);
+    let run = distlock(&url, &["run", "report:nightly", "--", "sleep", "3"])
+        .spawn()
+        .expect("spawn");
+    let pid = wait_until_held(&pool, "report:nightly").await;
+
+    let table = finish(
+        distlock(&url, &["holders"]).spawn().expect("holders"),
+        "holders",
+    )
+    .await;
+    assert_eq!(table.status.code(), Some(0), "{}", text(&table));
+    let stdout = String::from_utf8_lossy(&table.stdout);
+    let header = stdout.lines().next().expect("header");
+    for column in ["KEY", "PID", "APPLICATION", "CLIENT", "SINCE", "STATE"] {
+        assert!(header.contains(column), "{stdout}");
+    }
+    assert!(stdout.contains("distlock run report:nightly"), "{stdout}");
+    assert!(stdout.contains(&pid.to_string()), "{stdout}");
+    assert!(stdout.contains("held"), "{stdout}");
+
+    let by_name = finish(
+        distlock(&url, &["holders", "report:nightly"])
+            .spawn()
+            .expect("holders KEY"),
+        "holders KEY",
+    )
+    .await;
+    let stdout = String::from_utf8_lossy(&by_name.stdout);
+    assert!(stdout.lines().nth(1).expect("a row").starts_with("report:nightly"), "{stdout}");
+
+    let json = finish(
+        distlock(&url, &["holders", "--json"])
+            .spawn()
+            .expect("holders --json"),
+        "holders --json",
+    )
+    .await;
+    assert_eq!(json.status.code(), Some(0), "{}", text(&json));
+    let rows: serde_json::Value = serde_json::from_slice(&json.stdout).expect("valid JSON");
+    let rows = rows.as_array().expect("an array");
+    let row = rows
+        .iter()
+        .find(|r| r["pid"] == pid)
+        .unwrap_or_else(|| panic!("pid {pid} in {rows:?}"));
+    assert_eq!(row["application"], "distlock run report:nightly");
+    assert_eq!(row["state"], "held");
+    assert_eq!(row["mode"], "exclusive");
+    assert!(row["key"].is_string());
+    assert!(row["since"].as_str().expect("since").ends_with('Z'));
+
+    let out = finish(run, "run").await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_password_never_appears_in_output(pool: PgPool) {
+    let opts = pool.connect_options();
+    let secret = "s3cret-Pa55word";
+    // Trust authentication ignores passwords, so make the connection fail
+    // another way: a database that does not exist.
+    let bad_url = format!(
+        "postgres://{}:{secret}@{}:{}/distlock_no_such_database",
+        opts.get_username(),
+        opts.get_host(),
+        opts.get_port()
+    );
+    let good_url = url_of(&pool);
+    let runs: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["run", "k", "--database-url", &bad_url, "--", "true"], good_url.as_str()),
+        (vec!["run", "k", "--", "true"], bad_url.as_str()),
+        (vec!["holders"], bad_url.as_str()),
+        (vec!["holders", "--json", "--database-url", &bad_url], good_url.as_str()),
+        (vec!["run", "--help"], bad_url.as_str()),
+        (vec!["run", "k", "--bogus", &bad_url, "--", "true"], good_url.as_str()),
+    ];
+    for (args, env_url) in runs {
+        let mut cmd = distlock(env_url, &args);
+        cmd.env("RUST_LOG", "debug");
+        let out = finish(cmd.spawn().expect("spawn"), "run with a password").await;
+        let all = text(&out);
+        assert!(!all.contains(secret), "password leaked by {args:?}:\n{all}");
+        if args[0] == "run" && args.len() > 2 && !args.contains(&"--bogus") {
+            assert_eq!(out.status.code(), Some(EXIT_UNAVAILABLE), "{all}");
+            assert!(all.contains("could not connect to postgres://"), "{all}");
+            assert!(all.contains(":***@"), "the URL is shown redacted: {all}");
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! The examples, run in their short versions against a test database: each
+//! invoice gets one reminder, each order one charge, the migrations are
+//! applied once.
+//!
+//! The example sources are compiled into this test as modules, so the test
+//! always runs the current code (no stale example binary) and can call each
+//! example's `run` function and check its summary.
+
+use std::process::{Command, Stdio};
+
+use sqlx::PgPool;
+
+#[allow(dead_code)]
+#[path = "../examples/cron_worker.rs"]
+mod cron_worker;
+#[allow(dead_code)]
+#[path = "../examples/migration_runner.rs"]
+mod migration_runner;
+#[allow(dead_code)]
+#[path = "../examples/web_handler.rs"]
+mod web_handler;
+
+/// A URL for the test's own database (trust authentication, no password).
+fn url_of(pool: &PgPool) -> String {
+    let opts = pool.connect_options();
+    format!(
+        "postgres://{}@{}:{}/{}",
+        opts.get_username(),
+        opts.get_host(),
+        opts.get_port(),
+        opts.get_database().unwrap_or("postgres")
+    )
+}
+
+#[sqlx::test(migrations = false)]
+async fn cron_worker_sends_each_reminder_once_and_the_others_skip(pool: PgPool) {
+    let summary = cron_worker::run(&url_of(&pool), 3).await.expect("example");
+    assert!(summary.exactly_once(), "{summary:?}");
+    assert_eq!(summary.runs, 3, "one run per tick: {summary:?}");
+    assert_eq!(summary.skips, 6, "two skips per tick: {summary:?}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn web_handler_charges_each_order_once(pool: PgPool) {
+    let summary = web_handler::run(&url_of(&pool)).await.expect("example");
+    assert!(summary.charged_once(), "{summary:?}");
+    assert_eq!(summary.charges.len(), 2, "{summary:?}");
+    assert!(
+        summary.duplicates.iter().all(|s| *s == 200 || *s == 409),
+        "duplicates get the charge, its stored result, or 409: {summary:?}"
+    );
+    assert!(summary.duplicates.contains(&200), "{summary:?}");
+    assert!(summary.retry_replayed, "{summary:?}");
+    assert_eq!(summary.new_key_for_paid_order, 409, "{summary:?}");
+}
+
+/// Set for the child processes of the migration-runner test.
+const CHILD_ENV: &str = "DISTLOCK_EXAMPLE_MIGRATION_RUNNER_CHILD";
+
+#[sqlx::test(migrations = false)]
+async fn migration_runner_applies_the_migrations_once(pool: PgPool) {
+    let exe = std::env::current_exe().expect("test binary");
+    // The runners are this test binary again, running only the test below.
+    let summary = migration_runner::run_parent(&url_of(&pool), |id| {
+        let mut child = Command::new(&exe);
+        child
+            .args(["--exact", "migration_runner_child", "--nocapture"])
+            .env(CHILD_ENV, id.to_string())
+            .stdout(Stdio::null());
+        child
+    })
+    .await
+    .expect("example");
+    assert_eq!(summary.exits.len(), migration_runner::RUNNERS);
+    assert!(summary.applied_once(), "{summary:?}");
+}
+
+/// One migration runner, when started as a child by the test above; does
+/// nothing in a normal test run.
+#[tokio::test]
+async fn migration_runner_child() {
+    let Ok(id) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL from the parent");
+    migration_runner::run_child(&url, id.parse().expect("runner id"))
+        .await
+        .expect("runner");
+}

@@ -40,6 +40,8 @@ pub(crate) struct Inner {
     pub(crate) pool: PgPool,
     pub(crate) config: Config,
     pub(crate) pooler: super::pooler::PoolerCheck,
+    /// Present when built with `.multiplex(n)`, n > 0.
+    pub(crate) mux: Option<super::mux::Mux>,
 }
 
 /// Settings shared by every lock of one [`PgLocker`].
@@ -49,6 +51,8 @@ pub(crate) struct Config {
     pub(crate) heartbeat_timeout: Duration,
     pub(crate) release_timeout: Duration,
     pub(crate) fencing: bool,
+    /// Shared connections for multiplexed session locks; 0 = one per lock.
+    pub(crate) multiplex: usize,
 }
 
 /// Default interval between two heartbeats of a session lock.
@@ -63,6 +67,7 @@ impl Default for Config {
             heartbeat_timeout: DEFAULT_HEARTBEAT,
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
             fencing: false,
+            multiplex: 0,
         }
     }
 }
@@ -140,13 +145,60 @@ impl PgLockerBuilder {
         self
     }
 
+    /// Hold session locks over `connections` shared connections instead of
+    /// one pooled connection per lock (default 0: one per lock).
+    ///
+    /// With `.multiplex(4)`, a process holding 5,000 session locks uses 4
+    /// connections to PostgreSQL, with one heartbeat per connection instead
+    /// of one per lock. The connections are opened lazily from the pool's
+    /// connect options (outside the pool: they take none of its slots, and
+    /// the pool's `after_connect` hooks do not run on them) and each key is
+    /// pinned to one of them by its hash. [`SessionLock`](crate::SessionLock)
+    /// behaves as in the default mode, with these differences:
+    ///
+    /// - **Shared fate.** When a shared connection fails (terminated, a
+    ///   heartbeat or any statement on it gets no answer within the
+    ///   heartbeat deadline, a different backend answers), *all* locks on it
+    ///   are lost at once; the next acquisition pinned there opens a fresh
+    ///   connection.
+    /// - **Queueing.** The statements of the locks on one connection run one
+    ///   after another, so a try or release may wait behind the others' (each
+    ///   is still 1 round trip).
+    /// - **Waiting.** [`PgLocker::lock`] never waits on a shared connection:
+    ///   while the key is busy it waits on a temporary connection from the
+    ///   pool until the holder lets go, then tries on the shared connection,
+    ///   until the deadline. A hand-off costs 2 round trips more than in the
+    ///   default mode and is not first-come-first-served (another process
+    ///   may take the key between the wake-up and the try).
+    /// - **One holder per process and key.** A key held through this locker
+    ///   is busy for its other callers, as in the default mode, although
+    ///   PostgreSQL itself would grant it again on the same session.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
+    /// let locker = distlock::PgLocker::builder(pool).multiplex(4).build();
+    /// let mut held = Vec::new();
+    /// for shard in 0..5_000 {
+    ///     held.extend(locker.try_lock(format!("shard:{shard}")).await?);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn multiplex(mut self, connections: usize) -> Self {
+        self.config.multiplex = connections;
+        self
+    }
+
     /// Builds the locker.
     pub fn build(self) -> PgLocker {
+        let mux = (self.config.multiplex > 0).then(|| {
+            super::mux::Mux::new(self.pool.clone(), self.config.clone(), self.config.multiplex)
+        });
         PgLocker {
             inner: Arc::new(Inner {
                 pool: self.pool,
                 config: self.config,
                 pooler: super::pooler::PoolerCheck::default(),
+                mux,
             }),
         }
     }

@@ -4,6 +4,7 @@ pub(crate) mod conn;
 mod holders;
 mod keeper;
 mod locker;
+mod mux;
 mod pooler;
 mod session;
 mod sql;

@@ -78,6 +78,25 @@ impl SessionLock {
         }
     }
 
+    /// A guard for a lock kept by someone else (a multiplexed connection's
+    /// driver): `release` is where `release()` and `Drop` are sent.
+    pub(crate) fn from_parts(
+        key: LockKey,
+        token: Option<FencingToken>,
+        pid: i32,
+        loss: watch::Receiver<Option<LossReason>>,
+        release: oneshot::Sender<ReleaseRequest>,
+    ) -> Self {
+        Self {
+            key,
+            token,
+            pid,
+            acquired_at: Instant::now(),
+            loss,
+            release: Some(release),
+        }
+    }
+
     /// The key this lock holds.
     pub fn key(&self) -> &LockKey {
         &self.key
@@ -199,6 +218,9 @@ impl PgLocker {
     }
 
     async fn try_lock_inner(&self, key: LockKey) -> Result<Option<SessionLock>, Error> {
+        if let Some(mux) = &self.inner.mux {
+            return mux.try_lock(key).await;
+        }
         let args = key.args()?;
         let fencing = self.config().fencing.then(|| key.fencing_name());
         let started = Instant::now();
@@ -249,6 +271,9 @@ impl PgLocker {
     }
 
     async fn lock_inner(&self, key: LockKey, timeout: Duration) -> Result<SessionLock, Error> {
+        if let Some(mux) = &self.inner.mux {
+            return mux.lock(key, timeout).await;
+        }
         let args = key.args()?;
         let started = Instant::now();
         let deadline = tokio::time::Instant::from_std(started + timeout);

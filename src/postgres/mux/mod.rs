@@ -1,0 +1,172 @@
+//! Multiplexed session locks: many session locks held over a few shared,
+//! dedicated connections (`PgLocker::builder(pool).multiplex(n)`).
+//!
+//! # Design
+//!
+//! - **Pinning.** A key always goes to the same connection (its hash modulo
+//!   `n`), so each connection's driver task sees every request for its keys
+//!   in order and can keep the set of keys it holds without any lock.
+//! - **Re-entrancy.** PostgreSQL session locks are re-entrant per session:
+//!   two tries of one key on one shared session would both succeed. The
+//!   driver treats a key it already holds as busy (no round trip), and since
+//!   two different `LockKey`s can name one server lock, the try statement
+//!   returns the resolved key and a re-entrant grant is taken back at once
+//!   (one extra round trip, only in that case).
+//! - **Loss.** One heartbeat per connection; every answer is checked for the
+//!   backend pid. A failed, stalled or moved connection publishes the loss
+//!   on one watch channel that all its guards share, so all its locks are
+//!   lost at once; the socket is dropped (the server frees the locks) and the
+//!   next acquisition pinned there opens a fresh connection.
+//! - **Waiting.** `lock()` never waits on a shared connection (that would
+//!   stall every other lock on it). It tries on the shared connection, and
+//!   while the key is busy waits on a temporary pooled connection for the
+//!   holder to let go (`pg_advisory_lock_shared` then `_unlock_shared` in one
+//!   statement, under `lock_timeout`), then tries again, until the deadline.
+//!   A hand-off therefore costs two round trips after the holder's unlock
+//!   (the wake-up's answer, then the try) instead of none, and is not FIFO:
+//!   another process may take the key between the wake-up and the try.
+//! - **Cancellation.** Callers only exchange messages with drivers. A grant
+//!   travels as a [`request::Ticket`] whose `Drop` queues the unlock, so a
+//!   caller that goes away at any `.await` leaves nothing held; a waiting
+//!   connection is closed, not pooled, if dropped mid-wait.
+
+mod driver;
+mod release;
+mod request;
+mod sql;
+mod wait;
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::{Mutex, PoisonError};
+
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+use tracing::Instrument;
+
+use super::locker::Config;
+use super::session::SessionLock;
+use crate::{Error, LockKey};
+use driver::DriverConfig;
+use request::{Granted, Inbox, Request, TryError};
+
+/// How many times a try moves to a fresh connection when the shared one
+/// fails under it before the failure is reported.
+const ATTEMPTS: usize = 3;
+
+/// The shared connections of one multiplexed `PgLocker`.
+#[derive(Debug)]
+pub(crate) struct Mux {
+    pool: PgPool,
+    config: Config,
+    /// One inbox per shared connection; replaced when its driver has ended.
+    slots: Box<[Mutex<Option<Inbox>>]>,
+}
+
+impl Mux {
+    /// A multiplexer over `connections` shared connections (at least one),
+    /// opened lazily on first use. Needs no runtime until then.
+    pub(crate) fn new(pool: PgPool, config: Config, connections: usize) -> Self {
+        let slots = (0..connections.max(1)).map(|_| Mutex::new(None)).collect();
+        Self {
+            pool,
+            config,
+            slots,
+        }
+    }
+
+    /// `try_lock` on a shared connection. Costs 1 round trip, queued behind
+    /// the statements of the other locks on that connection.
+    pub(crate) async fn try_lock(&self, key: LockKey) -> Result<Option<SessionLock>, Error> {
+        key.validate()?;
+        let fencing = self.config.fencing.then(|| key.fencing_name());
+        for _ in 0..ATTEMPTS {
+            let (reply, answer) = oneshot::channel();
+            let request = Request::Try {
+                key: key.clone(),
+                fencing: fencing.clone(),
+                reply,
+            };
+            if self.inbox(&key).send(request).is_err() {
+                continue; // the driver just ended; the next call opens a new one
+            }
+            let span = tracing::Span::current();
+            match answer.await {
+                Ok(Ok(Some(granted))) => {
+                    span.record("outcome", "acquired");
+                    return Ok(Some(self.guard(key, granted)));
+                }
+                Ok(Ok(None)) => {
+                    span.record("outcome", "busy");
+                    return Ok(None);
+                }
+                Ok(Err(TryError::Failed(err))) => {
+                    span.record("outcome", "error");
+                    return Err(err);
+                }
+                // The shared connection failed under the try; nothing is
+                // held for it. Go again on a fresh one.
+                Ok(Err(TryError::Gone)) | Err(_) => {}
+            }
+        }
+        tracing::Span::current().record("outcome", "error");
+        Err(Error::Database(sqlx::Error::Protocol(
+            "the multiplexed connection failed on every attempt".into(),
+        )))
+    }
+
+    /// The inbox of the live driver for `key`'s connection, starting one if
+    /// there is none (never awaits: the connection opens inside the task).
+    fn inbox(&self, key: &LockKey) -> Inbox {
+        let mut hasher = DefaultHasher::new();
+        key.hash(&mut hasher);
+        let slots = self.slots.len();
+        // `slots` is at least 1; the remainder always fits in a usize.
+        let slot = usize::try_from(hasher.finish() % slots as u64).unwrap_or(0);
+        let mut current = self.slots[slot]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match current.as_ref() {
+            Some(inbox) if !inbox.is_closed() => inbox.clone(),
+            _ => {
+                let inbox = driver::spawn(self.driver_config(), slot);
+                *current = Some(inbox.clone());
+                inbox
+            }
+        }
+    }
+
+    fn driver_config(&self) -> DriverConfig {
+        DriverConfig {
+            connect: (*self.pool.connect_options()).clone(),
+            connect_timeout: self.pool.options().get_acquire_timeout(),
+            heartbeat: self.config.heartbeat,
+            statement_timeout: self.config.heartbeat_timeout,
+        }
+    }
+
+    /// Turns a grant into the public guard; a task waits for its release.
+    fn guard(&self, key: LockKey, granted: Granted) -> SessionLock {
+        let Granted {
+            ticket,
+            pid,
+            token,
+            loss,
+        } = granted;
+        let (release, request) = oneshot::channel();
+        let span = tracing::debug_span!("distlock.mux.lock", key = %key, pid);
+        let task = release::run(
+            key.clone(),
+            ticket,
+            loss.clone(),
+            request,
+            self.config.release_timeout,
+        );
+        tokio::spawn(task.instrument(span));
+        SessionLock::from_parts(key, token, pid, loss, release)
+    }
+
+    /// The pool that temporary waiting connections come from.
+    fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}

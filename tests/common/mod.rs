@@ -1,0 +1,253 @@
+//! Helpers shared by the integration tests.
+//!
+//! Every test runs under `#[sqlx::test(migrations = false)]`, so it has a
+//! database of its own; advisory locks are per database, so the helpers here
+//! only ever look at locks of the *current* database.
+#![allow(dead_code)]
+
+pub mod proxy;
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
+use sqlx::{ConnectOptions, Connection, Row};
+
+/// Installs a `tracing` subscriber once (filtered by `RUST_LOG`, silent by default).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// Application name of observer connections.
+pub const OBSERVER_APP: &str = "distlock-test-observer";
+
+/// A separate, direct connection to the same database, for watching and
+/// provoking locks from "another process".
+pub async fn observer(opts: &PgConnectOptions) -> PgConnection {
+    opts.clone()
+        .application_name(OBSERVER_APP)
+        .connect()
+        .await
+        .expect("observer connection")
+}
+
+/// An observer connection to the database `pool` points at.
+pub async fn observer_for(pool: &PgPool) -> PgConnection {
+    observer(&pool.connect_options()).await
+}
+
+/// The backend pid of a connection.
+pub async fn backend_pid(conn: &mut PgConnection) -> i32 {
+    sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(conn)
+        .await
+        .expect("pg_backend_pid")
+}
+
+/// `hashtext(name)` as the server computes it.
+pub async fn hashtext(conn: &mut PgConnection, name: &str) -> i32 {
+    sqlx::query_scalar("SELECT hashtext($1)")
+        .bind(name)
+        .fetch_one(conn)
+        .await
+        .expect("hashtext")
+}
+
+/// One advisory-lock row of `pg_locks` in the current database, raw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockRow {
+    pub classid: i64,
+    pub objid: i64,
+    pub objsubid: i32,
+    pub pid: i32,
+    pub mode: String,
+    pub granted: bool,
+}
+
+impl LockRow {
+    /// The `(classid, objid, objsubid)` triple identifying the key.
+    pub fn triple(&self) -> (i64, i64, i32) {
+        (self.classid, self.objid, self.objsubid)
+    }
+}
+
+/// How PostgreSQL displays a single-`bigint` key in `pg_locks` (documented:
+/// high half in `classid`, low half in `objid`, `objsubid = 1`).
+pub fn bigint_triple(key: i64) -> (i64, i64, i32) {
+    let bits = u64::from_ne_bytes(key.to_ne_bytes());
+    ((bits >> 32) as i64, (bits & 0xFFFF_FFFF) as i64, 1)
+}
+
+/// How PostgreSQL displays a two-`int4` key (first in `classid`, second in
+/// `objid`, `objsubid = 2`).
+pub fn pair_triple(a: i32, b: i32) -> (i64, i64, i32) {
+    (
+        i64::from(u32::from_ne_bytes(a.to_ne_bytes())),
+        i64::from(u32::from_ne_bytes(b.to_ne_bytes())),
+        2,
+    )
+}
+
+/// Every advisory lock (granted or awaited) in the current database.
+pub async fn advisory_locks(conn: &mut PgConnection) -> Vec<LockRow> {
+    let rows = sqlx::query(
+        "SELECT classid::int8, objid::int8, objsubid::int4, pid, mode, granted FROM pg_locks \
+         WHERE locktype = 'advisory' \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+         ORDER BY granted DESC, pid, classid, objid",
+    )
+    .fetch_all(conn)
+    .await
+    .expect("query pg_locks");
+    rows.iter()
+        .map(|r| LockRow {
+            classid: r.get(0),
+            objid: r.get(1),
+            objsubid: r.get(2),
+            pid: r.get(3),
+            mode: r.get(4),
+            granted: r.get(5),
+        })
+        .collect()
+}
+
+/// Number of granted advisory locks in the current database.
+pub async fn granted_count(conn: &mut PgConnection) -> usize {
+    advisory_locks(conn)
+        .await
+        .iter()
+        .filter(|r| r.granted)
+        .count()
+}
+
+/// A key written the way hand-written SQL would.
+#[derive(Debug, Clone)]
+pub enum Raw {
+    /// `hashtext(name)` in the bigint keyspace.
+    Text(String),
+    /// A bigint.
+    BigInt(i64),
+    /// `(ns, hashtext(name))` in the two-int keyspace.
+    Pair(i32, String),
+    /// `(a, b)` in the two-int keyspace.
+    PairRaw(i32, i32),
+}
+
+impl Raw {
+    pub fn text(name: &str) -> Self {
+        Raw::Text(name.to_owned())
+    }
+    pub fn pair(ns: i32, name: &str) -> Self {
+        Raw::Pair(ns, name.to_owned())
+    }
+}
+
+macro_rules! raw_call {
+    ($conn:expr, $raw:expr, $func:literal) => {{
+        let q = match $raw {
+            Raw::Text(name) => {
+                sqlx::query_scalar::<_, bool>(concat!("SELECT ", $func, "(hashtext($1))"))
+                    .bind(name.clone())
+            }
+            Raw::BigInt(k) => {
+                sqlx::query_scalar::<_, bool>(concat!("SELECT ", $func, "($1::int8)")).bind(*k)
+            }
+            Raw::Pair(ns, name) => {
+                sqlx::query_scalar::<_, bool>(concat!("SELECT ", $func, "($1::int4, hashtext($2))"))
+                    .bind(*ns)
+                    .bind(name.clone())
+            }
+            Raw::PairRaw(a, b) => {
+                sqlx::query_scalar::<_, bool>(concat!("SELECT ", $func, "($1::int4, $2::int4)"))
+                    .bind(*a)
+                    .bind(*b)
+            }
+        };
+        q.fetch_one($conn).await.expect(concat!("raw ", $func))
+    }};
+}
+
+/// `pg_try_advisory_lock(..)` at session level on `conn`; keeps it if taken.
+pub async fn raw_try_lock(conn: &mut PgConnection, raw: &Raw) -> bool {
+    raw_call!(conn, raw, "pg_try_advisory_lock")
+}
+
+/// `pg_advisory_unlock(..)` on `conn`.
+pub async fn raw_unlock(conn: &mut PgConnection, raw: &Raw) -> bool {
+    raw_call!(conn, raw, "pg_advisory_unlock")
+}
+
+/// Whether `conn` could take `raw` right now (it is unlocked again at once).
+pub async fn raw_can_take(conn: &mut PgConnection, raw: &Raw) -> bool {
+    let got = raw_try_lock(conn, raw).await;
+    if got {
+        assert!(raw_unlock(conn, raw).await, "unlock after raw_can_take");
+    }
+    got
+}
+
+/// Polls `check` every few milliseconds until it returns `true`; panics with
+/// `what` if that does not happen within `limit`. Returns the time it took.
+pub async fn eventually(
+    what: &str,
+    limit: Duration,
+    mut check: impl AsyncFnMut() -> bool,
+) -> Duration {
+    let start = Instant::now();
+    loop {
+        if check().await {
+            return start.elapsed();
+        }
+        if start.elapsed() > limit {
+            panic!("{what}: still not true after {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Waits (bounded) until no advisory lock, granted or awaited, remains in the
+/// current database.
+pub async fn assert_no_advisory_locks_eventually(
+    conn: &mut PgConnection,
+    limit: Duration,
+) -> Duration {
+    let took = eventually("no advisory lock left", limit, async || {
+        advisory_locks(conn).await.is_empty()
+    })
+    .await;
+    took
+}
+
+/// Waits (bounded) until at least `n` sessions wait (granted = false) for an
+/// advisory lock in the current database.
+pub async fn wait_for_waiters(conn: &mut PgConnection, n: usize, limit: Duration) {
+    eventually(&format!("{n} waiter(s) in pg_locks"), limit, async || {
+        advisory_locks(conn)
+            .await
+            .iter()
+            .filter(|r| !r.granted)
+            .count()
+            >= n
+    })
+    .await;
+}
+
+/// Runs `fut` with a hard upper bound so a hang fails the test instead of
+/// stalling the suite.
+pub async fn bounded<F: Future>(what: &str, limit: Duration, fut: F) -> F::Output {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(out) => out,
+        Err(_) => panic!("{what}: did not finish within {limit:?}"),
+    }
+}
+
+/// Closes an observer connection politely (so the test database can be dropped).
+pub async fn close(conn: PgConnection) {
+    let _ = conn.close().await;
+}

@@ -1,0 +1,540 @@
+//! Multiplexed session locks (`PgLocker::builder(pool).multiplex(n)`): many
+//! locks over a few shared connections, with the guarantees of the default
+//! mode.
+
+mod mux_support;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use distlock::{Error, LockKey, LossReason, PgLocker, SessionLock};
+use mux_support::*;
+use rand::Rng;
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+fn mux(pool: &PgPool, connections: usize) -> PgLocker {
+    PgLocker::builder(pool.clone())
+        .multiplex(connections)
+        .build()
+}
+
+/// Pids of the sessions holding granted advisory locks in this database.
+async fn holder_pids(obs: &mut sqlx::PgConnection) -> BTreeMap<i32, usize> {
+    let mut pids = BTreeMap::new();
+    for row in advisory_locks(obs).await.iter().filter(|r| r.granted) {
+        *pids.entry(row.pid).or_default() += 1;
+    }
+    pids
+}
+
+#[sqlx::test(migrations = false)]
+async fn five_thousand_locks_are_held_over_at_most_four_connections(pool: PgPool) {
+    init_tracing();
+    let locker = mux(&pool, 4);
+    let mut obs = observer_for(&pool).await;
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for part in 0..8i64 {
+        let locker = locker.clone();
+        tasks.spawn(async move {
+            let mut held = Vec::new();
+            for i in (part * 625)..((part + 1) * 625) {
+                let lock = locker.try_lock(LockKey::id(1_000_000 + i)).await.unwrap();
+                held.push(lock.unwrap_or_else(|| panic!("key {i} is free")));
+            }
+            held
+        });
+    }
+    let mut held: Vec<SessionLock> = Vec::new();
+    while let Some(part) = tasks.join_next().await {
+        held.extend(part.unwrap());
+    }
+    println!("5,000 multiplexed locks taken in {:?}", started.elapsed());
+    assert_eq!(held.len(), 5_000);
+
+    let pids = holder_pids(&mut obs).await;
+    assert_eq!(pids.values().sum::<usize>(), 5_000, "{pids:?}");
+    assert!(pids.len() <= 4, "at most 4 sessions hold them: {pids:?}");
+    let guard_pids: HashSet<i32> = held.iter().map(SessionLock::backend_pid).collect();
+    assert_eq!(guard_pids, pids.keys().copied().collect());
+    // The shared connections are not the pool's: its connections hold none.
+    let sessions: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid = ANY($1)",
+    )
+    .bind(pids.keys().copied().collect::<Vec<i32>>())
+    .fetch_one(&mut obs)
+    .await
+    .unwrap();
+    assert_eq!(sessions, i64::try_from(pids.len()).unwrap());
+
+    // Half released explicitly, half dropped: all gone on the server.
+    let rest = held.split_off(2_500);
+    for lock in held {
+        lock.release().await.unwrap();
+    }
+    assert_eq!(granted_count(&mut obs).await, 2_500);
+    drop(rest);
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(10)).await;
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_same_key_twice_in_one_process_is_busy(pool: PgPool) {
+    let locker = mux(&pool, 1);
+    let mut obs = observer_for(&pool).await;
+    let first = locker
+        .try_lock("mux:reentrant")
+        .await
+        .unwrap()
+        .expect("free");
+    // PostgreSQL would grant it again on the same session; the locker must not.
+    assert!(locker.try_lock("mux:reentrant").await.unwrap().is_none());
+    assert!(
+        locker
+            .clone()
+            .try_lock("mux:reentrant")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let waited = locker
+        .lock("mux:reentrant", Duration::from_millis(300))
+        .await;
+    assert!(matches!(waited, Err(Error::Timeout { .. })), "{waited:?}");
+
+    // Another name of the same server lock is busy too, and the re-entrant
+    // level PostgreSQL granted for it is taken back at once.
+    let hash = hashtext(&mut obs, "mux:reentrant").await;
+    let alias = LockKey::id(i64::from(hash));
+    assert!(locker.try_lock(alias.clone()).await.unwrap().is_none());
+    let rows = advisory_locks(&mut obs).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    first.release().await.unwrap();
+    assert!(
+        raw_can_take(&mut obs, "mux:reentrant").await,
+        "no extra lock level left on the shared session"
+    );
+
+    // Taken under the alias, the name is busy.
+    let by_id = locker.try_lock(alias).await.unwrap().expect("free again");
+    assert!(locker.try_lock("mux:reentrant").await.unwrap().is_none());
+    by_id.release().await.unwrap();
+    assert!(advisory_locks(&mut obs).await.is_empty());
+    close(obs).await;
+}
+
+/// How many holders are inside the critical section of each key.
+#[derive(Default)]
+struct Sections {
+    inside: Vec<AtomicUsize>,
+    violations: AtomicUsize,
+    entries: AtomicUsize,
+}
+
+impl Sections {
+    fn new(keys: usize) -> Self {
+        Self {
+            inside: (0..keys).map(|_| AtomicUsize::new(0)).collect(),
+            ..Self::default()
+        }
+    }
+
+    async fn run(&self, key: usize) {
+        if self.inside[key].fetch_add(1, Ordering::SeqCst) != 0 {
+            self.violations.fetch_add(1, Ordering::SeqCst);
+        }
+        self.entries.fetch_add(1, Ordering::SeqCst);
+        let pause = Duration::from_micros(rand::rng().random_range(0..800));
+        tokio::time::sleep(pause).await;
+        self.inside[key].fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn mutual_exclusion_holds_within_a_process_and_across_two_lockers(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    const KEYS: usize = 6;
+    const TASKS_PER_LOCKER: usize = 12;
+    const ROUNDS: usize = 25;
+    let pool = |app: &'static str| {
+        PgPoolOptions::new()
+            .max_connections(14)
+            .connect_with(connect_opts.clone().application_name(app))
+    };
+    let lockers = [
+        mux(&pool("distlock-mux-a").await.unwrap(), 2),
+        mux(&pool("distlock-mux-b").await.unwrap(), 3),
+    ];
+    let sections = Arc::new(Sections::new(KEYS));
+    let mut tasks = tokio::task::JoinSet::new();
+    for locker in &lockers {
+        for task in 0..TASKS_PER_LOCKER {
+            let (locker, sections) = (locker.clone(), sections.clone());
+            tasks.spawn(async move {
+                for round in 0..ROUNDS {
+                    let key: usize = rand::rng().random_range(0..KEYS);
+                    let name = format!("mux:exclusive:{key}");
+                    // Half the tasks wait, half try.
+                    let lock = if (task + round) % 2 == 0 {
+                        locker.lock(name, Duration::from_secs(20)).await.map(Some)
+                    } else {
+                        locker.try_lock(name).await
+                    };
+                    if let Some(lock) = lock.expect("lock") {
+                        sections.run(key).await;
+                        if round % 3 == 0 {
+                            drop(lock);
+                        } else {
+                            lock.release().await.expect("release");
+                        }
+                    }
+                }
+            });
+        }
+    }
+    bounded("workload", Duration::from_secs(120), async {
+        while let Some(done) = tasks.join_next().await {
+            done.unwrap();
+        }
+    })
+    .await;
+    let entries = sections.entries.load(Ordering::SeqCst);
+    println!("{entries} critical sections entered");
+    assert!(
+        entries >= TASKS_PER_LOCKER * ROUNDS,
+        "the waiting half always gets in: {entries}"
+    );
+    assert_eq!(sections.violations.load(Ordering::SeqCst), 0);
+    let mut obs = observer(&connect_opts).await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(10)).await;
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn terminating_a_shared_connection_loses_all_its_locks_at_once(pool: PgPool) {
+    let locker = PgLocker::builder(pool.clone())
+        .multiplex(2)
+        .heartbeat(Duration::from_millis(100))
+        .build();
+    let mut obs = observer_for(&pool).await;
+    let mut held = Vec::new();
+    for i in 0..200 {
+        held.push(
+            locker
+                .try_lock(format!("mux:fate:{i}"))
+                .await
+                .unwrap()
+                .expect("free"),
+        );
+    }
+    let pids: BTreeMap<i32, usize> = held.iter().fold(BTreeMap::new(), |mut m, l| {
+        *m.entry(l.backend_pid()).or_default() += 1;
+        m
+    });
+    assert_eq!(pids.len(), 2, "keys spread over both connections: {pids:?}");
+    let victim = *pids.keys().next().unwrap();
+    let (doomed, spared): (Vec<_>, Vec<_>) =
+        held.into_iter().partition(|l| l.backend_pid() == victim);
+
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(victim)
+        .fetch_one(&mut obs)
+        .await
+        .unwrap();
+    assert!(terminated);
+    let reason = bounded("lost()", Duration::from_secs(5), doomed[0].lost()).await;
+    assert!(
+        matches!(reason, LossReason::ConnectionFailed(_)),
+        "{reason}"
+    );
+    // One signal for all of them: the moment one knows, all know.
+    assert!(doomed.iter().all(SessionLock::is_lost));
+    assert!(doomed.iter().all(|l| l.loss() == Some(reason.clone())));
+    assert!(
+        spared.iter().all(|l| !l.is_lost()),
+        "the other connection is fine"
+    );
+
+    // Free on the server: another session takes every doomed key.
+    eventually(
+        "the terminated backend is gone",
+        Duration::from_secs(5),
+        async || !holder_pids(&mut obs).await.contains_key(&victim),
+    )
+    .await;
+    for lock in &doomed {
+        let name = lock.key().to_string();
+        assert!(raw_can_take(&mut obs, &name).await);
+    }
+
+    // Releasing a lost lock says so; new acquisitions get a new connection.
+    let key = doomed[0].key().clone();
+    let released = doomed.into_iter().next().unwrap().release().await;
+    assert!(
+        matches!(released, Err(Error::LockLost { .. })),
+        "{released:?}"
+    );
+    let again = locker
+        .try_lock(key)
+        .await
+        .unwrap()
+        .expect("free after the loss");
+    assert_ne!(again.backend_pid(), victim);
+    assert!(!again.is_lost());
+    again.release().await.unwrap();
+    for lock in spared {
+        lock.release().await.unwrap();
+    }
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_waiting_lock_does_not_block_other_keys_on_the_shared_connection(pool: PgPool) {
+    // One shared connection: every other key goes through it.
+    let locker = mux(&pool, 1);
+    let mut obs = observer_for(&pool).await;
+    let contested = "mux:wait:contested";
+    assert!(raw_try_lock(&mut obs, contested).await);
+
+    let waiter = {
+        let locker = locker.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let lock = locker
+                .lock("mux:wait:contested", Duration::from_secs(10))
+                .await;
+            (lock, started.elapsed())
+        })
+    };
+    wait_for_waiters(&mut obs, 1, Duration::from_secs(5)).await;
+
+    let mut slowest = Duration::ZERO;
+    let started = Instant::now();
+    for i in 0..50 {
+        let t = Instant::now();
+        let lock = locker
+            .try_lock(format!("mux:wait:other:{i}"))
+            .await
+            .unwrap()
+            .expect("free");
+        lock.release().await.unwrap();
+        slowest = slowest.max(t.elapsed());
+    }
+    println!(
+        "50 try+release cycles during a wait: {:?}, slowest {slowest:?}",
+        started.elapsed()
+    );
+    assert!(
+        slowest < Duration::from_millis(500),
+        "a cycle took {slowest:?}"
+    );
+    assert!(!waiter.is_finished(), "still waiting");
+
+    let released_at = Instant::now();
+    assert!(raw_unlock(&mut obs, contested).await);
+    let (lock, _) = bounded("waiter", Duration::from_secs(5), waiter)
+        .await
+        .unwrap();
+    let lock = lock.expect("acquired after the holder let go");
+    println!("hand-off took {:?}", released_at.elapsed());
+    assert!(!raw_can_take(&mut obs, contested).await);
+    lock.release().await.unwrap();
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_missed_deadline_names_the_holder(pool: PgPool) {
+    let locker = mux(&pool, 2);
+    let mut obs = observer_for(&pool).await;
+    let holder_pid = backend_pid(&mut obs).await;
+    assert!(raw_try_lock(&mut obs, "mux:deadline").await);
+    let started = Instant::now();
+    let err = locker
+        .lock("mux:deadline", Duration::from_millis(300))
+        .await
+        .expect_err("held elsewhere");
+    let took = started.elapsed();
+    match err {
+        Error::Timeout {
+            holder_pid: Some(pid),
+            holder_application,
+            ..
+        } => {
+            assert_eq!(pid, holder_pid);
+            assert_eq!(holder_application.as_deref(), Some(OBSERVER_APP));
+        }
+        other => panic!("expected a timeout naming the holder, got {other:?}"),
+    }
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert!(raw_unlock(&mut obs, "mux:deadline").await);
+    // Zero timeout: a single try.
+    let lock = locker.lock("mux:deadline", Duration::ZERO).await.unwrap();
+    lock.release().await.unwrap();
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn dropped_guards_and_dropped_futures_leave_nothing_held(pool: PgPool) {
+    let locker = mux(&pool, 2);
+    let mut obs = observer_for(&pool).await;
+    let guards: Vec<_> = {
+        let mut v = Vec::new();
+        for i in 0..100 {
+            v.push(
+                locker
+                    .try_lock(format!("mux:drop:{i}"))
+                    .await
+                    .unwrap()
+                    .expect("free"),
+            );
+        }
+        v
+    };
+    assert_eq!(granted_count(&mut obs).await, 100);
+    drop(guards);
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+
+    // Futures dropped at arbitrary points, with and without a wait.
+    assert!(raw_try_lock(&mut obs, "mux:drop:held").await);
+    for i in 0..200u64 {
+        let cut = Duration::from_micros(i * 37 % 3_000);
+        let _ = tokio::time::timeout(cut, locker.try_lock(format!("mux:cancel:{}", i % 7))).await;
+        let _ =
+            tokio::time::timeout(cut, locker.lock("mux:drop:held", Duration::from_secs(5))).await;
+        let _ = tokio::time::timeout(cut, async {
+            if let Some(lock) = locker
+                .try_lock(format!("mux:cancel:rel:{i}"))
+                .await
+                .unwrap()
+            {
+                lock.release().await.unwrap();
+            }
+        })
+        .await;
+    }
+    assert!(raw_unlock(&mut obs, "mux:drop:held").await);
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+    // And every key is still usable.
+    for i in 0..7 {
+        let lock = locker
+            .try_lock(format!("mux:cancel:{i}"))
+            .await
+            .unwrap()
+            .expect("free");
+        lock.release().await.unwrap();
+    }
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn fencing_tokens_increase_in_multiplexed_mode(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let locker = PgLocker::builder(pool.clone())
+        .multiplex(2)
+        .fencing(true)
+        .build();
+    let plain = PgLocker::builder(pool.clone()).fencing(true).build();
+    let mut last = 0;
+    for i in 0..12 {
+        let lock = match i % 3 {
+            0 => locker.try_lock("mux:fence").await.unwrap().expect("free"),
+            1 => locker
+                .lock("mux:fence", Duration::from_secs(5))
+                .await
+                .unwrap(),
+            // Shared counter with the default mode.
+            _ => plain.try_lock("mux:fence").await.unwrap().expect("free"),
+        };
+        let token = lock.fencing_token().expect("fencing on").value();
+        assert!(token > last, "{token} after {last}");
+        last = token;
+        lock.release().await.unwrap();
+    }
+    // A busy try issues no token.
+    let held = locker.try_lock("mux:fence").await.unwrap().expect("free");
+    assert!(plain.try_lock("mux:fence").await.unwrap().is_none());
+    assert!(locker.try_lock("mux:fence").await.unwrap().is_none());
+    let token = held.fencing_token().unwrap().value();
+    held.release().await.unwrap();
+    let next = locker.try_lock("mux:fence").await.unwrap().expect("free");
+    assert_eq!(next.fencing_token().unwrap().value(), token + 1);
+    next.release().await.unwrap();
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_stalled_shared_connection_loses_its_locks_within_the_heartbeat_bound(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    let proxy = Proxy::start(connect_opts.get_host(), connect_opts.get_port())
+        .await
+        .expect("proxy");
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(connect_opts.clone().host("127.0.0.1").port(proxy.port()))
+        .await
+        .expect("pool through the proxy");
+    let heartbeat = Duration::from_millis(150);
+    let locker = PgLocker::builder(pool.clone())
+        .multiplex(1)
+        .heartbeat(heartbeat)
+        .heartbeat_timeout(Duration::from_millis(250))
+        .build();
+    let mut held = Vec::new();
+    for i in 0..20 {
+        held.push(
+            locker
+                .try_lock(format!("mux:stall:{i}"))
+                .await
+                .unwrap()
+                .expect("free"),
+        );
+    }
+    tokio::time::sleep(heartbeat * 3).await;
+    assert!(held.iter().all(|l| !l.is_lost()));
+
+    proxy.stall();
+    let started = Instant::now();
+    let reason = bounded("lost()", Duration::from_secs(5), held[0].lost()).await;
+    println!(
+        "stalled shared connection: lost after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        reason,
+        LossReason::HeartbeatTimedOut(Duration::from_millis(250))
+    );
+    assert!(held.iter().all(SessionLock::is_lost));
+    // A release does not hang on the stalled link either.
+    let released = bounded(
+        "release",
+        Duration::from_secs(3),
+        held.pop().unwrap().release(),
+    )
+    .await;
+    assert!(
+        matches!(released, Err(Error::LockLost { .. })),
+        "{released:?}"
+    );
+
+    // The socket was dropped; once the network is back, the server freed all.
+    proxy.pass();
+    proxy.cut();
+    let mut obs = observer(&connect_opts).await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(10)).await;
+    drop(held);
+    bounded("pool close", Duration::from_secs(10), pool.close()).await;
+    close(obs).await;
+}

@@ -65,7 +65,10 @@ async fn two_runners_on_one_key_one_runs_the_other_skips(pool: PgPool) {
         .expect("second run");
     assert!(matches!(skipped, JobOutcome::Skipped), "{skipped:?}");
     assert!(skipped.is_skipped());
-    assert!(!ran_twice.load(Ordering::SeqCst), "the second job must not run");
+    assert!(
+        !ran_twice.load(Ordering::SeqCst),
+        "the second job must not run"
+    );
 
     finish_tx.send(()).expect("first job waits");
     let ran = running.await.expect("join").expect("first run");
@@ -175,7 +178,10 @@ async fn without_grace_a_lost_job_is_stopped_at_once(pool: PgPool) {
         .expect("run");
     assert!(matches!(outcome, JobOutcome::Lost(_)), "{outcome:?}");
     let token = token_seen.lock().expect("slot").clone().expect("token");
-    assert!(token.is_cancelled(), "spawned helpers holding the token are told");
+    assert!(
+        token.is_cancelled(),
+        "spawned helpers holding the token are told"
+    );
     close(obs).await;
 }
 
@@ -184,10 +190,7 @@ async fn the_lock_is_kept_for_the_minimum_hold_time(pool: PgPool) {
     let min_hold = Duration::from_millis(800);
     let job = SingletonJob::new(locker(&pool), "job:fast").min_hold(min_hold);
     let acquired = Instant::now();
-    let outcome = job
-        .run(async |_ctx| Ok::<_, Error>(()))
-        .await
-        .expect("run");
+    let outcome = job.run(async |_ctx| Ok::<_, Error>(())).await.expect("run");
     assert!(outcome.is_ran());
     assert!(
         acquired.elapsed() < min_hold / 2,
@@ -205,9 +208,11 @@ async fn the_lock_is_kept_for_the_minimum_hold_time(pool: PgPool) {
     let mut obs = observer_for(&pool).await;
     let raw = Raw::text("job:fast");
     assert!(!raw_can_take(&mut obs, &raw).await, "still held");
-    eventually("lock freed after min hold", Duration::from_secs(3), async || {
-        raw_can_take(&mut obs, &raw).await
-    })
+    eventually(
+        "lock freed after min hold",
+        Duration::from_secs(3),
+        async || raw_can_take(&mut obs, &raw).await,
+    )
     .await;
     assert!(
         acquired.elapsed() >= min_hold,
@@ -238,9 +243,11 @@ async fn a_run_record_prevents_a_second_run_in_the_same_window(pool: PgPool) {
     let restarted =
         SingletonJob::new(locker(&pool), "job:daily").once_per_window(pool.clone(), day);
     let second = restarted
-        .run(async |_ctx| -> Result<Option<std::time::SystemTime>, Error> {
-            panic!("must not run twice in one window")
-        })
+        .run(
+            async |_ctx| -> Result<Option<std::time::SystemTime>, Error> {
+                panic!("must not run twice in one window")
+            },
+        )
         .await
         .expect("second run");
     match second {
@@ -302,7 +309,10 @@ async fn a_panicking_job_releases_the_lock(pool: PgPool) {
     let mut obs = observer_for(&pool).await;
     assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(2)).await;
     // And the next tick can run.
-    let next = job.run(async |_ctx| Ok::<_, Error>(())).await.expect("next");
+    let next = job
+        .run(async |_ctx| Ok::<_, Error>(()))
+        .await
+        .expect("next");
     assert!(next.is_ran());
     close(obs).await;
 }
@@ -343,7 +353,10 @@ async fn the_waiter_reports_the_holder_and_names_it_at_the_deadline(pool: PgPool
     assert_eq!(report.key, LockKey::from("app:migrations"));
     assert_eq!(report.holders.len(), 1);
     assert_eq!(report.holders[0].pid, obs_pid);
-    assert_eq!(report.holders[0].application_name.as_deref(), Some(OBSERVER_APP));
+    assert_eq!(
+        report.holders[0].application_name.as_deref(),
+        Some(OBSERVER_APP)
+    );
     assert!(report.holders[0].since.is_some());
     assert_eq!(report.waiting, 1, "this waiter");
     let text = report.to_string();
@@ -379,5 +392,191 @@ async fn the_waiter_reports_the_holder_and_names_it_at_the_deadline(pool: PgPool
         .expect("join")
         .expect("lock");
     lock.release().await.expect("release");
+    close(obs).await;
+}
+
+/// A recorder that keeps every counter's total and every histogram's number
+/// of samples, keyed by `name{label=value,...}`.
+#[cfg(feature = "metrics")]
+mod recorder {
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+
+    use metrics::{
+        Counter, CounterFn, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
+        SharedString, Unit,
+    };
+
+    #[derive(Debug, Default)]
+    pub struct Captured(Mutex<BTreeMap<String, f64>>);
+
+    impl Captured {
+        /// The process-wide recorder (installed once).
+        pub fn global() -> &'static Arc<Captured> {
+            static CAPTURED: OnceLock<Arc<Captured>> = OnceLock::new();
+            CAPTURED.get_or_init(|| {
+                let captured = Arc::new(Captured::default());
+                metrics::set_global_recorder(Handle(captured.clone(), String::new()))
+                    .expect("no other recorder in this test binary");
+                captured
+            })
+        }
+
+        pub fn get(&self, series: &str) -> f64 {
+            self.0
+                .lock()
+                .expect("captured")
+                .get(series)
+                .copied()
+                .unwrap_or(0.0)
+        }
+
+        fn add(&self, series: &str, value: f64) {
+            *self
+                .0
+                .lock()
+                .expect("captured")
+                .entry(series.to_owned())
+                .or_default() += value;
+        }
+    }
+
+    struct Handle(Arc<Captured>, String);
+
+    fn series(key: &Key) -> String {
+        let labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        format!("{}{{{}}}", key.name(), labels.join(","))
+    }
+
+    impl CounterFn for Handle {
+        fn increment(&self, value: u64) {
+            self.0.add(&self.1, value as f64);
+        }
+        fn absolute(&self, _value: u64) {}
+    }
+
+    impl HistogramFn for Handle {
+        fn record(&self, _value: f64) {
+            self.0.add(&self.1, 1.0);
+        }
+    }
+
+    impl Recorder for Handle {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::from_arc(Arc::new(Handle(self.0.clone(), series(key))))
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::from_arc(Arc::new(Handle(self.0.clone(), series(key))))
+        }
+    }
+}
+
+/// Lock and job metrics, labelled by the key's prefix (the default), from a
+/// run, a skip, a loss and a timeout. The prefix `metricsprobe` is used by no
+/// other test in this binary, so their metrics do not mix in.
+#[cfg(feature = "metrics")]
+#[sqlx::test(migrations = false)]
+async fn metrics_count_runs_skips_losses_and_timeouts(pool: PgPool) {
+    let captured = recorder::Captured::global();
+    let pg = "backend=postgres,key=metricsprobe";
+
+    // A run while another replica's run is in progress: one ran, one skipped.
+    let job = SingletonJob::new(locker(&pool), "metricsprobe:a");
+    let (started_tx, started_rx) = oneshot::channel();
+    let (finish_tx, finish_rx) = oneshot::channel::<()>();
+    let first = {
+        let job = job.clone();
+        tokio::spawn(async move {
+            job.run(async |_ctx| {
+                let _ = started_tx.send(());
+                let _ = finish_rx.await;
+                Ok::<_, Error>(())
+            })
+            .await
+        })
+    };
+    started_rx.await.expect("started");
+    let skipped = job
+        .run(async |_ctx| Ok::<_, Error>(()))
+        .await
+        .expect("second");
+    assert!(skipped.is_skipped());
+    finish_tx.send(()).expect("finish");
+    assert!(first.await.expect("join").expect("first").is_ran());
+
+    let job_ran = "distlock_job_runs_total{job=metricsprobe,outcome=ran}";
+    assert_eq!(captured.get(job_ran), 1.0);
+    assert_eq!(
+        captured.get("distlock_job_runs_total{job=metricsprobe,outcome=skipped}"),
+        1.0
+    );
+    assert_eq!(
+        captured.get("distlock_job_seconds{job=metricsprobe,outcome=ran}"),
+        1.0
+    );
+    assert_eq!(
+        captured.get(&format!("distlock_acquired_total{{{pg}}}")),
+        1.0
+    );
+    assert_eq!(captured.get(&format!("distlock_busy_total{{{pg}}}")), 1.0);
+    assert!(captured.get(&format!("distlock_wait_seconds{{{pg}}}")) >= 1.0);
+    eventually("release counted", Duration::from_secs(2), async || {
+        captured.get(&format!("distlock_released_total{{{pg}}}")) == 1.0
+    })
+    .await;
+    assert_eq!(captured.get(&format!("distlock_hold_seconds{{{pg}}}")), 1.0);
+
+    // A lost lease.
+    let lost_job = SingletonJob::new(locker(&pool), "metricsprobe:lost");
+    let (started_tx, started_rx) = oneshot::channel();
+    let run = tokio::spawn(async move {
+        lost_job
+            .run(async |ctx| {
+                let _ = started_tx.send(());
+                ctx.cancelled().await;
+                Ok::<_, Error>(())
+            })
+            .await
+    });
+    started_rx.await.expect("started");
+    let pid = holder_pid(&pool, "metricsprobe:lost").await.expect("held");
+    let mut obs = observer_for(&pool).await;
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(&mut obs)
+        .await
+        .expect("terminate");
+    let outcome = bounded("lost", Duration::from_secs(5), run)
+        .await
+        .expect("join")
+        .expect("run");
+    assert!(matches!(outcome, JobOutcome::Lost(_)), "{outcome:?}");
+    assert_eq!(captured.get(&format!("distlock_lost_total{{{pg}}}")), 1.0);
+    assert_eq!(
+        captured.get("distlock_job_runs_total{job=metricsprobe,outcome=lost}"),
+        1.0
+    );
+
+    // A wait that times out.
+    assert!(raw_try_lock(&mut obs, &Raw::text("metricsprobe:busy")).await);
+    let locker = PgLocker::new(pool.clone());
+    let err = LockWaiter::new(&locker, "metricsprobe:busy", Duration::from_millis(200))
+        .lock()
+        .await
+        .expect_err("times out");
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    assert_eq!(
+        captured.get(&format!("distlock_timeout_total{{{pg}}}")),
+        1.0
+    );
     close(obs).await;
 }

@@ -61,11 +61,13 @@ impl Keeper {
         // at once and would put a heartbeat in front of a quick release.
         let mut next = Instant::now() + self.heartbeat;
         let mut first = true;
+        let held_since = Instant::now();
         loop {
             tokio::select! {
                 biased;
                 request = &mut self.release => {
                     let outcome = release(self.conn, &self.key, self.pid, self.release_timeout).await;
+                    if outcome.is_ok() { crate::metrics::released("postgres", &self.key, held_since.elapsed()); }
                     report_release(&self.key, request.ok(), outcome);
                     return;
                 }
@@ -85,6 +87,7 @@ impl Keeper {
     /// to be released or dropped so `release()` can report it.
     async fn lost(self, reason: LossReason) {
         tracing::warn!(key = %self.key, %reason, "distlock session lock lost");
+        crate::metrics::lost("postgres", &self.key);
         self.conn.close();
         self.loss.send_replace(Some(reason.clone()));
         if let Ok(reply) = self.release.await {

@@ -234,11 +234,13 @@ impl PgLocker {
         record_wait(started);
         if !locked {
             tracing::Span::current().record("outcome", "busy");
+            crate::metrics::busy("postgres", &key);
             conn.into_pool();
             return Ok(None);
         }
         let token = fencing_token(&row, 2, fencing.is_some())?;
         tracing::Span::current().record("outcome", "acquired");
+        crate::metrics::acquired("postgres", &key, started.elapsed());
         Ok(Some(SessionLock::start(conn, key, pid, token, self)))
     }
 
@@ -292,6 +294,7 @@ impl PgLocker {
         match outcome {
             Ok(Ok((pid, token))) => {
                 tracing::Span::current().record("outcome", "acquired");
+                crate::metrics::acquired("postgres", &key, started.elapsed());
                 Ok(SessionLock::start(conn, key, pid, token, self))
             }
             Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
@@ -318,6 +321,7 @@ impl PgLocker {
         conn: Option<HeldConn>,
     ) -> Error {
         tracing::Span::current().record("outcome", "timeout");
+        crate::metrics::timeout("postgres", key, started.elapsed());
         let holder = match conn {
             Some(mut conn) => {
                 let found = holders::first_holder(conn.conn(), key).await;

@@ -217,17 +217,20 @@ impl PgLocker {
         span.record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
         if !locked {
             span.record("outcome", "busy");
+            crate::metrics::busy("postgres", &key);
             tx.rollback().await.map_err(Error::from)?;
             held.into_pool();
             return Ok(None);
         }
         let hold = Instant::now();
+        crate::metrics::acquired("postgres", &key, started.elapsed());
         let result = f(&mut tx).await;
         let end = match &result {
             Ok(_) => tx.commit().await,
             Err(_) => tx.rollback().await,
         };
         span.record("hold_ms", hold.elapsed().as_secs_f64() * 1e3);
+        crate::metrics::released("postgres", &key, hold.elapsed());
         span.record(
             "outcome",
             if result.is_ok() {
@@ -266,6 +269,7 @@ impl PgLocker {
         let span = tracing::Span::current();
         if let (Mode::Wait(_), Some(LOCK_NOT_AVAILABLE)) = (mode, sqlstate(&err).as_deref()) {
             span.record("outcome", "timeout");
+            crate::metrics::timeout("postgres", key, started.elapsed());
             let holder = holders::first_holder(held.conn(), key).await.ok().flatten();
             return Error::Timeout {
                 key: key.to_string(),

@@ -18,6 +18,12 @@ pub enum Error {
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 
+    /// An error from the Redis client (connection, protocol, server reply);
+    /// Redis backend only.
+    #[cfg(feature = "redis")]
+    #[error(transparent)]
+    Redis(#[from] redis::RedisError),
+
     /// Applying the crate's migrations failed.
     #[error(transparent)]
     Migrate(#[from] sqlx::migrate::MigrateError),

@@ -23,6 +23,10 @@ mod loss;
 pub mod metrics;
 mod migrate;
 pub mod postgres;
+/// The Redis backend: single-instance leases with a watchdog, and Redlock
+/// over independent nodes (cargo feature `redis`).
+#[cfg(feature = "redis")]
+pub mod redis;
 
 pub use error::{Error, Result};
 pub use fence::FencingToken;

@@ -1,0 +1,163 @@
+//! What a lease asserts on the server: a Redis key holding a random token
+//! for a time to live.
+
+use std::time::Duration;
+
+use crate::{Error, LockKey};
+
+/// The shortest TTL a lease may have: the watchdog extends every TTL/3, and
+/// below this a single slow round trip would already eat the lease.
+pub(crate) const MIN_TTL: Duration = Duration::from_millis(100);
+
+/// Prefix of the companion key that counts a lock's fencing tokens.
+pub(crate) const FENCE_PREFIX: &str = "distlock:fencing:";
+
+/// One lease's identity on the server(s), shared by the acquiring call, the
+/// watchdog and the cancellation guard.
+#[derive(Debug)]
+pub(crate) struct Claim {
+    pub(crate) key: LockKey,
+    /// The Redis key: the lock's name.
+    pub(crate) name: String,
+    /// A random 128-bit value, in hex: only its holder can extend or delete.
+    pub(crate) token: String,
+    pub(crate) ttl: Duration,
+}
+
+impl Claim {
+    /// A fresh claim on `key` with a new random token.
+    pub(crate) fn new(key: LockKey, ttl: Duration) -> Result<Self, Error> {
+        if ttl < MIN_TTL {
+            return Err(Error::InvalidConfig(
+                "a Redis lease's ttl must be at least 100 ms",
+            ));
+        }
+        let name = redis_key(&key)?;
+        Ok(Self {
+            key,
+            name,
+            token: format!("{:032x}", rand::random::<u128>()),
+            ttl,
+        })
+    }
+
+    /// The TTL in whole milliseconds, as `PX`/`PEXPIRE` take it.
+    pub(crate) fn ttl_millis(&self) -> u64 {
+        u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// How long after a successful write *started* the lease is known to be
+    /// held: the TTL less the clock-drift margin of the Redlock algorithm.
+    /// Measuring from the start (not the reply) counts the round trip as
+    /// already spent.
+    pub(crate) fn window(&self) -> Duration {
+        self.ttl.saturating_sub(drift(self.ttl))
+    }
+
+    /// The companion key whose `INCR` issues this lock's fencing tokens.
+    pub(crate) fn fence_key(&self) -> String {
+        format!("{FENCE_PREFIX}{}", self.name)
+    }
+
+    /// The error of a release that found another token (or none).
+    pub(crate) fn not_held(&self) -> Error {
+        Error::LockNotHeld {
+            key: self.key.to_string(),
+        }
+    }
+
+    /// The error of a release whose command failed after `after`.
+    pub(crate) fn release_failed(&self, err: redis::RedisError, after: Duration) -> Error {
+        if err.is_timeout() {
+            Error::ReleaseTimedOut {
+                key: self.key.to_string(),
+                after,
+            }
+        } else {
+            Error::Redis(err)
+        }
+    }
+
+    /// [`Error::Timeout`] for a wait that began at `started`.
+    pub(crate) fn timed_out(&self, started: tokio::time::Instant) -> Error {
+        Error::Timeout {
+            key: self.key.to_string(),
+            waited: started.elapsed(),
+            holder_pid: None,
+            holder_application: None,
+        }
+    }
+}
+
+/// The clock-drift margin of the published Redlock algorithm: 1% of the TTL
+/// plus 2 ms for the granularity of Redis' expiry.
+pub(crate) fn drift(ttl: Duration) -> Duration {
+    ttl / 100 + Duration::from_millis(2)
+}
+
+/// The Redis key of a lock: its name, or the decimal text of a
+/// [`LockKey::id`].
+///
+/// [`LockKey::namespaced`] keys are refused: their namespace is a PostgreSQL
+/// keyspace that Redis does not have, and dropping it silently would make two
+/// different locks one.
+pub(crate) fn redis_key(key: &LockKey) -> Result<String, Error> {
+    key.validate()?;
+    let Some(name) = key.name() else {
+        return Ok(key.to_string());
+    };
+    if *key == LockKey::from(name) || *key == LockKey::hashed64(name) {
+        return Ok(name.to_owned());
+    }
+    Err(Error::InvalidKey {
+        name: name.chars().take(64).collect(),
+        reason: "namespaced keys select a PostgreSQL keyspace that Redis does not have; \
+                 put the namespace into the name instead",
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_map_to_names_and_decimal_ids() {
+        assert_eq!(
+            redis_key(&LockKey::from("jobs:a")).ok().as_deref(),
+            Some("jobs:a")
+        );
+        assert_eq!(redis_key(&LockKey::id(-42)).ok().as_deref(), Some("-42"));
+        assert_eq!(
+            redis_key(&LockKey::hashed64("h")).ok().as_deref(),
+            Some("h")
+        );
+        assert!(matches!(
+            redis_key(&LockKey::namespaced(1, "a")),
+            Err(Error::InvalidKey { .. })
+        ));
+        assert!(matches!(
+            redis_key(&LockKey::from("")),
+            Err(Error::InvalidKey { .. })
+        ));
+    }
+
+    #[test]
+    fn tokens_are_128_bit_hex_and_differ() -> Result<(), Error> {
+        let a = Claim::new(LockKey::from("k"), MIN_TTL)?;
+        let b = Claim::new(LockKey::from("k"), MIN_TTL)?;
+        assert_eq!(a.token.len(), 32);
+        assert_ne!(a.token, b.token);
+        Ok(())
+    }
+
+    #[test]
+    fn window_subtracts_the_drift_margin() -> Result<(), Error> {
+        let claim = Claim::new(LockKey::from("k"), Duration::from_secs(10))?;
+        assert_eq!(claim.window(), Duration::from_millis(10_000 - 100 - 2));
+        assert!(matches!(
+            Claim::new(LockKey::from("k"), Duration::from_millis(99)),
+            Err(Error::InvalidConfig(_))
+        ));
+        Ok(())
+    }
+}

@@ -1,0 +1,158 @@
+//! Leases on Redis: [`RedisLocker`] on one server, [`Redlock`] over several
+//! independent servers.
+//!
+//! Both hand out leases with the same API as the PostgreSQL session locks
+//! (`try_lock` → `Ok(None)` when held elsewhere, `lock` with a deadline,
+//! `release`, `lost`, `is_lost`, `fencing_token`), and both implement
+//! [`Locker`](crate::Locker) and [`Lease`](crate::Lease), so the job runner
+//! and the CLI work with them unchanged.
+//!
+//! A lease is a key with a time to live (TTL, default 30 s) holding a random
+//! 128-bit token. A watchdog task resets the TTL every TTL/3 while the lease
+//! lives; only the token's owner can extend or delete the key. If the holder
+//! dies, the key expires after at most one TTL.
+//!
+//! # Keys
+//!
+//! The Redis key is the lock's name: `LockKey::from("jobs:nightly")` locks the
+//! key `jobs:nightly`, `LockKey::id(42)` the key `42`, and
+//! `LockKey::hashed64("x")` the key `x`. [`LockKey::namespaced`](crate::LockKey::namespaced)
+//! keys are refused with [`Error::InvalidKey`](crate::Error::InvalidKey): put
+//! the namespace into the name. With fencing on, [`RedisLocker`] also keeps a
+//! counter key `distlock:fencing:<name>` per lock name.
+//!
+//! # PostgreSQL, Redis or Redlock?
+//!
+//! * **PostgreSQL** ([`PgLocker`](crate::PgLocker)) when the work's data is in
+//!   PostgreSQL. Locks are held by a session, not a clock: they cannot expire
+//!   under a slow holder, waiters are queued by the server, and fencing tokens
+//!   and the fence share the database's transactions. This is the crate's
+//!   first choice.
+//! * **[`RedisLocker`]** when there is no PostgreSQL to share, or to keep
+//!   frequent locking off the database. It is a single point of failure and
+//!   of truth: while it is down nobody gets a lease, and with replication and
+//!   failover (Sentinel, Cluster, managed "high availability") it can grant
+//!   the same lock twice (see below). Its fencing tokens make double
+//!   *effects* impossible where the resource checks them.
+//! * **[`Redlock`]** when locking must survive the loss of a minority of
+//!   Redis servers. It is an efficiency lock, not a correctness lock: it
+//!   keeps contenders apart almost always, but it depends on bounded process
+//!   pauses, network delays and clock drift, and offers no fencing tokens. Use
+//!   it where a rare double run only costs work (a duplicate report, a cache
+//!   refilled twice). Where a double run would corrupt data, add a fence.
+//!
+//! This follows Martin Kleppmann's critique ("How to do distributed locking",
+//! 2016) and the published Redlock algorithm: a lease based on time can
+//! always be outlived by a paused holder, so correctness must come from the
+//! resource rejecting stale writers, and that takes tokens from a
+//! linearizable source.
+//!
+//! # Fencing tokens
+//!
+//! [`RedisLocker`] issues one with every lease: the acquire script runs
+//! `INCR distlock:fencing:<name>` in the same atomic step as the `SET`, so a
+//! token belongs to exactly one holder and each is greater than every earlier
+//! one. The counter is only as durable as the server's data: a restart
+//! without persistence (AOF with `appendfsync always`) or a failover to a
+//! replica that had not yet received the last `INCR` can hand out a token
+//! again.
+//!
+//! A [`Redlock`] lease has none ([`RedlockLease::fencing_token`] is `None`).
+//! Counters on the nodes would not be sound:
+//!
+//! * **Process pauses.** A holder paused (GC, VM freeze, swap) past its
+//!   validity keeps believing it holds the lease while a successor takes it.
+//!   Only a token the *resource* checks stops its late write, and that token
+//!   must be strictly greater for the successor.
+//! * **Clock jumps.** Keys expire by each node's clock. A node whose clock
+//!   jumps forward (NTP step, a VM resumed) expires the key early, a second
+//!   client wins a majority that includes that node, and both hold the lease.
+//!   Per-node counters incremented by both would not order them.
+//! * **Failover and restarts.** A node that restarts without its data, or is
+//!   replaced by a replica that missed writes, forgets both the key and its
+//!   counter. Majorities overlap in some node, but which node's counter wins
+//!   differs per attempt, so the "newest" token is not well defined: two
+//!   holders can present the same value, or the successor a smaller one.
+//!
+//! Take the token from PostgreSQL instead, and let the resource check it with
+//! [`fence::check`](crate::fence::check). Here Redlock keeps the fleet from
+//! piling onto the database; the PostgreSQL lock (built with
+//! `.fencing(true)`) issues the token; the fence makes a stale write
+//! impossible:
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool, redlock: distlock::redis::Redlock) -> Result<(), distlock::Error> {
+//! use std::time::Duration;
+//! use distlock::PgLocker;
+//!
+//! let pg = PgLocker::builder(pool.clone()).fencing(true).build();
+//! let Some(lease) = redlock.try_lock("report:2026-11").await? else {
+//!     return Ok(()); // another worker has it
+//! };
+//! let lock = pg.lock("report:2026-11", Duration::from_secs(5)).await?;
+//! let token = lock.fencing_token().expect("built with .fencing(true)");
+//! let mut tx = pool.begin().await?;
+//! distlock::fence::check(&mut tx, "report:2026-11", token).await?;
+//! sqlx::query("UPDATE reports SET body = $1 WHERE month = '2026-11'")
+//!     .bind("...")
+//!     .execute(&mut *tx)
+//!     .await?;
+//! tx.commit().await?;
+//! lock.release().await?;
+//! lease.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Unsafe setups
+//!
+//! Redis replication is asynchronous. With Sentinel, Cluster or any managed
+//! failover, a primary can grant a lease and fail before the key reaches its
+//! replica; the promoted replica does not have the key and grants the same
+//! lease to a second client. A single instance therefore only guarantees
+//! mutual exclusion while that one server lives with its data; Redlock's
+//! majority argument only holds if its N nodes are independent primaries (no
+//! replicas, not the same server twice) that keep their data or stay down
+//! for a TTL after a restart.
+//!
+//! [`Redlock::check_setup`] and [`RedisLocker::check_setup`] ask every node
+//! with `INFO` and report (and log at `WARN`) a node that is a replica, has
+//! replicas, is the same server as another node (same `run_id`), or does not
+//! answer. Both `connect` functions run this check once.
+//!
+//! # Drops, cancellation and faults
+//!
+//! Dropping a lease never blocks: its watchdog task deletes the key in the
+//! background. Dropping an acquiring future deletes whatever it may have set.
+//! Every command has a deadline; an extension that fails or finds the key
+//! gone or taken fires [`lost`][`RedisLease::lost`] at once on a single
+//! instance, while Redlock retries until the validity runs out. Spans
+//! `distlock.acquire` and `distlock.release` (at `DEBUG`) carry the key, the
+//! backend (`redis`, `redlock`), the wait or hold time and the outcome.
+//!
+//! [`RedisLocker`]: crate::redis::RedisLocker
+//! [`RedisLocker::check_setup`]: crate::redis::RedisLocker::check_setup
+//! [`RedisLease::lost`]: crate::redis::RedisLease::lost
+//! [`Redlock`]: crate::redis::Redlock
+//! [`Redlock::check_setup`]: crate::redis::Redlock::check_setup
+//! [`RedlockLease::fencing_token`]: crate::redis::RedlockLease::fencing_token
+
+mod backoff;
+mod claim;
+mod node;
+mod redlock;
+mod scripts;
+mod setup;
+mod single;
+mod span;
+mod watchdog;
+
+use std::time::Duration;
+
+pub use redlock::{
+    DEFAULT_NODE_TIMEOUT, DEFAULT_RETRY_DELAY, DEFAULT_RETRY_JITTER, Redlock, RedlockLease,
+};
+pub use setup::{NodeStatus, SetupReport, SetupWarning};
+pub use single::{DEFAULT_COMMAND_TIMEOUT, RedisLease, RedisLocker};
+
+/// Default time to live of a Redis lease.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(30);

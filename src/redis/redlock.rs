@@ -1,0 +1,556 @@
+//! [`Redlock`]: leases over N independent Redis servers, granted by a
+//! majority.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::{Cmd, ErrorKind, RedisError, Value};
+use tokio::time::{Instant, sleep};
+use tracing::Instrument;
+
+use super::backoff::jittered;
+use super::claim::Claim;
+use super::node::{Node, join_all};
+use super::setup::{self, SetupReport};
+use super::watchdog::{Backend, Extension, Handle, InFlight};
+use super::{DEFAULT_TTL, scripts, span};
+use crate::{Error, FencingToken, Lease, LockKey, Locker, LossReason};
+
+/// Default deadline of one node's reply: well below any sensible TTL, so a
+/// dead node costs little of the lease's validity.
+pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(50);
+/// Default fixed part of the delay between two attempts of [`Redlock::lock`].
+pub const DEFAULT_RETRY_DELAY: Duration = Duration::from_millis(50);
+/// Default random part added to [`DEFAULT_RETRY_DELAY`].
+pub const DEFAULT_RETRY_JITTER: Duration = Duration::from_millis(50);
+
+/// How long [`Redlock::connect`] waits for each node's `INFO`.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Hands out leases granted by a majority of N independent Redis servers,
+/// following the published Redlock algorithm.
+///
+/// An attempt sends `SET key token NX PX ttl` with the same key and random
+/// token to every node at once, each under a short deadline
+/// ([`with_node_timeout`](Self::with_node_timeout)). It succeeds if at least
+/// N/2+1 nodes (the quorum) granted it and the validity left — TTL minus the
+/// time the attempt took minus a clock-drift margin of TTL × 1% + 2 ms — is
+/// positive. Otherwise it deletes the key on *all* nodes at once (also those
+/// that seemed to fail: their `SET` may have landed after the deadline) and
+/// reports failure. A watchdog extends on all nodes every TTL/3; the lease is
+/// lost when extensions no longer reach a quorum within its validity.
+/// Release always goes to every node.
+///
+/// Leases carry no fencing tokens: see the [module docs](super) for why, and
+/// for pairing a Redlock lease with the PostgreSQL fence. Before relying on
+/// it, make sure the nodes really are independent: see
+/// [`check_setup`](Self::check_setup).
+///
+/// Cheap to clone. Costs per call: [`try_lock`](Self::try_lock) 1 round trip
+/// to every node (2 when it fails: the cleanup), release 1, the watchdog 1
+/// per TTL/3; the nodes are contacted concurrently.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), distlock::Error> {
+/// use std::time::Duration;
+/// use distlock::redis::Redlock;
+///
+/// let redlock = Redlock::connect(&[
+///     "redis://127.0.0.1:7001",
+///     "redis://127.0.0.1:7002",
+///     "redis://127.0.0.1:7003",
+///     "redis://127.0.0.1:7004",
+///     "redis://127.0.0.1:7005",
+/// ])
+/// .await?
+/// .with_ttl(Duration::from_secs(10));
+/// let lease = redlock.lock("reports:nightly", Duration::from_secs(5)).await?;
+/// println!("held for at least {:?} more", lease.validity());
+/// lease.release().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Redlock {
+    nodes: Arc<[Node]>,
+    config: Config,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Config {
+    ttl: Duration,
+    node_timeout: Duration,
+    retry_count: u32,
+    retry_delay: Duration,
+    retry_jitter: Duration,
+}
+
+impl fmt::Debug for Redlock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Redlock")
+            .field("nodes", &self.nodes)
+            .field("quorum", &self.quorum())
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl Redlock {
+    /// Sets up connections to the nodes at `urls`
+    /// (`redis://[user:password@]host:port[/db]`) and checks the deployment
+    /// (see [`check_setup`](Self::check_setup)), logging what is unsafe.
+    ///
+    /// Nodes that are down are tolerated: each connects on first use, and a
+    /// node that comes up later takes part from then on. Fails only for a
+    /// bad configuration: no URL, an invalid one, or one listed twice.
+    /// Costs 1 round trip to every node (`INFO`), at most 1 s each.
+    pub async fn connect(urls: &[&str]) -> Result<Self, Error> {
+        if urls.is_empty() {
+            return Err(Error::InvalidConfig("Redlock needs at least one node URL"));
+        }
+        if urls.iter().collect::<HashSet<_>>().len() != urls.len() {
+            return Err(Error::InvalidConfig("a Redlock node URL is listed twice"));
+        }
+        let nodes = urls
+            .iter()
+            .map(|url| Node::lazy(url))
+            .collect::<Result<Vec<_>, _>>()?;
+        let redlock = Self {
+            nodes: nodes.into(),
+            config: Config {
+                ttl: DEFAULT_TTL,
+                node_timeout: DEFAULT_NODE_TIMEOUT,
+                retry_count: u32::MAX,
+                retry_delay: DEFAULT_RETRY_DELAY,
+                retry_jitter: DEFAULT_RETRY_JITTER,
+            },
+        };
+        let report = setup::inspect(&redlock.nodes, SETUP_TIMEOUT).await;
+        if report.reachable() < redlock.quorum() {
+            tracing::warn!(
+                reachable = report.reachable(),
+                quorum = redlock.quorum(),
+                "distlock: fewer Redlock nodes answer than a quorum needs; locking fails until more come up"
+            );
+        }
+        Ok(redlock)
+    }
+
+    /// Sets the leases' time to live (default 30 s, at least 100 ms).
+    #[must_use]
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.config.ttl = ttl;
+        self
+    }
+
+    /// Sets the deadline of one node's reply (default 50 ms; never more than
+    /// the TTL less the drift margin). It bounds how much of the validity a
+    /// dead or slow node can eat.
+    #[must_use]
+    pub fn with_node_timeout(mut self, timeout: Duration) -> Self {
+        self.config.node_timeout = timeout;
+        self
+    }
+
+    /// Sets how many times [`lock`](Self::lock) tries again after a failed
+    /// attempt (default: no limit; the timeout bounds the wait).
+    #[must_use]
+    pub fn with_retry_count(mut self, retries: u32) -> Self {
+        self.config.retry_count = retries;
+        self
+    }
+
+    /// Sets the fixed part of the delay between two attempts (default 50 ms).
+    #[must_use]
+    pub fn with_retry_delay(mut self, delay: Duration) -> Self {
+        self.config.retry_delay = delay;
+        self
+    }
+
+    /// Sets the upper bound of the random part added to each delay (default
+    /// 50 ms). Random delays keep clients that split the vote from splitting
+    /// it again.
+    #[must_use]
+    pub fn with_retry_jitter(mut self, jitter: Duration) -> Self {
+        self.config.retry_jitter = jitter;
+        self
+    }
+
+    /// The leases' time to live.
+    pub fn ttl(&self) -> Duration {
+        self.config.ttl
+    }
+
+    /// How many nodes must grant a lease: N/2 + 1.
+    pub fn quorum(&self) -> usize {
+        self.nodes.len() / 2 + 1
+    }
+
+    /// The nodes, as `host:port/db` (no credentials), in the order given.
+    pub fn nodes(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.label().to_owned()).collect()
+    }
+
+    /// Asks every node with `INFO` whether it is reachable, a replica, has
+    /// replicas, or is the same server as another node (same `run_id`), and
+    /// logs each finding at `WARN`. Redlock's guarantee assumes N
+    /// independent primaries; see the [module docs](super). Costs 1 round
+    /// trip to every node, concurrently, each within the node timeout.
+    pub async fn check_setup(&self) -> SetupReport {
+        setup::inspect(&self.nodes, self.config.node_timeout).await
+    }
+
+    /// Makes one attempt to take the lease `key`; `Ok(None)` if it was not
+    /// granted by a quorum because others hold the key on some nodes (or the
+    /// attempt took longer than the TTL allows).
+    ///
+    /// Fails with [`Error::Redis`] when failing nodes alone leave no quorum
+    /// (more than N − quorum nodes down or too slow), and with
+    /// [`Error::InvalidKey`] for an empty name, one containing NUL, or a
+    /// [`LockKey::namespaced`] key.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it returns leaves no lease held: a
+    /// background task deletes the key on all nodes (compare-then-`DEL`).
+    pub async fn try_lock(&self, key: impl Into<LockKey>) -> Result<Option<RedlockLease>, Error> {
+        let key = key.into();
+        let span = span::acquire(&key, Quorum::NAME, "try");
+        let started = Instant::now();
+        let claim = Claim::new(key.clone(), self.config.ttl);
+        let result = async { self.attempt(&Arc::new(claim?)).await }
+            .instrument(span.clone())
+            .await;
+        span::finish(&span, &key, Quorum::NAME, started, &result, Option::is_some);
+        result
+    }
+
+    /// Takes the lease `key`, trying again after each failed attempt (after
+    /// the retry delay plus a random jitter) until `timeout` has passed or
+    /// the retry count is used up; then fails with [`Error::Timeout`].
+    ///
+    /// Fails at once, like [`try_lock`](Self::try_lock), when failing nodes
+    /// alone leave no quorum. Every attempt uses the same token, so a `SET`
+    /// that landed late still belongs to this call.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`try_lock`](Self::try_lock): no lease outlives a dropped call.
+    pub async fn lock(
+        &self,
+        key: impl Into<LockKey>,
+        timeout: Duration,
+    ) -> Result<RedlockLease, Error> {
+        let key = key.into();
+        let span = span::acquire(&key, Quorum::NAME, "wait");
+        let started = Instant::now();
+        let result = self
+            .lock_inner(key.clone(), started, timeout)
+            .instrument(span.clone())
+            .await;
+        span::finish(&span, &key, Quorum::NAME, started, &result, |_| true);
+        result
+    }
+
+    async fn lock_inner(
+        &self,
+        key: LockKey,
+        started: Instant,
+        timeout: Duration,
+    ) -> Result<RedlockLease, Error> {
+        let claim = Arc::new(Claim::new(key, self.config.ttl)?);
+        let deadline = started + timeout;
+        let mut retries = 0_u32;
+        loop {
+            if let Some(lease) = self.attempt(&claim).await? {
+                return Ok(lease);
+            }
+            let now = Instant::now();
+            if now >= deadline || retries >= self.config.retry_count {
+                return Err(claim.timed_out(started));
+            }
+            retries += 1;
+            let delay = jittered(self.config.retry_delay, self.config.retry_jitter);
+            sleep(delay.min(deadline - now)).await;
+        }
+    }
+
+    /// One round of the algorithm: `SET NX PX` everywhere, count, and on
+    /// failure delete everywhere before reporting it.
+    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedlockLease>, Error> {
+        let quorum = self.backend(claim);
+        let in_flight = InFlight::new(&quorum, claim);
+        let started = Instant::now();
+        let tally = quorum
+            .ask(&scripts::set_nx(claim), |v| *v == Value::Okay)
+            .await;
+        let in_time = Instant::now() < started + claim.window();
+        if tally.granted >= quorum.needed() && in_time {
+            in_flight.disarm();
+            let handle = Handle::spawn(quorum, Arc::clone(claim), started);
+            return Ok(Some(RedlockLease { handle }));
+        }
+        if let Err(err) = quorum.release(claim).await {
+            tracing::trace!(error = %err, "cleanup after a failed Redlock attempt");
+        }
+        in_flight.disarm();
+        if tally.failed.len() > self.nodes.len() - quorum.needed() {
+            return Err(Error::Redis(tally.unreachable(quorum.needed())));
+        }
+        if tally.granted >= quorum.needed() {
+            tracing::warn!(
+                took_ms = started.elapsed().as_secs_f64() * 1e3,
+                "distlock: Redlock quorum reached too late, its validity had run out"
+            );
+        }
+        Ok(None)
+    }
+
+    fn backend(&self, claim: &Claim) -> Quorum {
+        Quorum {
+            nodes: Arc::clone(&self.nodes),
+            within: self.config.node_timeout.min(claim.window()),
+        }
+    }
+}
+
+/// The Redlock side of a lease: every node, and the per-node deadline.
+#[derive(Debug, Clone)]
+struct Quorum {
+    nodes: Arc<[Node]>,
+    within: Duration,
+}
+
+/// What the nodes answered to one command.
+#[derive(Debug)]
+struct Tally {
+    /// Nodes that did what was asked.
+    granted: usize,
+    /// Nodes that could not be asked (error or no reply in time).
+    failed: Vec<RedisError>,
+}
+
+impl Tally {
+    /// Why a quorum could not be reached with this many failing nodes.
+    fn unreachable(self, needed: usize) -> RedisError {
+        let count = self.failed.len();
+        let first = self.failed.into_iter().next().map(|e| e.to_string());
+        RedisError::from((
+            ErrorKind::Io,
+            "Redlock quorum unreachable",
+            format!(
+                "{count} node(s) failed, so fewer than the {needed} needed can grant; first error: {}",
+                first.unwrap_or_default()
+            ),
+        ))
+    }
+
+    fn loss(&self) -> LossReason {
+        match self.failed.first() {
+            Some(err) => LossReason::ConnectionFailed(err.to_string()),
+            None => LossReason::Expired,
+        }
+    }
+}
+
+impl Quorum {
+    fn needed(&self) -> usize {
+        self.nodes.len() / 2 + 1
+    }
+
+    /// Sends `cmd` to every node at once; `yes` tells a granting reply.
+    async fn ask(&self, cmd: &Cmd, yes: fn(&Value) -> bool) -> Tally {
+        let replies = join_all(
+            self.nodes
+                .iter()
+                .map(|n| n.query::<Value>(cmd, self.within)),
+        )
+        .await;
+        let mut tally = Tally {
+            granted: 0,
+            failed: Vec::new(),
+        };
+        for reply in replies {
+            match reply {
+                Ok(value) if yes(&value) => tally.granted += 1,
+                Ok(_) => {}
+                Err(err) => tally.failed.push(err),
+            }
+        }
+        tally
+    }
+}
+
+fn is_one(value: &Value) -> bool {
+    *value == Value::Int(1)
+}
+
+impl Backend for Quorum {
+    const NAME: &'static str = "redlock";
+
+    /// Nodes that answered "not ours" never become ours again; when they
+    /// alone rule out a quorum the lease is lost at once. Failing nodes may
+    /// recover, so then the watchdog retries while the validity lasts.
+    async fn extend(&self, claim: &Claim) -> Extension {
+        let tally = self.ask(&scripts::extend(claim), is_one).await;
+        if tally.granted >= self.needed() {
+            Extension::Extended
+        } else if tally.granted + tally.failed.len() < self.needed() {
+            Extension::Lost(LossReason::Expired)
+        } else {
+            Extension::Retry(tally.loss())
+        }
+    }
+
+    /// Deletes on every node, also those that never granted the lease.
+    async fn release(&self, claim: &Claim) -> Result<(), Error> {
+        let tally = self.ask(&scripts::release(claim), is_one).await;
+        if tally.granted >= self.needed() {
+            return Ok(());
+        }
+        match tally.failed.into_iter().next() {
+            Some(err) => Err(claim.release_failed(err, self.within)),
+            None => Err(claim.not_held()),
+        }
+    }
+}
+
+/// A lease granted by a quorum of Redlock nodes, kept alive by a watchdog
+/// until [`release`](Self::release) or drop.
+///
+/// It has no fencing token; see the [module docs](super) for pairing it
+/// with the PostgreSQL fence.
+///
+/// # Dropping
+///
+/// Dropping the lease never blocks: the watchdog task deletes the key on all
+/// nodes in the background. If the runtime has shut down, the keys expire
+/// after their TTL.
+#[must_use = "the lease is released as soon as it is dropped"]
+pub struct RedlockLease {
+    handle: Handle,
+}
+
+impl fmt::Debug for RedlockLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedlockLease")
+            .field("key", self.key())
+            .field("validity", &self.validity())
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+impl RedlockLease {
+    /// The key this lease holds.
+    pub fn key(&self) -> &LockKey {
+        self.handle.key()
+    }
+
+    /// Always `None`: tokens a Redlock could issue would not be strictly
+    /// increasing across holders (see the [module docs](super)).
+    pub fn fencing_token(&self) -> Option<FencingToken> {
+        None
+    }
+
+    /// How long the lease is still known to be held: TTL − elapsed − drift,
+    /// where elapsed counts from the start of the last successful round
+    /// (acquire or extension) until now, and drift is TTL × 1% + 2 ms. Zero
+    /// once lost. Work that must finish while the lease holds should fit
+    /// into this.
+    pub fn validity(&self) -> Duration {
+        self.handle.validity()
+    }
+
+    /// The lease's time to live.
+    pub fn ttl(&self) -> Duration {
+        self.handle.ttl()
+    }
+
+    /// How long the lease has been held.
+    pub fn held_for(&self) -> Duration {
+        self.handle.held_for()
+    }
+
+    /// Completes when the lease can no longer be trusted, with the reason:
+    /// too many nodes answered that the key is no longer ours
+    /// ([`LossReason::Expired`]), or no extension reached a quorum before
+    /// the validity ran out ([`LossReason::ConnectionFailed`],
+    /// [`LossReason::HeartbeatTimedOut`]).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only watches a channel.
+    pub async fn lost(&self) -> LossReason {
+        self.handle.lost().await
+    }
+
+    /// `true` once [`lost`](Self::lost) would complete, or once the
+    /// [`validity`](Self::validity) has run out.
+    pub fn is_lost(&self) -> bool {
+        self.handle.is_lost()
+    }
+
+    /// Why the lease was lost, if it was.
+    pub fn loss(&self) -> Option<LossReason> {
+        self.handle.loss()
+    }
+
+    /// Deletes the key on every node where it still holds this lease's
+    /// token, including nodes that did not grant it (a late `SET` may have
+    /// landed there).
+    ///
+    /// Costs 1 round trip to every node, concurrently. Succeeds when a
+    /// quorum deleted the key; fails with [`Error::LockLost`] if the lease
+    /// had been lost, [`Error::LockNotHeld`] if too few nodes still had it,
+    /// or the first node's error ([`Error::ReleaseTimedOut`] for no reply).
+    ///
+    /// # Cancel safety
+    ///
+    /// Once polled, the release is carried out by the watchdog even if this
+    /// future is dropped (the outcome is then only logged).
+    pub async fn release(self) -> Result<(), Error> {
+        self.handle.release(Quorum::NAME).await
+    }
+}
+
+#[async_trait]
+impl Locker for Redlock {
+    async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
+        let lease = Redlock::try_lock(self, key).await?;
+        Ok(lease.map(|lease| Box::new(lease) as Box<dyn Lease>))
+    }
+
+    async fn lock(&self, key: LockKey, timeout: Duration) -> Result<Box<dyn Lease>, Error> {
+        Ok(Box::new(Redlock::lock(self, key, timeout).await?))
+    }
+
+    fn backend(&self) -> &'static str {
+        Quorum::NAME
+    }
+}
+
+#[async_trait]
+impl Lease for RedlockLease {
+    fn key(&self) -> &LockKey {
+        RedlockLease::key(self)
+    }
+
+    fn fencing_token(&self) -> Option<FencingToken> {
+        None
+    }
+
+    async fn lost(&self) -> LossReason {
+        RedlockLease::lost(self).await
+    }
+
+    fn is_lost(&self) -> bool {
+        RedlockLease::is_lost(self)
+    }
+
+    async fn release(self: Box<Self>) -> Result<(), Error> {
+        RedlockLease::release(*self).await
+    }
+}

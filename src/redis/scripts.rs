@@ -1,0 +1,72 @@
+//! The commands that take, extend and release a lease.
+//!
+//! Scripts go out with `EVAL` (not `EVALSHA`), so every call costs exactly one
+//! round trip, also against a server that restarted and lost its script
+//! cache; the scripts are a few hundred bytes.
+
+use redis::Cmd;
+
+use super::claim::Claim;
+
+/// Takes the lock; with a second key, also issues the next fencing token in
+/// the same atomic step, so a token always belongs to exactly one holder.
+/// Returns -1 when the lock is held, else the token (0 without fencing).
+const ACQUIRE: &str = "\
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if KEYS[2] then return redis.call('INCR', KEYS[2]) end
+  return 0
+end
+return -1";
+
+/// Deletes the key only while it still holds our token: after an expiry the
+/// key may belong to the next owner, whose lock must survive.
+const RELEASE: &str = "\
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0";
+
+/// Resets the TTL only while the key still holds our token.
+const EXTEND: &str = "\
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0";
+
+/// The single-instance acquire script (1 if `fencing`, else 0 extra keys).
+pub(crate) fn acquire(claim: &Claim, fencing: bool) -> Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(ACQUIRE);
+    if fencing {
+        cmd.arg(2).arg(&claim.name).arg(claim.fence_key());
+    } else {
+        cmd.arg(1).arg(&claim.name);
+    }
+    cmd.arg(&claim.token).arg(claim.ttl_millis());
+    cmd
+}
+
+/// `SET key token NX PX ttl`, as Redlock sends it to every node.
+pub(crate) fn set_nx(claim: &Claim) -> Cmd {
+    let mut cmd = redis::cmd("SET");
+    cmd.arg(&claim.name)
+        .arg(&claim.token)
+        .arg("NX")
+        .arg("PX")
+        .arg(claim.ttl_millis());
+    cmd
+}
+
+/// Compare-then-`DEL`; replies 1 when our key was deleted.
+pub(crate) fn release(claim: &Claim) -> Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(RELEASE).arg(1).arg(&claim.name).arg(&claim.token);
+    cmd
+}
+
+/// Compare-then-`PEXPIRE`; replies 1 when our key got a fresh TTL.
+pub(crate) fn extend(claim: &Claim) -> Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(EXTEND)
+        .arg(1)
+        .arg(&claim.name)
+        .arg(&claim.token)
+        .arg(claim.ttl_millis());
+    cmd
+}

@@ -1,0 +1,235 @@
+//! A check of the deployment: is every node a primary of its own?
+
+use std::fmt;
+use std::time::Duration;
+
+use super::node::{Node, join_all};
+
+/// What one server says about itself (`INFO`'s `server` and `replication`
+/// sections).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NodeStatus {
+    /// `host:port/db` of the node, as configured (no credentials).
+    pub node: String,
+    /// The server's `run_id`, which differs for every running server process.
+    pub run_id: Option<String>,
+    /// `master` or `slave` (a replica).
+    pub role: Option<String>,
+    /// The primary a replica follows (`master_host:master_port`).
+    pub primary: Option<String>,
+    /// How many replicas follow this server.
+    pub connected_replicas: u64,
+    /// Why the node could not be asked, if it could not.
+    pub error: Option<String>,
+}
+
+/// A finding that makes a deployment less safe than the algorithm assumes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SetupWarning {
+    /// The node did not answer.
+    Unreachable {
+        /// The node.
+        node: String,
+        /// The error it gave.
+        error: String,
+    },
+    /// The node is a replica: it refuses writes, and its data is a copy of
+    /// another node's, so it is not an independent vote.
+    Replica {
+        /// The node.
+        node: String,
+        /// The primary it follows.
+        primary: String,
+    },
+    /// The node has replicas, which suggests Sentinel- or Cluster-style
+    /// failover: replication is asynchronous, so a promoted replica may lack
+    /// a lock its primary had granted.
+    HasReplicas {
+        /// The node.
+        node: String,
+        /// How many replicas follow it.
+        replicas: u64,
+    },
+    /// Two configured nodes are the same server process (same `run_id`), so
+    /// one server casts two votes.
+    SameServer {
+        /// One node.
+        first: String,
+        /// The other node.
+        second: String,
+        /// The shared `run_id`.
+        run_id: String,
+    },
+}
+
+impl fmt::Display for SetupWarning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unreachable { node, error } => write!(f, "node {node} is unreachable: {error}"),
+            Self::Replica { node, primary } => {
+                write!(
+                    f,
+                    "node {node} is a replica of {primary}, not an independent primary"
+                )
+            }
+            Self::HasReplicas { node, replicas } => write!(
+                f,
+                "node {node} has {replicas} replica(s): a failover may promote one that lacks a granted lock"
+            ),
+            Self::SameServer {
+                first,
+                second,
+                run_id,
+            } => write!(
+                f,
+                "nodes {first} and {second} are the same server (run_id {run_id})"
+            ),
+        }
+    }
+}
+
+/// The result of checking a Redis deployment: what every node said and what
+/// is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SetupReport {
+    /// One entry per configured node, in order.
+    pub nodes: Vec<NodeStatus>,
+    /// Everything that weakens the lock's guarantee; empty when sound.
+    pub warnings: Vec<SetupWarning>,
+}
+
+impl SetupReport {
+    /// `true` when every node answered as an independent primary without
+    /// replicas.
+    pub fn is_sound(&self) -> bool {
+        self.warnings.is_empty()
+    }
+
+    /// How many nodes answered.
+    pub fn reachable(&self) -> usize {
+        self.nodes.iter().filter(|n| n.error.is_none()).count()
+    }
+}
+
+/// Asks every node (concurrently, each within `within`) and logs every
+/// warning at `WARN`. Costs 1 round trip per node.
+pub(crate) async fn inspect(nodes: &[Node], within: Duration) -> SetupReport {
+    let nodes = join_all(nodes.iter().map(|node| status(node, within))).await;
+    let warnings = warnings(&nodes);
+    for warning in &warnings {
+        tracing::warn!(%warning, "distlock: unsafe Redis setup");
+    }
+    SetupReport { nodes, warnings }
+}
+
+async fn status(node: &Node, within: Duration) -> NodeStatus {
+    let mut status = NodeStatus {
+        node: node.label().to_owned(),
+        run_id: None,
+        role: None,
+        primary: None,
+        connected_replicas: 0,
+        error: None,
+    };
+    // Plain `INFO` (default sections) works on every server version;
+    // `INFO server replication` needs 7.0.
+    match node.query::<String>(&redis::cmd("INFO"), within).await {
+        Ok(text) => fill(&mut status, &text),
+        Err(err) => status.error = Some(err.to_string()),
+    }
+    status
+}
+
+fn fill(status: &mut NodeStatus, info: &str) {
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|line| line.trim_end().strip_prefix(name)?.strip_prefix(':'))
+            .map(str::to_owned)
+    };
+    status.run_id = field("run_id");
+    status.role = field("role");
+    if status.role.as_deref() == Some("slave") {
+        let host = field("master_host").unwrap_or_default();
+        let port = field("master_port").unwrap_or_default();
+        status.primary = Some(format!("{host}:{port}"));
+    }
+    status.connected_replicas = field("connected_slaves")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+}
+
+fn warnings(nodes: &[NodeStatus]) -> Vec<SetupWarning> {
+    let mut warnings = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        if let Some(error) = &node.error {
+            warnings.push(SetupWarning::Unreachable {
+                node: node.node.clone(),
+                error: error.clone(),
+            });
+        }
+        if let Some(primary) = &node.primary {
+            warnings.push(SetupWarning::Replica {
+                node: node.node.clone(),
+                primary: primary.clone(),
+            });
+        }
+        if node.connected_replicas > 0 {
+            warnings.push(SetupWarning::HasReplicas {
+                node: node.node.clone(),
+                replicas: node.connected_replicas,
+            });
+        }
+        let twin = nodes[..i]
+            .iter()
+            .find(|other| other.run_id.is_some() && other.run_id == node.run_id);
+        if let (Some(twin), Some(run_id)) = (twin, &node.run_id) {
+            warnings.push(SetupWarning::SameServer {
+                first: twin.node.clone(),
+                second: node.node.clone(),
+                run_id: run_id.clone(),
+            });
+        }
+    }
+    warnings
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(info: &str) -> NodeStatus {
+        let mut status = NodeStatus {
+            node: "n".into(),
+            run_id: None,
+            role: None,
+            primary: None,
+            connected_replicas: 0,
+            error: None,
+        };
+        fill(&mut status, info);
+        status
+    }
+
+    #[test]
+    fn parses_a_replica() {
+        let status = parsed(
+            "# Server\r\nrun_id:abc\r\n# Replication\r\nrole:slave\r\nmaster_host:127.0.0.1\r\nmaster_port:7001\r\n",
+        );
+        assert_eq!(status.run_id.as_deref(), Some("abc"));
+        assert_eq!(status.primary.as_deref(), Some("127.0.0.1:7001"));
+        assert_eq!(warnings(&[status]).len(), 1);
+    }
+
+    #[test]
+    fn flags_the_same_server_twice() {
+        let a = parsed("run_id:abc\r\nrole:master\r\nconnected_slaves:0\r\n");
+        let found = warnings(&[a.clone(), a]);
+        assert!(matches!(
+            found.as_slice(),
+            [SetupWarning::SameServer { .. }]
+        ));
+    }
+}

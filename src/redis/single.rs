@@ -1,0 +1,432 @@
+//! [`RedisLocker`]: leases on one Redis server, kept alive by a watchdog.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::{Instant, sleep};
+use tracing::Instrument;
+
+use super::backoff::Backoff;
+use super::claim::Claim;
+use super::node::Node;
+use super::setup::{self, SetupReport};
+use super::watchdog::{Backend, Extension, Handle, InFlight};
+use super::{DEFAULT_TTL, scripts, span};
+use crate::{Error, FencingToken, Lease, LockKey, Locker, LossReason};
+
+/// Default deadline of one command (acquire, extend, release) to the server.
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// First and largest delay between two tries of [`RedisLocker::lock`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(5);
+const MAX_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Hands out leases on a single Redis server.
+///
+/// A lease is the key named after the lock holding a random 128-bit token
+/// with a time to live (`SET key token NX PX ttl`). A watchdog task resets
+/// the TTL every TTL/3 while the lease lives; only the token's owner can
+/// extend or delete the key (Lua compare-then-`PEXPIRE` / compare-then-`DEL`).
+/// Each lease comes with a [`FencingToken`] issued by `INCR` on a companion
+/// key in the same atomic step (turn off with
+/// [`with_fencing(false)`](Self::with_fencing)).
+///
+/// Cheap to clone: all clones share one multiplexed connection, which
+/// reconnects by itself.
+///
+/// | method | waits | round trips |
+/// |---|---|---|
+/// | [`try_lock`](Self::try_lock) | no | 1 (release: 1; watchdog: 1 per TTL/3) |
+/// | [`lock`](Self::lock) | polls with jittered backoff (5 ms doubling to 100 ms) | 1 per try |
+/// | [`check_setup`](Self::check_setup) | no | 1 |
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), distlock::Error> {
+/// use std::time::Duration;
+/// use distlock::redis::RedisLocker;
+///
+/// let locker = RedisLocker::connect("redis://127.0.0.1:6379")
+///     .await?
+///     .with_ttl(Duration::from_secs(10));
+/// if let Some(lease) = locker.try_lock("reports:nightly").await? {
+///     // ... the work; race it against `lease.lost()` if it runs long ...
+///     lease.release().await?;
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisLocker {
+    node: Node,
+    config: Config,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Config {
+    ttl: Duration,
+    fencing: bool,
+    command_timeout: Duration,
+}
+
+impl fmt::Debug for RedisLocker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisLocker")
+            .field("node", &self.node)
+            .field("ttl", &self.config.ttl)
+            .field("fencing", &self.config.fencing)
+            .field("command_timeout", &self.config.command_timeout)
+            .finish()
+    }
+}
+
+impl RedisLocker {
+    /// Connects to the server at `url` (`redis://[user:password@]host:port[/db]`)
+    /// and checks with `INFO` that it is a primary without replicas, logging
+    /// a warning if not (see [`check_setup`](Self::check_setup)).
+    ///
+    /// Defaults: TTL 30 s ([`DEFAULT_TTL`]), fencing tokens on, command
+    /// deadline 2 s ([`DEFAULT_COMMAND_TIMEOUT`]). Fails if the URL is invalid
+    /// or the server does not answer. Costs 2 round trips (handshake, `INFO`).
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        let locker = Self {
+            node: Node::connect(url).await?,
+            config: Config {
+                ttl: DEFAULT_TTL,
+                fencing: true,
+                command_timeout: DEFAULT_COMMAND_TIMEOUT,
+            },
+        };
+        locker.check_setup().await;
+        Ok(locker)
+    }
+
+    /// Sets the leases' time to live (default 30 s, at least 100 ms). A
+    /// holder that dies without releasing blocks others for at most this
+    /// long; the watchdog extends every TTL/3.
+    #[must_use]
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.config.ttl = ttl;
+        self
+    }
+
+    /// Issues fencing tokens (default `true`). Each lock name then keeps a
+    /// counter key `distlock:fencing:<name>` that never expires (so tokens
+    /// never repeat); turn this off to keep no state beyond held leases.
+    #[must_use]
+    pub fn with_fencing(mut self, fencing: bool) -> Self {
+        self.config.fencing = fencing;
+        self
+    }
+
+    /// Sets the deadline of one command to the server (default 2 s). An
+    /// extension that gets no reply in time counts as loss.
+    #[must_use]
+    pub fn with_command_timeout(mut self, timeout: Duration) -> Self {
+        self.config.command_timeout = timeout;
+        self
+    }
+
+    /// The leases' time to live.
+    pub fn ttl(&self) -> Duration {
+        self.config.ttl
+    }
+
+    /// Asks the server with `INFO` whether it is a replica or has replicas
+    /// (both unsafe for locks, see the [module docs](super)) and logs each
+    /// finding at `WARN`. Costs 1 round trip.
+    pub async fn check_setup(&self) -> SetupReport {
+        setup::inspect(
+            std::slice::from_ref(&self.node),
+            self.config.command_timeout,
+        )
+        .await
+    }
+
+    /// Takes the lease `key` if it is free, without waiting; `Ok(None)` if
+    /// another holder has it.
+    ///
+    /// Costs 1 round trip. Fails with [`Error::InvalidKey`] for an empty
+    /// name, a name containing NUL, or a [`LockKey::namespaced`] key.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it returns leaves no lease held: if the
+    /// `SET` may have been sent, a background task deletes the key again
+    /// (compare-then-`DEL`, so never another holder's).
+    pub async fn try_lock(&self, key: impl Into<LockKey>) -> Result<Option<RedisLease>, Error> {
+        let key = key.into();
+        let span = span::acquire(&key, Single::NAME, "try");
+        let started = Instant::now();
+        let claim = Claim::new(key.clone(), self.config.ttl);
+        let result = async { self.attempt(&Arc::new(claim?)).await }
+            .instrument(span.clone())
+            .await;
+        span::finish(&span, &key, Single::NAME, started, &result, Option::is_some);
+        result
+    }
+
+    /// Takes the lease `key`, trying again with jittered exponential backoff
+    /// until `timeout` has passed; then fails with [`Error::Timeout`] (which
+    /// cannot name the holder: Redis does not know it). A `timeout` of zero
+    /// is a single try.
+    ///
+    /// Costs 1 round trip per try. Every try uses the same token, so a `SET`
+    /// whose reply was lost still belongs to this call.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`try_lock`](Self::try_lock): no lease outlives a dropped call.
+    pub async fn lock(
+        &self,
+        key: impl Into<LockKey>,
+        timeout: Duration,
+    ) -> Result<RedisLease, Error> {
+        let key = key.into();
+        let span = span::acquire(&key, Single::NAME, "wait");
+        let started = Instant::now();
+        let result = self
+            .lock_inner(key.clone(), started, timeout)
+            .instrument(span.clone())
+            .await;
+        span::finish(&span, &key, Single::NAME, started, &result, |_| true);
+        result
+    }
+
+    async fn lock_inner(
+        &self,
+        key: LockKey,
+        started: Instant,
+        timeout: Duration,
+    ) -> Result<RedisLease, Error> {
+        let claim = Arc::new(Claim::new(key, self.config.ttl)?);
+        let deadline = started + timeout;
+        let mut backoff = Backoff::new(FIRST_BACKOFF, MAX_BACKOFF);
+        loop {
+            if let Some(lease) = self.attempt(&claim).await? {
+                return Ok(lease);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(claim.timed_out(started));
+            }
+            sleep(backoff.next_delay().min(deadline - now)).await;
+        }
+    }
+
+    /// One `SET NX PX` (with `INCR` of the fence counter) under the command
+    /// deadline, capped so that a reply always arrives while the TTL lasts.
+    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedisLease>, Error> {
+        let backend = self.backend();
+        let in_flight = InFlight::new(&backend, claim);
+        let started = Instant::now();
+        let within = self.config.command_timeout.min(claim.window());
+        let cmd = scripts::acquire(claim, self.config.fencing);
+        // On error the SET may still have landed: `in_flight` cleans up.
+        let reply: i64 = self.node.query(&cmd, within).await?;
+        in_flight.disarm();
+        if reply < 0 {
+            return Ok(None);
+        }
+        Ok(Some(RedisLease {
+            handle: Handle::spawn(backend, Arc::clone(claim), started),
+            token: (reply > 0).then(|| FencingToken::new(reply)),
+        }))
+    }
+
+    fn backend(&self) -> Single {
+        Single {
+            node: self.node.clone(),
+            timeout: self.config.command_timeout,
+        }
+    }
+}
+
+/// The single-instance side of a lease.
+#[derive(Debug, Clone)]
+struct Single {
+    node: Node,
+    timeout: Duration,
+}
+
+impl Backend for Single {
+    const NAME: &'static str = "redis";
+
+    /// Any failure is loss at once: one server is the only witness.
+    async fn extend(&self, claim: &Claim) -> Extension {
+        match self
+            .node
+            .query::<i64>(&scripts::extend(claim), self.timeout)
+            .await
+        {
+            Ok(1) => Extension::Extended,
+            Ok(_) => Extension::Lost(LossReason::Expired),
+            Err(err) if err.is_timeout() => {
+                Extension::Lost(LossReason::HeartbeatTimedOut(self.timeout))
+            }
+            Err(err) => Extension::Lost(LossReason::ConnectionFailed(err.to_string())),
+        }
+    }
+
+    async fn release(&self, claim: &Claim) -> Result<(), Error> {
+        match self
+            .node
+            .query::<i64>(&scripts::release(claim), self.timeout)
+            .await
+        {
+            Ok(1) => Ok(()),
+            Ok(_) => Err(claim.not_held()),
+            Err(err) => Err(claim.release_failed(err, self.timeout)),
+        }
+    }
+}
+
+/// A lease on one Redis server, kept alive by a watchdog until
+/// [`release`](Self::release) or drop.
+///
+/// Treat a lost lease as gone: another holder may have the key already.
+/// Present [`fencing_token`](Self::fencing_token) with every write to the
+/// protected resource so that a holder that was overtaken (a long GC or VM
+/// pause, a network partition) cannot write after its successor.
+///
+/// # Dropping
+///
+/// Dropping the lease never blocks: the watchdog task deletes the key
+/// (compare-then-`DEL`) in the background. If the runtime has shut down, the
+/// key expires after its TTL.
+#[must_use = "the lease is released as soon as it is dropped"]
+pub struct RedisLease {
+    handle: Handle,
+    token: Option<FencingToken>,
+}
+
+impl fmt::Debug for RedisLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisLease")
+            .field("key", self.key())
+            .field("fencing_token", &self.token)
+            .field("validity", &self.validity())
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+impl RedisLease {
+    /// The key this lease holds.
+    pub fn key(&self) -> &LockKey {
+        self.handle.key()
+    }
+
+    /// The fencing token issued with this lease: strictly greater than every
+    /// token issued before for this key by this server (as long as the
+    /// server keeps its data; see the [module docs](super)). `None` if the
+    /// locker was built with `with_fencing(false)`.
+    pub fn fencing_token(&self) -> Option<FencingToken> {
+        self.token
+    }
+
+    /// How long the lease is still known to be held: from the start of the
+    /// last successful write (acquire or extension), the TTL less a
+    /// clock-drift margin (TTL × 1% + 2 ms), less the time since. Zero once
+    /// lost.
+    pub fn validity(&self) -> Duration {
+        self.handle.validity()
+    }
+
+    /// The lease's time to live.
+    pub fn ttl(&self) -> Duration {
+        self.handle.ttl()
+    }
+
+    /// How long the lease has been held.
+    pub fn held_for(&self) -> Duration {
+        self.handle.held_for()
+    }
+
+    /// Completes when the lease can no longer be trusted, with the reason:
+    /// an extension found the key gone or holding another token
+    /// ([`LossReason::Expired`]), failed ([`LossReason::ConnectionFailed`]),
+    /// or got no reply ([`LossReason::HeartbeatTimedOut`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(lease: distlock::redis::RedisLease) -> Result<(), distlock::Error> {
+    /// # async fn work() {}
+    /// tokio::select! {
+    ///     () = work() => lease.release().await?,
+    ///     reason = lease.lost() => eprintln!("stopped: lease lost ({reason})"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only watches a channel.
+    pub async fn lost(&self) -> LossReason {
+        self.handle.lost().await
+    }
+
+    /// `true` once [`lost`](Self::lost) would complete, or once the
+    /// [`validity`](Self::validity) has run out.
+    pub fn is_lost(&self) -> bool {
+        self.handle.is_lost()
+    }
+
+    /// Why the lease was lost, if it was.
+    pub fn loss(&self) -> Option<LossReason> {
+        self.handle.loss()
+    }
+
+    /// Deletes the key if it still holds this lease's token.
+    ///
+    /// Costs 1 round trip. Fails with [`Error::LockLost`] if the lease had
+    /// been lost, with [`Error::LockNotHeld`] if the key had expired (it may
+    /// belong to another holder now, whose lease stays untouched), and with
+    /// [`Error::ReleaseTimedOut`] if the server did not answer in time.
+    ///
+    /// # Cancel safety
+    ///
+    /// Once polled, the release is carried out by the watchdog even if this
+    /// future is dropped (the outcome is then only logged).
+    pub async fn release(self) -> Result<(), Error> {
+        self.handle.release(Single::NAME).await
+    }
+}
+
+#[async_trait]
+impl Locker for RedisLocker {
+    async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
+        let lease = RedisLocker::try_lock(self, key).await?;
+        Ok(lease.map(|lease| Box::new(lease) as Box<dyn Lease>))
+    }
+
+    async fn lock(&self, key: LockKey, timeout: Duration) -> Result<Box<dyn Lease>, Error> {
+        Ok(Box::new(RedisLocker::lock(self, key, timeout).await?))
+    }
+
+    fn backend(&self) -> &'static str {
+        Single::NAME
+    }
+}
+
+#[async_trait]
+impl Lease for RedisLease {
+    fn key(&self) -> &LockKey {
+        RedisLease::key(self)
+    }
+
+    fn fencing_token(&self) -> Option<FencingToken> {
+        RedisLease::fencing_token(self)
+    }
+
+    async fn lost(&self) -> LossReason {
+        RedisLease::lost(self).await
+    }
+
+    fn is_lost(&self) -> bool {
+        RedisLease::is_lost(self)
+    }
+
+    async fn release(self: Box<Self>) -> Result<(), Error> {
+        RedisLease::release(*self).await
+    }
+}

@@ -1,0 +1,286 @@
+//! The task that keeps a lease alive: it extends the TTL every TTL/3,
+//! reports loss, and performs the release (requested or on drop).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{oneshot, watch};
+use tokio::time::{Instant, sleep_until, timeout_at};
+use tracing::Instrument;
+
+use super::claim::Claim;
+use crate::{Error, LockKey, LossReason, metrics};
+
+/// The server side of a lease: one Redis instance, or a Redlock quorum.
+pub(crate) trait Backend: Clone + Send + Sync + 'static {
+    /// A short name for logs: `"redis"` or `"redlock"`.
+    const NAME: &'static str;
+
+    /// One attempt to reset the claim's TTL where it still holds its token.
+    fn extend(&self, claim: &Claim) -> impl Future<Output = Extension> + Send;
+
+    /// Deletes the claim wherever it still holds its token.
+    fn release(&self, claim: &Claim) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+/// What one extension attempt found.
+#[derive(Debug)]
+pub(crate) enum Extension {
+    /// The TTL was reset from the moment the attempt started.
+    Extended,
+    /// Not extended this time, but it may still work before the lease runs
+    /// out (some nodes did not answer).
+    Retry(LossReason),
+    /// The lease is gone for good.
+    Lost(LossReason),
+}
+
+/// What the lease sees of its watchdog.
+#[derive(Debug, Clone)]
+pub(crate) struct State {
+    /// Until when the lease is known to be held.
+    pub(crate) valid_until: Instant,
+    /// Set once the lease can no longer be trusted.
+    pub(crate) lost: Option<LossReason>,
+}
+
+/// What `release()` sends: where to put the outcome.
+type ReleaseRequest = oneshot::Sender<Result<(), Error>>;
+
+/// The lease's end of its watchdog: loss, validity, and the release channel.
+/// Dropping it (with the lease) asks the watchdog to release.
+#[derive(Debug)]
+pub(crate) struct Handle {
+    claim: Arc<Claim>,
+    acquired_at: std::time::Instant,
+    state: watch::Receiver<State>,
+    release: Option<oneshot::Sender<ReleaseRequest>>,
+}
+
+impl Handle {
+    /// Starts the watchdog of a claim whose write started at `started`.
+    pub(crate) fn spawn<B: Backend>(backend: B, claim: Arc<Claim>, started: Instant) -> Self {
+        let state = State {
+            valid_until: started + claim.window(),
+            lost: None,
+        };
+        let (state_tx, state_rx) = watch::channel(state);
+        let (release_tx, release_rx) = oneshot::channel();
+        let span = tracing::debug_span!("distlock.watchdog", key = %claim.key, backend = B::NAME);
+        let acquired_at = std::time::Instant::now();
+        let watchdog = Watchdog {
+            backend,
+            claim: Arc::clone(&claim),
+            acquired_at,
+            state: state_tx,
+            release: release_rx,
+        };
+        tokio::spawn(watchdog.run(started).instrument(span));
+        Self {
+            claim,
+            acquired_at,
+            state: state_rx,
+            release: Some(release_tx),
+        }
+    }
+
+    pub(crate) fn key(&self) -> &LockKey {
+        &self.claim.key
+    }
+
+    pub(crate) fn ttl(&self) -> Duration {
+        self.claim.ttl
+    }
+
+    pub(crate) fn held_for(&self) -> Duration {
+        self.acquired_at.elapsed()
+    }
+
+    /// How long the lease is still known to be held (zero once lost).
+    pub(crate) fn validity(&self) -> Duration {
+        let state = self.state.borrow();
+        if state.lost.is_some() {
+            return Duration::ZERO;
+        }
+        state.valid_until.saturating_duration_since(Instant::now())
+    }
+
+    pub(crate) async fn lost(&self) -> LossReason {
+        let mut state = self.state.clone();
+        match state.wait_for(|state| state.lost.is_some()).await {
+            Ok(state) => state.lost.clone().unwrap_or(LossReason::KeeperStopped),
+            Err(_) => LossReason::KeeperStopped,
+        }
+    }
+
+    /// Also `true` once the validity ran out by the clock, even if the
+    /// watchdog has not had a chance to run yet (a starved runtime).
+    pub(crate) fn is_lost(&self) -> bool {
+        self.loss().is_some()
+    }
+
+    pub(crate) fn loss(&self) -> Option<LossReason> {
+        let state = self.state.borrow();
+        if let Some(reason) = &state.lost {
+            return Some(reason.clone());
+        }
+        if self.state.has_changed().is_err() {
+            return Some(LossReason::KeeperStopped);
+        }
+        (Instant::now() >= state.valid_until).then_some(LossReason::Expired)
+    }
+
+    /// Asks the watchdog to release and waits for the outcome.
+    pub(crate) async fn release(mut self, backend: &'static str) -> Result<(), Error> {
+        let span = tracing::debug_span!(
+            "distlock.release",
+            key = %self.claim.key,
+            backend,
+            hold_ms = self.acquired_at.elapsed().as_secs_f64() * 1e3,
+            outcome = tracing::field::Empty,
+        );
+        let (reply, outcome) = oneshot::channel();
+        let sent = self.release.take().map(|tx| tx.send(reply).is_ok());
+        let result = match (sent, outcome.instrument(span.clone()).await) {
+            (Some(true), Ok(result)) => result,
+            _ => Err(Error::LockLost {
+                key: self.claim.key.to_string(),
+                reason: self.loss().unwrap_or(LossReason::KeeperStopped),
+            }),
+        };
+        span.record("outcome", if result.is_ok() { "released" } else { "error" });
+        result
+    }
+}
+
+/// The watchdog task's state.
+struct Watchdog<B> {
+    backend: B,
+    claim: Arc<Claim>,
+    acquired_at: std::time::Instant,
+    state: watch::Sender<State>,
+    release: oneshot::Receiver<ReleaseRequest>,
+}
+
+impl<B: Backend> Watchdog<B> {
+    /// Runs until the lease is released (on request or because it was
+    /// dropped). If the runtime shuts down instead, the key simply expires
+    /// after its TTL.
+    async fn run(mut self, started: Instant) {
+        // `sleep_until` rather than `interval`: an interval's first tick fires
+        // at once and would put an extension in front of a quick release.
+        let mut next = started + self.claim.ttl / 3;
+        loop {
+            tokio::select! {
+                biased;
+                request = &mut self.release => return self.release(request.ok()).await,
+                () = sleep_until(next) => match self.extend().await {
+                    Ok(at) => next = at,
+                    Err(reason) => return self.lost(reason).await,
+                },
+            }
+        }
+    }
+
+    /// One extension; returns when to run the next, or why the lease is lost.
+    /// It never waits past the lease's validity: a lease whose extension has
+    /// not been confirmed by then is lost.
+    async fn extend(&mut self) -> Result<Instant, LossReason> {
+        let started = Instant::now();
+        let valid_until = self.state.borrow().valid_until;
+        let outcome = timeout_at(valid_until, self.backend.extend(&self.claim)).await;
+        match outcome {
+            Ok(Extension::Extended) => {
+                let until = started + self.claim.window();
+                self.state.send_modify(|state| state.valid_until = until);
+                Ok(started + self.claim.ttl / 3)
+            }
+            Ok(Extension::Retry(reason)) => {
+                let retry_at = Instant::now() + self.claim.ttl / 10;
+                if retry_at < valid_until {
+                    tracing::debug!(%reason, "distlock lease extension incomplete; retrying");
+                    Ok(retry_at)
+                } else {
+                    Err(reason)
+                }
+            }
+            Ok(Extension::Lost(reason)) => Err(reason),
+            Err(_) => Err(LossReason::HeartbeatTimedOut(
+                valid_until.saturating_duration_since(started),
+            )),
+        }
+    }
+
+    /// Publishes the loss, deletes whatever is still ours (so others need not
+    /// wait for the TTL), then waits for the lease to be released or dropped
+    /// so `release()` can report the loss.
+    async fn lost(self, reason: LossReason) {
+        tracing::warn!(key = %self.claim.key, %reason, "distlock lease lost");
+        metrics::lost(B::NAME, &self.claim.key);
+        self.state
+            .send_modify(|state| state.lost = Some(reason.clone()));
+        if let Err(err) = self.backend.release(&self.claim).await {
+            tracing::debug!(error = %err, "cleanup after a lost lease found nothing to delete");
+        }
+        if let Ok(reply) = self.release.await {
+            let _ = reply.send(Err(Error::LockLost {
+                key: self.claim.key.to_string(),
+                reason,
+            }));
+        }
+    }
+
+    async fn release(self, reply: Option<ReleaseRequest>) {
+        let outcome = self.backend.release(&self.claim).await;
+        match (&outcome, &reply) {
+            (Ok(()), _) => {
+                metrics::released(B::NAME, &self.claim.key, self.acquired_at.elapsed());
+                tracing::debug!(key = %self.claim.key, "distlock lease released");
+            }
+            (Err(err), None) => tracing::warn!(
+                key = %self.claim.key,
+                error = %err,
+                "background release of a dropped lease failed; the key expires with its TTL"
+            ),
+            (Err(_), Some(_)) => {}
+        }
+        if let Some(reply) = reply {
+            let _ = reply.send(outcome);
+        }
+    }
+}
+
+/// Deletes a claim in the background if the acquiring future is dropped
+/// before the lease is handed out (or fails after a write may have landed):
+/// no key outlives a cancelled acquisition by more than a round trip.
+pub(crate) struct InFlight<B: Backend> {
+    armed: Option<(B, Arc<Claim>)>,
+}
+
+impl<B: Backend> InFlight<B> {
+    pub(crate) fn new(backend: &B, claim: &Arc<Claim>) -> Self {
+        Self {
+            armed: Some((backend.clone(), Arc::clone(claim))),
+        }
+    }
+
+    /// The claim is settled: handed to a lease, or known not to be held.
+    pub(crate) fn disarm(mut self) {
+        self.armed = None;
+    }
+}
+
+impl<B: Backend> Drop for InFlight<B> {
+    fn drop(&mut self) {
+        let Some((backend, claim)) = self.armed.take() else {
+            return;
+        };
+        // Without a runtime there is nothing to run on: the key expires.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = backend.release(&claim).await;
+            });
+        }
+    }
+}

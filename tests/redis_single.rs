@@ -1,0 +1,368 @@
+//! `RedisLocker` against real `redis-server` processes started by the tests.
+#![cfg(feature = "redis")]
+
+mod redis_support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use distlock::redis::RedisLocker;
+use distlock::{Error, LockKey, Locker, LossReason};
+use redis_support::{RedisServer, eventually, init_tracing};
+
+const SHORT_TTL: Duration = Duration::from_millis(300);
+
+async fn locker(server: &RedisServer) -> RedisLocker {
+    init_tracing();
+    RedisLocker::connect(&server.url()).await.expect("connect")
+}
+
+#[tokio::test]
+async fn exclusive_acquire_and_busy_returns_none() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let (a, b) = (locker(&server).await, locker(&server).await);
+
+    let lease = a.try_lock("jobs:exclusive").await?.expect("free lock");
+    assert!(b.try_lock("jobs:exclusive").await?.is_none());
+    let token = server.get("jobs:exclusive").await.expect("key set");
+    assert_eq!(token.len(), 32, "a 128-bit token in hex: {token}");
+    assert!(
+        a.try_lock("jobs:exclusive").await?.is_none(),
+        "not reentrant"
+    );
+
+    lease.release().await?;
+    assert_eq!(server.get("jobs:exclusive").await, None);
+    let again = b
+        .try_lock("jobs:exclusive")
+        .await?
+        .expect("free after release");
+    again.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn release_after_expiry_does_not_delete_the_next_owners_key() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let (a, b) = (locker(&server).await, locker(&server).await);
+    let stale = a.try_lock("jobs:expiring").await?.expect("free lock");
+
+    // A is "paused" past its TTL (its watchdog would run only after 10 s):
+    // the key expires and B takes the lock.
+    let _: i64 = server.run(&["PEXPIRE", "jobs:expiring", "1"]).await;
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            server.get("jobs:expiring").await.is_none()
+        })
+        .await
+    );
+    let current = b
+        .try_lock("jobs:expiring")
+        .await?
+        .expect("expired lock is free");
+    let b_token = server.get("jobs:expiring").await;
+
+    let err = stale.release().await.expect_err("A no longer holds it");
+    assert!(matches!(err, Error::LockNotHeld { .. }), "{err}");
+    assert_eq!(
+        server.get("jobs:expiring").await,
+        b_token,
+        "B's key survives"
+    );
+    assert!(!current.is_lost());
+    current.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn watchdog_keeps_a_lease_alive_for_three_ttls() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let a = locker(&server).await.with_ttl(SHORT_TTL);
+    let b = locker(&server).await.with_ttl(SHORT_TTL);
+    let lease = a.try_lock("jobs:long").await?.expect("free lock");
+
+    tokio::time::sleep(SHORT_TTL * 3 + Duration::from_millis(100)).await;
+    assert!(!lease.is_lost(), "lost: {:?}", lease.loss());
+    assert!(lease.validity() > Duration::ZERO);
+    assert!(
+        b.try_lock("jobs:long").await?.is_none(),
+        "still held after 3 TTLs"
+    );
+    let pttl: i64 = server.run(&["PTTL", "jobs:long"]).await;
+    assert!(pttl > 0 && pttl <= 300, "pttl {pttl}");
+    lease.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn deleting_the_key_externally_makes_lost_fire() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server).await.with_ttl(SHORT_TTL);
+    let lease = locker.try_lock("jobs:deleted").await?.expect("free lock");
+
+    let _: i64 = server.run(&["DEL", "jobs:deleted"]).await;
+    let reason = tokio::time::timeout(SHORT_TTL, lease.lost()).await?;
+    assert_eq!(reason, LossReason::Expired);
+    assert!(lease.is_lost());
+    assert_eq!(lease.validity(), Duration::ZERO);
+    let err = lease.release().await.expect_err("lost");
+    assert!(
+        matches!(
+            err,
+            Error::LockLost {
+                reason: LossReason::Expired,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn another_owners_token_makes_lost_fire() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server).await.with_ttl(SHORT_TTL);
+    let lease = locker.try_lock("jobs:stolen").await?.expect("free lock");
+
+    let _: String = server.run(&["SET", "jobs:stolen", "someone-else"]).await;
+    let reason = tokio::time::timeout(SHORT_TTL, lease.lost()).await?;
+    assert_eq!(reason, LossReason::Expired);
+    // The cleanup after the loss must not delete the other owner's key.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        server.get("jobs:stolen").await.as_deref(),
+        Some("someone-else")
+    );
+    drop(lease);
+    Ok(())
+}
+
+#[tokio::test]
+async fn server_death_makes_lost_fire() -> anyhow::Result<()> {
+    let mut server = RedisServer::start().await;
+    let locker = locker(&server).await.with_ttl(SHORT_TTL);
+    let lease = locker.try_lock("jobs:crash").await?.expect("free lock");
+
+    server.kill();
+    let reason = tokio::time::timeout(SHORT_TTL, lease.lost()).await?;
+    assert!(
+        matches!(
+            reason,
+            LossReason::ConnectionFailed(_) | LossReason::HeartbeatTimedOut(_)
+        ),
+        "{reason:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn dropped_lease_is_released_in_the_background() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server).await;
+    let lease = locker.try_lock("jobs:dropped").await?.expect("free lock");
+
+    let started = Instant::now();
+    drop(lease);
+    assert!(
+        started.elapsed() < Duration::from_millis(5),
+        "drop must not block"
+    );
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            server.get("jobs:dropped").await.is_none()
+        })
+        .await
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_cancelled_acquisition_leaves_no_key() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server).await;
+    // Writes wait 300 ms, so the SET is sent but the caller gives up first.
+    let _: String = server.run(&["CLIENT", "PAUSE", "300", "WRITE"]).await;
+    let attempt =
+        tokio::time::timeout(Duration::from_millis(50), locker.try_lock("jobs:cancelled")).await;
+    assert!(
+        attempt.is_err(),
+        "the pause should outlast the caller's patience"
+    );
+
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(server.get("jobs:cancelled").await, None);
+    Ok(())
+}
+
+#[tokio::test]
+async fn lock_waits_for_the_holder_and_times_out_while_held() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let (a, b) = (locker(&server).await, locker(&server).await);
+    let lease = a.try_lock("jobs:wait").await?.expect("free lock");
+
+    let started = Instant::now();
+    let err = b
+        .lock("jobs:wait", Duration::from_millis(200))
+        .await
+        .expect_err("held");
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(started.elapsed() >= Duration::from_millis(200));
+
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        lease.release().await
+    });
+    let started = Instant::now();
+    let lease = b.lock("jobs:wait", Duration::from_secs(5)).await?;
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    lease.release().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn eight_tasks_times_thirty_acquisitions_never_overlap() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let in_section = Arc::new(AtomicUsize::new(0));
+    let violations = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let locker = locker(&server).await;
+        let (in_section, violations) = (Arc::clone(&in_section), Arc::clone(&violations));
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..30 {
+                let lease = locker.lock("jobs:hot", Duration::from_secs(30)).await?;
+                if in_section.fetch_add(1, Ordering::SeqCst) != 0 {
+                    violations.fetch_add(1, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                in_section.fetch_sub(1, Ordering::SeqCst);
+                lease.release().await?;
+            }
+            Ok::<_, Error>(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    assert_eq!(violations.load(Ordering::SeqCst), 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn fencing_tokens_strictly_increase() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let (a, b) = (locker(&server).await, locker(&server).await);
+    let mut last = None;
+    for i in 0..20 {
+        let locker = if i % 2 == 0 { &a } else { &b };
+        let lease = locker.try_lock("jobs:fenced").await?.expect("free lock");
+        let token = lease.fencing_token().expect("fencing is on by default");
+        assert!(Some(token) > last, "{token} after {last:?}");
+        last = Some(token);
+        if i % 3 == 0 {
+            drop(lease);
+            assert!(
+                eventually(Duration::from_secs(1), || async {
+                    server.get("jobs:fenced").await.is_none()
+                })
+                .await
+            );
+        } else {
+            lease.release().await?;
+        }
+    }
+    // A busy attempt issues no token.
+    let held = a.try_lock("jobs:fenced").await?.expect("free lock");
+    assert!(b.try_lock("jobs:fenced").await?.is_none());
+    let next = b.lock("jobs:fenced", Duration::ZERO).await;
+    assert!(next.is_err());
+    let after = held.fencing_token().map(|t| t.value());
+    held.release().await?;
+    let lease = b.try_lock("jobs:fenced").await?.expect("free lock");
+    assert_eq!(
+        lease.fencing_token().map(|t| t.value()),
+        after.map(|v| v + 1)
+    );
+
+    let plain = locker(&server).await.with_fencing(false);
+    lease.release().await?;
+    let unfenced = plain.try_lock("jobs:unfenced").await?.expect("free lock");
+    assert_eq!(unfenced.fencing_token(), None);
+    unfenced.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn invalid_keys_are_rejected() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server).await;
+    for key in [
+        LockKey::from(""),
+        LockKey::from("a\0b"),
+        LockKey::namespaced(1, "jobs"),
+    ] {
+        let err = locker.try_lock(key.clone()).await.expect_err("invalid");
+        assert!(matches!(err, Error::InvalidKey { .. }), "{key:?}: {err}");
+        let err = locker
+            .lock(key.clone(), Duration::from_millis(10))
+            .await
+            .expect_err("invalid");
+        assert!(matches!(err, Error::InvalidKey { .. }), "{key:?}: {err}");
+    }
+    let err = locker
+        .clone()
+        .with_ttl(Duration::from_millis(10))
+        .try_lock("jobs:x")
+        .await;
+    assert!(matches!(err, Err(Error::InvalidConfig(_))));
+    Ok(())
+}
+
+#[tokio::test]
+async fn keys_are_the_lock_names_and_ids_their_decimal_text() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server).await;
+    let by_id = locker.try_lock(LockKey::id(42)).await?.expect("free lock");
+    let by_name = locker.try_lock("42").await?;
+    assert!(by_name.is_none(), "LockKey::id(42) is the Redis key \"42\"");
+    assert!(server.get("42").await.is_some());
+    assert_eq!(by_id.key(), &LockKey::id(42));
+    by_id.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn works_through_the_backend_agnostic_traits() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker: Arc<dyn Locker> = Arc::new(locker(&server).await);
+    assert_eq!(locker.backend(), "redis");
+    let lease = locker
+        .try_lock(LockKey::from("jobs:dyn"))
+        .await?
+        .expect("free lock");
+    assert!(lease.fencing_token().is_some());
+    assert!(!lease.is_lost());
+    assert!(locker.try_lock(LockKey::from("jobs:dyn")).await?.is_none());
+    lease.release().await?;
+    let lease = locker
+        .lock(LockKey::from("jobs:dyn"), Duration::from_secs(1))
+        .await?;
+    assert_eq!(lease.key(), &LockKey::from("jobs:dyn"));
+    lease.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn connect_fails_when_no_server_answers() {
+    let port = redis_support::free_port();
+    let err = RedisLocker::connect(&format!("redis://127.0.0.1:{port}")).await;
+    assert!(matches!(err, Err(Error::Redis(_))), "{err:?}");
+    let err = RedisLocker::connect("not a url").await;
+    assert!(matches!(err, Err(Error::Redis(_))), "{err:?}");
+}

@@ -1,0 +1,428 @@
+//! `Redlock` over five real `redis-server` processes started by the tests.
+#![cfg(feature = "redis")]
+
+mod redis_support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use distlock::redis::{Redlock, SetupWarning};
+use distlock::{Error, LockKey, Locker, LossReason};
+use redis_support::{RedisServer, eventually, init_tracing, servers, urls};
+
+const SHORT_TTL: Duration = Duration::from_millis(300);
+
+async fn redlock(servers: &[RedisServer]) -> Redlock {
+    init_tracing();
+    let urls = urls(servers);
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    Redlock::connect(&urls).await.expect("connect")
+}
+
+/// What every server holds at `key`.
+async fn values(servers: &[RedisServer], key: &str) -> Vec<Option<String>> {
+    let mut values = Vec::new();
+    for server in servers {
+        values.push(server.get(key).await);
+    }
+    values
+}
+
+#[tokio::test]
+async fn exclusive_acquire_with_the_same_token_on_every_node() -> anyhow::Result<()> {
+    let servers = servers(5).await;
+    let (a, b) = (redlock(&servers).await, redlock(&servers).await);
+    assert_eq!(a.quorum(), 3);
+
+    let lease = a.try_lock("jobs:redlock").await?.expect("free lock");
+    assert!(b.try_lock("jobs:redlock").await?.is_none());
+    let held = values(&servers, "jobs:redlock").await;
+    assert!(
+        held[0].is_some() && held.iter().all(|v| *v == held[0]),
+        "{held:?}"
+    );
+    assert_eq!(
+        lease.fencing_token(),
+        None,
+        "Redlock issues no fencing tokens"
+    );
+
+    lease.release().await?;
+    assert!(
+        values(&servers, "jobs:redlock")
+            .await
+            .iter()
+            .all(Option::is_none)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn acquires_with_two_of_five_nodes_down() -> anyhow::Result<()> {
+    let mut servers = servers(5).await;
+    let redlock = redlock(&servers).await;
+    servers[0].kill();
+    servers[3].kill();
+
+    let lease = redlock
+        .try_lock("jobs:minority-down")
+        .await?
+        .expect("quorum of 3");
+    let live = [&servers[1], &servers[2], &servers[4]];
+    for server in live {
+        assert!(server.get("jobs:minority-down").await.is_some());
+    }
+    lease.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn refuses_with_three_of_five_nodes_down() -> anyhow::Result<()> {
+    let mut servers = servers(5).await;
+    let redlock = redlock(&servers).await;
+    for i in [0, 2, 4] {
+        servers[i].kill();
+    }
+
+    let err = redlock
+        .try_lock("jobs:majority-down")
+        .await
+        .expect_err("no quorum");
+    assert!(matches!(err, Error::Redis(_)), "{err}");
+    let err = redlock
+        .lock("jobs:majority-down", Duration::from_millis(200))
+        .await
+        .expect_err("no quorum");
+    assert!(matches!(err, Error::Redis(_)), "{err}");
+    // The failed attempts cleaned up the two nodes that granted them.
+    assert_eq!(servers[1].get("jobs:majority-down").await, None);
+    assert_eq!(servers[3].get("jobs:majority-down").await, None);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_failed_attempt_releases_on_all_nodes() -> anyhow::Result<()> {
+    let servers = servers(5).await;
+    let redlock = redlock(&servers).await;
+    for server in &servers[..3] {
+        let _: String = server
+            .run(&["SET", "jobs:contended", "other", "PX", "10000"])
+            .await;
+    }
+
+    assert!(redlock.try_lock("jobs:contended").await?.is_none());
+    let held = values(&servers, "jobs:contended").await;
+    let other = Some("other".to_owned());
+    assert_eq!(held, vec![other.clone(), other.clone(), other, None, None]);
+
+    let started = Instant::now();
+    let err = redlock
+        .clone()
+        .with_retry_count(2)
+        .with_retry_delay(Duration::from_millis(10))
+        .with_retry_jitter(Duration::ZERO)
+        .lock("jobs:contended", Duration::from_secs(5))
+        .await
+        .expect_err("held by a quorum of others");
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "retry count bounds the wait"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_slow_node_that_comes_back_is_cleaned_by_release_on_all() -> anyhow::Result<()> {
+    let servers = servers(5).await;
+    let redlock = redlock(&servers)
+        .await
+        .with_node_timeout(Duration::from_millis(100));
+    // Node 0 takes writes only after 400 ms: the SET times out, then lands.
+    let _: String = servers[0].run(&["CLIENT", "PAUSE", "400", "WRITE"]).await;
+
+    let lease = redlock
+        .try_lock("jobs:late")
+        .await?
+        .expect("4 of 5 granted");
+    let token = servers[1].get("jobs:late").await;
+    assert!(token.is_some());
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            servers[0].get("jobs:late").await == token
+        })
+        .await,
+        "the late SET landed on node 0"
+    );
+
+    lease.release().await?;
+    assert_eq!(values(&servers, "jobs:late").await, vec![None; 5]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_node_down_at_connect_takes_part_once_it_comes_up() -> anyhow::Result<()> {
+    let mut servers = servers(2).await;
+    for _ in 0..3 {
+        servers.push(RedisServer::reserve(&[]));
+    }
+    let redlock = redlock(&servers).await;
+    let err = redlock
+        .try_lock("jobs:late-nodes")
+        .await
+        .expect_err("3 of 5 down");
+    assert!(matches!(err, Error::Redis(_)), "{err}");
+
+    for server in &mut servers[2..] {
+        server.spawn().await;
+    }
+    let lease = redlock
+        .try_lock("jobs:late-nodes")
+        .await?
+        .expect("all 5 up");
+    let held = values(&servers, "jobs:late-nodes").await;
+    assert!(
+        held.iter().all(|v| v.is_some() && *v == held[0]),
+        "{held:?}"
+    );
+    lease.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn validity_is_below_ttl_and_accounts_for_elapsed_time() -> anyhow::Result<()> {
+    let servers = servers(5).await;
+    let ttl = Duration::from_secs(2);
+    let drift = ttl / 100 + Duration::from_millis(2);
+    let redlock = redlock(&servers)
+        .await
+        .with_ttl(ttl)
+        .with_node_timeout(Duration::from_secs(1));
+
+    let lease = redlock.try_lock("jobs:validity").await?.expect("free lock");
+    let validity = lease.validity();
+    assert!(validity <= ttl - drift, "{validity:?}");
+    assert!(
+        validity > ttl - drift - Duration::from_millis(200),
+        "{validity:?}"
+    );
+    lease.release().await?;
+
+    // Three nodes answer writes only after 300 ms, so any quorum waits for one.
+    for server in &servers[..3] {
+        let _: String = server.run(&["CLIENT", "PAUSE", "300", "WRITE"]).await;
+    }
+    let started = Instant::now();
+    let lease = redlock
+        .try_lock("jobs:validity")
+        .await?
+        .expect("granted, slowly");
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(250), "{took:?}");
+    let validity = lease.validity();
+    assert!(
+        validity <= ttl - drift - Duration::from_millis(250),
+        "{validity:?} after {took:?}"
+    );
+    assert!(validity > Duration::ZERO);
+    lease.release().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn eight_tasks_times_thirty_acquisitions_never_overlap() -> anyhow::Result<()> {
+    let servers = servers(5).await;
+    let in_section = Arc::new(AtomicUsize::new(0));
+    let violations = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let redlock = redlock(&servers)
+            .await
+            .with_node_timeout(Duration::from_millis(500))
+            .with_retry_delay(Duration::from_millis(2))
+            .with_retry_jitter(Duration::from_millis(8));
+        let (in_section, violations) = (Arc::clone(&in_section), Arc::clone(&violations));
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..30 {
+                let lease = redlock.lock("jobs:hot", Duration::from_secs(60)).await?;
+                if in_section.fetch_add(1, Ordering::SeqCst) != 0 {
+                    violations.fetch_add(1, Ordering::SeqCst);
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                in_section.fetch_sub(1, Ordering::SeqCst);
+                lease.release().await?;
+            }
+            Ok::<_, Error>(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    assert_eq!(violations.load(Ordering::SeqCst), 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn watchdog_survives_a_minority_and_loses_the_lease_without_quorum() -> anyhow::Result<()> {
+    let mut servers = servers(5).await;
+    let redlock = redlock(&servers).await.with_ttl(SHORT_TTL);
+    let lease = redlock.try_lock("jobs:watched").await?.expect("free lock");
+
+    servers[0].kill();
+    servers[1].kill();
+    tokio::time::sleep(SHORT_TTL * 3).await;
+    assert!(!lease.is_lost(), "3 of 5 still extend: {:?}", lease.loss());
+    let pttl: i64 = servers[2].run(&["PTTL", "jobs:watched"]).await;
+    assert!(pttl > 0, "extended on the live nodes");
+
+    servers[2].kill();
+    let reason = tokio::time::timeout(SHORT_TTL * 2, lease.lost()).await?;
+    assert!(
+        matches!(
+            reason,
+            LossReason::ConnectionFailed(_) | LossReason::HeartbeatTimedOut(_)
+        ),
+        "{reason:?}"
+    );
+    assert!(matches!(lease.release().await, Err(Error::LockLost { .. })));
+    Ok(())
+}
+
+#[tokio::test]
+async fn deleting_the_key_on_a_majority_makes_lost_fire() -> anyhow::Result<()> {
+    let servers = servers(5).await;
+    let redlock = redlock(&servers).await.with_ttl(SHORT_TTL);
+    let lease = redlock.try_lock("jobs:deleted").await?.expect("free lock");
+
+    for server in &servers[..3] {
+        let _: i64 = server.run(&["DEL", "jobs:deleted"]).await;
+    }
+    let reason = tokio::time::timeout(SHORT_TTL, lease.lost()).await?;
+    assert_eq!(reason, LossReason::Expired);
+    // The cleanup after the loss deletes the remaining keys.
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            values(&servers, "jobs:deleted")
+                .await
+                .iter()
+                .all(Option::is_none)
+        })
+        .await
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn dropped_lease_is_released_on_all_nodes_in_the_background() -> anyhow::Result<()> {
+    let servers = servers(5).await;
+    let redlock = redlock(&servers).await;
+    let lease = redlock.try_lock("jobs:dropped").await?.expect("free lock");
+    drop(lease);
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            values(&servers, "jobs:dropped")
+                .await
+                .iter()
+                .all(Option::is_none)
+        })
+        .await
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn check_setup_flags_a_replica_and_the_same_server_twice() -> anyhow::Result<()> {
+    init_tracing();
+    let primary = RedisServer::start().await;
+    let replica_of = primary.port().to_string();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &replica_of]).await;
+    let other = RedisServer::start().await;
+    let same = format!("{}/1", other.url());
+    let redlock = Redlock::connect(&[&primary.url(), &replica.url(), &other.url(), &same]).await?;
+
+    let report = redlock.check_setup().await;
+    assert!(!report.is_sound());
+    assert!(report.warnings.iter().any(|w| matches!(w, SetupWarning::Replica { node, .. } if node.contains(&replica.port().to_string()))), "{report:?}");
+    assert!(
+        report
+            .warnings
+            .iter()
+            .any(|w| matches!(w, SetupWarning::SameServer { .. })),
+        "{report:?}"
+    );
+    // Once the replica has connected, its primary is flagged as well.
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            redlock
+                .check_setup()
+                .await
+                .warnings
+                .iter()
+                .any(|w| matches!(w, SetupWarning::HasReplicas { .. }))
+        })
+        .await
+    );
+
+    let independent = servers(3).await;
+    let report = redlock_of(&independent).await.check_setup().await;
+    assert!(report.is_sound(), "{report:?}");
+    assert_eq!(report.reachable(), 3);
+    Ok(())
+}
+
+async fn redlock_of(servers: &[RedisServer]) -> Redlock {
+    redlock(servers).await
+}
+
+#[tokio::test]
+async fn connect_rejects_a_bad_configuration() {
+    assert!(matches!(
+        Redlock::connect(&[]).await,
+        Err(Error::InvalidConfig(_))
+    ));
+    let url = "redis://127.0.0.1:1";
+    assert!(matches!(
+        Redlock::connect(&[url, url]).await,
+        Err(Error::InvalidConfig(_))
+    ));
+    assert!(matches!(
+        Redlock::connect(&["not a url"]).await,
+        Err(Error::Redis(_))
+    ));
+}
+
+#[tokio::test]
+async fn invalid_keys_are_rejected() -> anyhow::Result<()> {
+    let servers = servers(3).await;
+    let redlock = redlock(&servers).await;
+    for key in [
+        LockKey::from(""),
+        LockKey::from("a\0b"),
+        LockKey::namespaced(7, "jobs"),
+    ] {
+        let err = redlock.try_lock(key.clone()).await.expect_err("invalid");
+        assert!(matches!(err, Error::InvalidKey { .. }), "{key:?}: {err}");
+        let err = redlock
+            .lock(key.clone(), Duration::from_millis(10))
+            .await
+            .expect_err("invalid");
+        assert!(matches!(err, Error::InvalidKey { .. }), "{key:?}: {err}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn works_through_the_backend_agnostic_traits() -> anyhow::Result<()> {
+    let servers = servers(3).await;
+    let locker: Arc<dyn Locker> = Arc::new(redlock(&servers).await);
+    assert_eq!(locker.backend(), "redlock");
+    let lease = locker.try_lock(LockKey::id(7)).await?.expect("free lock");
+    assert_eq!(lease.fencing_token(), None);
+    assert!(servers[0].get("7").await.is_some());
+    assert!(locker.try_lock(LockKey::id(7)).await?.is_none());
+    lease.release().await?;
+    let lease = locker.lock(LockKey::id(7), Duration::from_secs(1)).await?;
+    lease.release().await?;
+    Ok(())
+}

@@ -125,13 +125,10 @@ async fn worker(
     ticks: u32,
     start: tokio::time::Instant,
 ) -> Result<(usize, usize), BoxError> {
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(url)
-        .await?;
+    let pool = PgPoolOptions::new().max_connections(2).connect(url).await?;
     let locker = Arc::new(PgLocker::new(pool.clone()));
-    let job = SingletonJob::new(locker, "cron:invoice-reminders")
-        .min_hold(Duration::from_millis(500));
+    let job =
+        SingletonJob::new(locker, "cron:invoice-reminders").min_hold(Duration::from_millis(500));
     let mut tick = tokio::time::interval_at(start, Duration::from_secs(1));
     let (mut runs, mut skips) = (0, 0);
     for n in 1..=ticks {
@@ -151,7 +148,10 @@ async fn worker(
             JobOutcome::Ran(sent) => {
                 runs += 1;
                 let list: Vec<String> = sent.iter().map(|i| format!("invoice {i}")).collect();
-                println!("worker {id}, tick {n}: sent reminders for {}", list.join(", "));
+                println!(
+                    "worker {id}, tick {n}: sent reminders for {}",
+                    list.join(", ")
+                );
             }
             JobOutcome::Skipped => {
                 skips += 1;
@@ -206,9 +206,7 @@ async fn setup(pool: &PgPool) -> Result<(), sqlx::Error> {
            id bigserial PRIMARY KEY, invoice_id int NOT NULL, worker int NOT NULL, \
            sent_at timestamptz NOT NULL DEFAULT now())",
     ] {
-        sqlx::query(statement)
-            .execute(pool)
-            .await?;
+        sqlx::query(statement).execute(pool).await?;
     }
     sqlx::query(
         "INSERT INTO distlock_example_cron.invoices (id, customer, due) \

@@ -132,7 +132,9 @@ pub async fn run_parent(
     }
     let summary = Summary { exits, applied };
     if summary.applied_once() {
-        println!("Every migration was applied exactly once; the other runners found nothing to do.");
+        println!(
+            "Every migration was applied exactly once; the other runners found nothing to do."
+        );
     }
     Ok(summary)
 }

@@ -32,8 +32,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use distlock::{LockKey, PgLocker};
-use sqlx::postgres::{PgConnection, PgPoolOptions};
 use sqlx::PgPool;
+use sqlx::postgres::{PgConnection, PgPoolOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -312,9 +312,10 @@ async fn request(addr: SocketAddr, path: &str, key: &str) -> Result<Reply, BoxEr
         .nth(1)
         .and_then(|s| s.parse().ok())
         .ok_or("no status code")?;
-    let replayed = head
-        .lines()
-        .any(|line| line.to_ascii_lowercase().starts_with("idempotent-replayed: true"));
+    let replayed = head.lines().any(|line| {
+        line.to_ascii_lowercase()
+            .starts_with("idempotent-replayed: true")
+    });
     Ok(Reply {
         status,
         replayed,

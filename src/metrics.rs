@@ -89,16 +89,18 @@ mod enabled {
         match (mode, key.name()) {
             (KeyLabel::None, _) => String::new(),
             (KeyLabel::Full, _) => key.to_string(),
-            (KeyLabel::Prefix, Some(name)) => {
-                name.split_once(':').map_or(name, |(prefix, _)| prefix).to_owned()
-            }
+            (KeyLabel::Prefix, Some(name)) => name
+                .split_once(':')
+                .map_or(name, |(prefix, _)| prefix)
+                .to_owned(),
             (KeyLabel::Prefix, None) => "id".to_owned(),
         }
     }
 
     pub(crate) fn acquired(backend: &'static str, key: &LockKey, waited: Duration) {
         let key = label(key);
-        counter!("distlock_acquired_total", "backend" => backend, "key" => key.clone()).increment(1);
+        counter!("distlock_acquired_total", "backend" => backend, "key" => key.clone())
+            .increment(1);
         histogram!("distlock_wait_seconds", "backend" => backend, "key" => key)
             .record(waited.as_secs_f64());
     }
@@ -120,14 +122,16 @@ mod enabled {
 
     pub(crate) fn released(backend: &'static str, key: &LockKey, held: Duration) {
         let key = label(key);
-        counter!("distlock_released_total", "backend" => backend, "key" => key.clone()).increment(1);
+        counter!("distlock_released_total", "backend" => backend, "key" => key.clone())
+            .increment(1);
         histogram!("distlock_hold_seconds", "backend" => backend, "key" => key)
             .record(held.as_secs_f64());
     }
 
     pub(crate) fn job_finished(job: &LockKey, outcome: &'static str, took: Option<Duration>) {
         let job = label(job);
-        counter!("distlock_job_runs_total", "job" => job.clone(), "outcome" => outcome).increment(1);
+        counter!("distlock_job_runs_total", "job" => job.clone(), "outcome" => outcome)
+            .increment(1);
         if let Some(took) = took {
             histogram!("distlock_job_seconds", "job" => job, "outcome" => outcome)
                 .record(took.as_secs_f64());
@@ -207,7 +211,10 @@ mod tests {
         assert_eq!(label_with(KeyLabel::Prefix, &key), "order");
         assert_eq!(label_with(KeyLabel::Full, &key), "order:4711:charge");
         assert_eq!(label_with(KeyLabel::None, &key), "");
-        assert_eq!(label_with(KeyLabel::Prefix, &LockKey::from("nightly")), "nightly");
+        assert_eq!(
+            label_with(KeyLabel::Prefix, &LockKey::from("nightly")),
+            "nightly"
+        );
         assert_eq!(label_with(KeyLabel::Prefix, &LockKey::id(42)), "id");
         assert_eq!(label_with(KeyLabel::Full, &LockKey::id(42)), "42");
     }

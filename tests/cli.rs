@@ -68,7 +68,10 @@ async fn wait_until_held(pool: &PgPool, key: &str) -> i32 {
         if let Some(holder) = holders.iter().find(|h| h.granted) {
             return holder.pid;
         }
-        assert!(start.elapsed() < Duration::from_secs(10), "{key} never held");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{key} never held"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -92,7 +95,10 @@ async fn wait_for_file(path: &Path) -> String {
         {
             return text;
         }
-        assert!(start.elapsed() < Duration::from_secs(10), "{path:?} never written");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{path:?} never written"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -123,7 +129,10 @@ async fn of_two_concurrent_runs_one_runs_and_the_other_skips(pool: PgPool) {
     };
     let stderr = String::from_utf8_lossy(&skipped.stderr);
     assert!(stderr.contains("held elsewhere"), "{stderr}");
-    assert!(stderr.contains("distlock run k"), "names the holder: {stderr}");
+    assert!(
+        stderr.contains("distlock run k"),
+        "names the holder: {stderr}"
+    );
 }
 
 #[sqlx::test(migrations = false)]
@@ -230,7 +239,10 @@ async fn a_lost_lock_stops_the_command_and_exits_76(pool: PgPool) {
     let started = Instant::now();
     let out = finish(run, "run whose lock is lost").await;
     assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", text(&out));
-    assert!(started.elapsed() < Duration::from_secs(5), "stopped promptly");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "stopped promptly"
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("was lost"), "{stderr}");
     assert!(
@@ -308,7 +320,14 @@ async fn holders_lists_a_running_lock_as_table_and_json(pool: PgPool) {
     )
     .await;
     let stdout = String::from_utf8_lossy(&by_name.stdout);
-    assert!(stdout.lines().nth(1).expect("a row").starts_with("report:nightly"), "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .nth(1)
+            .expect("a row")
+            .starts_with("report:nightly"),
+        "{stdout}"
+    );
 
     let json = finish(
         distlock(&url, &["holders", "--json"])
@@ -348,12 +367,21 @@ async fn a_password_never_appears_in_output(pool: PgPool) {
     );
     let good_url = url_of(&pool);
     let runs: Vec<(Vec<&str>, &str)> = vec![
-        (vec!["run", "k", "--database-url", &bad_url, "--", "true"], good_url.as_str()),
+        (
+            vec!["run", "k", "--database-url", &bad_url, "--", "true"],
+            good_url.as_str(),
+        ),
         (vec!["run", "k", "--", "true"], bad_url.as_str()),
         (vec!["holders"], bad_url.as_str()),
-        (vec!["holders", "--json", "--database-url", &bad_url], good_url.as_str()),
+        (
+            vec!["holders", "--json", "--database-url", &bad_url],
+            good_url.as_str(),
+        ),
         (vec!["run", "--help"], bad_url.as_str()),
-        (vec!["run", "k", "--bogus", &bad_url, "--", "true"], good_url.as_str()),
+        (
+            vec!["run", "k", "--bogus", &bad_url, "--", "true"],
+            good_url.as_str(),
+        ),
     ];
     for (args, env_url) in runs {
         let mut cmd = distlock(env_url, &args);

@@ -143,7 +143,11 @@ fn secrets_in_use() -> Secrets {
         .map(String::as_str)
         .filter(|text| text.contains("://") || text.contains("password="))
         // `--database-url=postgres://...`
-        .map(|text| text.split_once('=').filter(|(k, _)| k.starts_with("--")).map_or(text, |(_, v)| v));
+        .map(|text| {
+            text.split_once('=')
+                .filter(|(k, _)| k.starts_with("--"))
+                .map_or(text, |(_, v)| v)
+        });
     Secrets::from_urls(urls)
 }
 

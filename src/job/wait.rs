@@ -87,7 +87,10 @@ impl fmt::Display for WaitReport {
         if let Some(addr) = &holder.client_addr {
             details.push(format!("client {addr}"));
         }
-        if let Some(age) = holder.since.and_then(|t| SystemTime::now().duration_since(t).ok()) {
+        if let Some(age) = holder
+            .since
+            .and_then(|t| SystemTime::now().duration_since(t).ok())
+        {
             details.push(format!("since {}s ago", age.as_secs()));
         }
         if !details.is_empty() {

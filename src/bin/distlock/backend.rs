@@ -73,7 +73,10 @@ mod tests {
 
     #[test]
     fn application_names_are_cut_at_a_character_boundary() {
-        assert_eq!(truncate_name("distlock run nightly"), "distlock run nightly");
+        assert_eq!(
+            truncate_name("distlock run nightly"),
+            "distlock run nightly"
+        );
         let long = format!("distlock run {}", "é".repeat(40));
         let cut = truncate_name(&long);
         assert!(cut.len() <= 63);

@@ -86,7 +86,15 @@ fn to_table(holders: &[Holder], label: impl Fn(&Holder) -> String) -> String {
     if holders.is_empty() {
         return "no advisory locks are held or awaited\n".to_owned();
     }
-    let header = ["KEY", "PID", "APPLICATION", "CLIENT", "SINCE", "STATE", "MODE"];
+    let header = [
+        "KEY",
+        "PID",
+        "APPLICATION",
+        "CLIENT",
+        "SINCE",
+        "STATE",
+        "MODE",
+    ];
     let mut rows = vec![header.map(str::to_owned).to_vec()];
     for h in holders {
         let since = match (since(h), age(h)) {
@@ -105,7 +113,12 @@ fn to_table(holders: &[Holder], label: impl Fn(&Holder) -> String) -> String {
         ]);
     }
     let widths: Vec<usize> = (0..header.len())
-        .map(|col| rows.iter().map(|r| r[col].chars().count()).max().unwrap_or(0))
+        .map(|col| {
+            rows.iter()
+                .map(|r| r[col].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
         .collect();
     let mut out = String::new();
     for row in rows {

@@ -106,10 +106,12 @@ async fn wait_for_file(path: &Path) -> String {
 #[sqlx::test(migrations = false)]
 async fn of_two_concurrent_runs_one_runs_and_the_other_skips(pool: PgPool) {
     let url = url_of(&pool);
-    let a = distlock(&url, &["run", "k", "--", "sleep", "1"])
+    // `sleep 2` rather than 1: both must try while the other holds the lock,
+    // even on a loaded machine.
+    let a = distlock(&url, &["run", "k", "--", "sleep", "2"])
         .spawn()
         .expect("spawn a");
-    let b = distlock(&url, &["run", "k", "--", "sleep", "1"])
+    let b = distlock(&url, &["run", "k", "--", "sleep", "2"])
         .spawn()
         .expect("spawn b");
     let (a, b) = tokio::join!(finish(a, "run a"), finish(b, "run b"));

@@ -44,7 +44,9 @@ async fn workload(connect_opts: PgConnectOptions) -> Arc<Counters> {
         .connect_with(connect_opts.clone())
         .await
         .expect("pool");
-    let locker = PgLocker::builder(pool.clone()).heartbeat(Duration::from_millis(100)).build();
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat(Duration::from_millis(100))
+        .build();
     let c = Arc::new(Counters::default());
 
     let mut sessions = Vec::new();
@@ -62,7 +64,9 @@ async fn workload(connect_opts: PgConnectOptions) -> Arc<Counters> {
                 tokio::time::sleep(Duration::from_micros(500)).await;
                 c.session_sections.fetch_add(1, Ordering::SeqCst);
                 c.exit();
-                lock.release().await.unwrap_or_else(|e| panic!("session task {t} round {round}: release: {e}"));
+                lock.release()
+                    .await
+                    .unwrap_or_else(|e| panic!("session task {t} round {round}: release: {e}"));
                 // Leave gaps of varying length so that, now and then, no
                 // session task holds or awaits the lock and try-lockers get in.
                 let gap = (t * 7 + round * 13) % 5;
@@ -79,7 +83,9 @@ async fn workload(connect_opts: PgConnectOptions) -> Arc<Counters> {
             // Keep trying while the session tasks run, and at least until
             // this task got in a few times (bounded).
             let mut mine = 0;
-            while (!c.sessions_done.load(Ordering::SeqCst) || mine < 3) && started.elapsed() < Duration::from_secs(60) {
+            while (!c.sessions_done.load(Ordering::SeqCst) || mine < 3)
+                && started.elapsed() < Duration::from_secs(60)
+            {
                 let got = locker
                     .with_advisory_lock(KEY, async |_conn| {
                         c.enter();
@@ -124,7 +130,10 @@ async fn workload(connect_opts: PgConnectOptions) -> Arc<Counters> {
 }
 
 #[sqlx::test(migrations = false)]
-async fn session_and_xact_lockers_never_overlap(_pool_opts: PgPoolOptions, connect_opts: PgConnectOptions) {
+async fn session_and_xact_lockers_never_overlap(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
     // `#[sqlx::test]` runs on a current-thread runtime; run the workload on a
     // multi-threaded one of its own so the tasks really run in parallel.
     let started = Instant::now();
@@ -139,11 +148,25 @@ async fn session_and_xact_lockers_never_overlap(_pool_opts: PgPoolOptions, conne
     .await
     .expect("workload");
     println!("workload took {:?}", started.elapsed());
-    assert_eq!(c.violations.load(Ordering::SeqCst), 0, "two holders were inside the critical section at once");
+    assert_eq!(
+        c.violations.load(Ordering::SeqCst),
+        0,
+        "two holders were inside the critical section at once"
+    );
     assert_eq!(c.in_section.load(Ordering::SeqCst), 0);
-    assert_eq!(c.session_sections.load(Ordering::SeqCst), SESSION_TASKS * SESSION_ROUNDS, "every session round ran");
-    assert!(c.xact_sections.load(Ordering::SeqCst) >= XACT_TASKS * 3, "transaction-scoped lockers made progress");
-    assert!(c.xact_busy.load(Ordering::SeqCst) > 0, "the try-lockers did meet contention");
+    assert_eq!(
+        c.session_sections.load(Ordering::SeqCst),
+        SESSION_TASKS * SESSION_ROUNDS,
+        "every session round ran"
+    );
+    assert!(
+        c.xact_sections.load(Ordering::SeqCst) >= XACT_TASKS * 3,
+        "transaction-scoped lockers made progress"
+    );
+    assert!(
+        c.xact_busy.load(Ordering::SeqCst) > 0,
+        "the try-lockers did meet contention"
+    );
 }
 
 /// Control for the test above: the same in-section counter does see overlaps
@@ -157,7 +180,10 @@ async fn overlap_counter_detects_overlap_without_a_common_key(pool: sqlx::PgPool
         let locker = locker.clone();
         let c = c.clone();
         tasks.push(tokio::spawn(async move {
-            let lock = locker.lock(format!("control:{t}"), Duration::from_secs(10)).await.unwrap();
+            let lock = locker
+                .lock(format!("control:{t}"), Duration::from_secs(10))
+                .await
+                .unwrap();
             c.enter();
             tokio::time::sleep(Duration::from_millis(200)).await;
             c.exit();
@@ -167,5 +193,8 @@ async fn overlap_counter_detects_overlap_without_a_common_key(pool: sqlx::PgPool
     for t in tasks {
         t.await.unwrap();
     }
-    assert!(c.violations.load(Ordering::SeqCst) > 0, "distinct keys must overlap");
+    assert!(
+        c.violations.load(Ordering::SeqCst) > 0,
+        "distinct keys must overlap"
+    );
 }

@@ -15,11 +15,19 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 /// A proxy in front of the test database and a pool whose connections all go
 /// through it.
 async fn proxied(connect_opts: &PgConnectOptions, max: u32) -> (Proxy, PgPool) {
-    let proxy = Proxy::start(connect_opts.get_host(), connect_opts.get_port()).await.expect("proxy");
+    let proxy = Proxy::start(connect_opts.get_host(), connect_opts.get_port())
+        .await
+        .expect("proxy");
     let pool = PgPoolOptions::new()
         .max_connections(max)
         .acquire_timeout(Duration::from_secs(3))
-        .connect_with(connect_opts.clone().host("127.0.0.1").port(proxy.port()).application_name("distlock-proxied"))
+        .connect_with(
+            connect_opts
+                .clone()
+                .host("127.0.0.1")
+                .port(proxy.port())
+                .application_name("distlock-proxied"),
+        )
         .await
         .expect("pool through the proxy");
     assert!(proxy.accepted() >= 1, "the pool connects through the proxy");
@@ -43,32 +51,59 @@ async fn stalled_network_is_lost_with_heartbeat_timeout_and_cut_frees_server_loc
     let heartbeat = Duration::from_millis(200);
     let heartbeat_timeout = Duration::from_millis(300);
     let (proxy, pool) = proxied(&connect_opts, 3).await;
-    let locker = PgLocker::builder(pool.clone()).heartbeat(heartbeat).heartbeat_timeout(heartbeat_timeout).build();
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat(heartbeat)
+        .heartbeat_timeout(heartbeat_timeout)
+        .build();
     let mut obs = observer(&connect_opts).await;
 
-    let guard = locker.try_lock("faults:stall").await.unwrap().expect("free");
+    let guard = locker
+        .try_lock("faults:stall")
+        .await
+        .unwrap()
+        .expect("free");
     // Heartbeats pass through the healthy proxy.
     tokio::time::sleep(heartbeat * 3).await;
-    assert!(!guard.is_lost(), "healthy network: not lost ({:?})", guard.loss());
+    assert!(
+        !guard.is_lost(),
+        "healthy network: not lost ({:?})",
+        guard.loss()
+    );
 
     proxy.stall();
     let started = Instant::now();
     let bound = heartbeat + heartbeat_timeout + Duration::from_millis(700);
-    let reason = bounded("lost() under a stalled network", Duration::from_secs(10), guard.lost()).await;
+    let reason = bounded(
+        "lost() under a stalled network",
+        Duration::from_secs(10),
+        guard.lost(),
+    )
+    .await;
     let took = started.elapsed();
     println!("stalled network: lost() after {took:?} ({reason})");
     assert_eq!(reason, LossReason::HeartbeatTimedOut(heartbeat_timeout));
-    assert!(took <= bound, "lost() must fire within heartbeat + heartbeat_timeout + slack = {bound:?}, took {took:?}");
-    assert!(took >= heartbeat_timeout, "cannot be declared lost before a heartbeat timed out: {took:?}");
+    assert!(
+        took <= bound,
+        "lost() must fire within heartbeat + heartbeat_timeout + slack = {bound:?}, took {took:?}"
+    );
+    assert!(
+        took >= heartbeat_timeout,
+        "cannot be declared lost before a heartbeat timed out: {took:?}"
+    );
     assert!(guard.is_lost());
 
     // The server cannot know yet: behind the partition the session still holds it.
-    assert!(!raw_can_take(&mut obs, &Raw::text("faults:stall")).await, "partitioned session still holds the lock");
+    assert!(
+        !raw_can_take(&mut obs, &Raw::text("faults:stall")).await,
+        "partitioned session still holds the lock"
+    );
     // Once the connection is cut, the server frees it.
     proxy.cut();
-    let freed = eventually("server frees the lock after the cut", Duration::from_secs(5), async || {
-        raw_can_take(&mut obs, &Raw::text("faults:stall")).await
-    })
+    let freed = eventually(
+        "server frees the lock after the cut",
+        Duration::from_secs(5),
+        async || raw_can_take(&mut obs, &Raw::text("faults:stall")).await,
+    )
     .await;
     println!("server freed the lock {freed:?} after the cut");
     assert!(matches!(guard.release().await, Err(Error::LockLost { .. })));
@@ -89,12 +124,21 @@ async fn release_under_stalled_network_returns_err_within_release_timeout(
         .release_timeout(release_timeout)
         .build();
     let mut obs = observer(&connect_opts).await;
-    let guard = locker.try_lock("faults:release").await.unwrap().expect("free");
+    let guard = locker
+        .try_lock("faults:release")
+        .await
+        .unwrap()
+        .expect("free");
     let size_before = pool.size();
 
     proxy.stall();
     let started = Instant::now();
-    let res = bounded("release() under a stalled network", Duration::from_secs(10), guard.release()).await;
+    let res = bounded(
+        "release() under a stalled network",
+        Duration::from_secs(10),
+        guard.release(),
+    )
+    .await;
     let took = started.elapsed();
     println!("release() under a stalled network returned {res:?} after {took:?}");
     match res {
@@ -105,21 +149,30 @@ async fn release_under_stalled_network_returns_err_within_release_timeout(
         other => panic!("expected Err(ReleaseTimedOut), got {other:?}"),
     }
     assert!(took >= release_timeout, "{took:?}");
-    assert!(took <= release_timeout + Duration::from_millis(600), "release() must give up at its deadline, took {took:?}");
+    assert!(
+        took <= release_timeout + Duration::from_millis(600),
+        "release() must give up at its deadline, took {took:?}"
+    );
     // The connection was closed, not returned to the pool.
-    eventually("the stalled connection leaves the pool", Duration::from_secs(2), async || pool.size() < size_before).await;
+    eventually(
+        "the stalled connection leaves the pool",
+        Duration::from_secs(2),
+        async || pool.size() < size_before,
+    )
+    .await;
 
     proxy.cut();
-    eventually("server frees the lock after the cut", Duration::from_secs(5), async || {
-        raw_can_take(&mut obs, &Raw::text("faults:release")).await
-    })
+    eventually(
+        "server frees the lock after the cut",
+        Duration::from_secs(5),
+        async || raw_can_take(&mut obs, &Raw::text("faults:release")).await,
+    )
     .await;
     close(obs).await;
     teardown(proxy, pool).await;
 }
 
 #[sqlx::test(migrations = false)]
-#[ignore = "bug: release() waits for an in-flight heartbeat (up to heartbeat_timeout) before its own deadline starts"]
 async fn release_under_stalled_network_with_heartbeat_in_flight_honours_release_timeout(
     _pool_opts: PgPoolOptions,
     connect_opts: PgConnectOptions,
@@ -131,7 +184,11 @@ async fn release_under_stalled_network_with_heartbeat_in_flight_honours_release_
         .heartbeat_timeout(Duration::from_secs(4))
         .release_timeout(release_timeout)
         .build();
-    let guard = locker.try_lock("faults:release-hb").await.unwrap().expect("free");
+    let guard = locker
+        .try_lock("faults:release-hb")
+        .await
+        .unwrap()
+        .expect("free");
     proxy.stall();
     // Let a heartbeat start and hang on the stalled link.
     tokio::time::sleep(Duration::from_millis(250)).await;
@@ -140,12 +197,18 @@ async fn release_under_stalled_network_with_heartbeat_in_flight_honours_release_
     let took = started.elapsed();
     println!("release() with a heartbeat in flight returned {res:?} after {took:?}");
     assert!(res.is_err());
-    assert!(took <= release_timeout + Duration::from_millis(600), "release() took {took:?}, release_timeout is {release_timeout:?}");
+    assert!(
+        took <= release_timeout + Duration::from_millis(600),
+        "release() took {took:?}, release_timeout is {release_timeout:?}"
+    );
     teardown(proxy, pool).await;
 }
 
 #[sqlx::test(migrations = false)]
-async fn cut_connection_makes_lost_fire_with_connection_failed(_pool_opts: PgPoolOptions, connect_opts: PgConnectOptions) {
+async fn cut_connection_makes_lost_fire_with_connection_failed(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
     let heartbeat = Duration::from_millis(200);
     let (proxy, pool) = proxied(&connect_opts, 3).await;
     let locker = PgLocker::builder(pool.clone()).heartbeat(heartbeat).build();
@@ -159,20 +222,32 @@ async fn cut_connection_makes_lost_fire_with_connection_failed(_pool_opts: PgPoo
     let reason = bounded("lost() after a cut", Duration::from_secs(10), guard.lost()).await;
     let took = started.elapsed();
     println!("cut connection: lost() after {took:?} ({reason})");
-    assert!(matches!(reason, LossReason::ConnectionFailed(_)), "reason: {reason:?}");
-    assert!(took <= 2 * heartbeat + Duration::from_millis(500), "took {took:?}");
+    assert!(
+        matches!(reason, LossReason::ConnectionFailed(_)),
+        "reason: {reason:?}"
+    );
+    assert!(
+        took <= 2 * heartbeat + Duration::from_millis(500),
+        "took {took:?}"
+    );
     assert!(guard.is_lost());
     // Both sides were closed, so the server freed the lock.
-    eventually("server frees the lock after the cut", Duration::from_secs(5), async || {
-        raw_can_take(&mut obs, &Raw::text("faults:cut")).await
-    })
+    eventually(
+        "server frees the lock after the cut",
+        Duration::from_secs(5),
+        async || raw_can_take(&mut obs, &Raw::text("faults:cut")).await,
+    )
     .await;
     match guard.release().await {
         Err(Error::LockLost { reason: r, .. }) => assert_eq!(r, reason),
         other => panic!("expected LockLost, got {other:?}"),
     }
     // The locker recovers through the (passing) proxy.
-    let g = locker.try_lock("faults:cut").await.unwrap().expect("free again");
+    let g = locker
+        .try_lock("faults:cut")
+        .await
+        .unwrap()
+        .expect("free again");
     g.release().await.unwrap();
     close(obs).await;
     teardown(proxy, pool).await;
@@ -181,7 +256,9 @@ async fn cut_connection_makes_lost_fire_with_connection_failed(_pool_opts: PgPoo
 /// A pool of one connection through a fresh proxy, handing out connections
 /// without a ping, so a statement goes straight into the stalled link.
 async fn proxied_unpinged(connect_opts: &PgConnectOptions) -> (Proxy, PgPool) {
-    let proxy = Proxy::start(connect_opts.get_host(), connect_opts.get_port()).await.unwrap();
+    let proxy = Proxy::start(connect_opts.get_host(), connect_opts.get_port())
+        .await
+        .unwrap();
     let pool = PgPoolOptions::new()
         .max_connections(1)
         .test_before_acquire(false)
@@ -201,24 +278,45 @@ async fn lock_under_stalled_network_times_out_instead_of_hanging(
     let heartbeat_timeout = Duration::from_millis(300);
     let timeout = Duration::from_millis(500);
     let (proxy, pool) = proxied_unpinged(&connect_opts).await;
-    let locker = PgLocker::builder(pool.clone()).heartbeat_timeout(heartbeat_timeout).build();
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat_timeout(heartbeat_timeout)
+        .build();
     // One session lock on a healthy network first (the locker's one-time
     // checks happen there).
-    locker.try_lock("faults:warm").await.unwrap().expect("free").release().await.unwrap();
-    eventually("the connection is idle in the pool", Duration::from_secs(5), async || pool.num_idle() == 1).await;
+    locker
+        .try_lock("faults:warm")
+        .await
+        .unwrap()
+        .expect("free")
+        .release()
+        .await
+        .unwrap();
+    eventually(
+        "the connection is idle in the pool",
+        Duration::from_secs(5),
+        async || pool.num_idle() == 1,
+    )
+    .await;
     proxy.stall();
     let started = Instant::now();
-    let res = bounded("lock() under a stalled network", Duration::from_secs(10), locker.lock("faults:lock", timeout)).await;
+    let res = bounded(
+        "lock() under a stalled network",
+        Duration::from_secs(10),
+        locker.lock("faults:lock", timeout),
+    )
+    .await;
     let took = started.elapsed();
     println!("lock() under a stalled network: {res:?} after {took:?}");
     assert!(matches!(res, Err(Error::Timeout { .. })), "got {res:?}");
     assert!(took >= timeout, "{took:?}");
-    assert!(took <= timeout + heartbeat_timeout + Duration::from_millis(700), "{took:?}");
+    assert!(
+        took <= timeout + heartbeat_timeout + Duration::from_millis(700),
+        "{took:?}"
+    );
     teardown(proxy, pool).await;
 }
 
 #[sqlx::test(migrations = false)]
-#[ignore = "bug: the transaction-pooler probe before a locker's first session lock runs outside lock()'s deadline and hangs on a stalled network"]
 async fn first_lock_of_a_locker_under_stalled_network_times_out_instead_of_hanging(
     _pool_opts: PgPoolOptions,
     connect_opts: PgConnectOptions,
@@ -226,19 +324,28 @@ async fn first_lock_of_a_locker_under_stalled_network_times_out_instead_of_hangi
     let heartbeat_timeout = Duration::from_millis(300);
     let timeout = Duration::from_millis(500);
     let (proxy, pool) = proxied_unpinged(&connect_opts).await;
-    let locker = PgLocker::builder(pool.clone()).heartbeat_timeout(heartbeat_timeout).build();
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat_timeout(heartbeat_timeout)
+        .build();
     proxy.stall();
     let started = Instant::now();
-    let res = bounded("first lock() under a stalled network", Duration::from_secs(10), locker.lock("faults:lock", timeout)).await;
+    let res = bounded(
+        "first lock() under a stalled network",
+        Duration::from_secs(10),
+        locker.lock("faults:lock", timeout),
+    )
+    .await;
     let took = started.elapsed();
     println!("first lock() under a stalled network: {res:?} after {took:?}");
     assert!(matches!(res, Err(Error::Timeout { .. })), "got {res:?}");
-    assert!(took <= timeout + heartbeat_timeout + Duration::from_millis(700), "{took:?}");
+    assert!(
+        took <= timeout + heartbeat_timeout + Duration::from_millis(700),
+        "{took:?}"
+    );
     teardown(proxy, pool).await;
 }
 
 #[sqlx::test(migrations = false)]
-#[ignore = "bug: on timeout, lock() looks up the holder on an idle pooled connection with no deadline and hangs on a stalled network"]
 async fn lock_under_stalled_network_with_idle_connections_does_not_hang(
     _pool_opts: PgPoolOptions,
     connect_opts: PgConnectOptions,
@@ -252,22 +359,50 @@ async fn lock_under_stalled_network_with_idle_connections_does_not_hang(
         let b = pool.acquire().await.unwrap();
         drop((a, b));
     }
-    eventually("two idle connections", Duration::from_secs(5), async || pool.num_idle() >= 2).await;
-    let locker = PgLocker::builder(pool.clone()).heartbeat_timeout(heartbeat_timeout).build();
-    locker.try_lock("faults:warm").await.unwrap().expect("free").release().await.unwrap();
-    eventually("two idle connections again", Duration::from_secs(5), async || pool.num_idle() >= 2).await;
+    eventually("two idle connections", Duration::from_secs(5), async || {
+        pool.num_idle() >= 2
+    })
+    .await;
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat_timeout(heartbeat_timeout)
+        .build();
+    locker
+        .try_lock("faults:warm")
+        .await
+        .unwrap()
+        .expect("free")
+        .release()
+        .await
+        .unwrap();
+    eventually(
+        "two idle connections again",
+        Duration::from_secs(5),
+        async || pool.num_idle() >= 2,
+    )
+    .await;
     proxy.stall();
     let started = Instant::now();
-    let res = bounded("lock() under a stalled network", Duration::from_secs(10), locker.lock("faults:lock-idle", timeout)).await;
+    let res = bounded(
+        "lock() under a stalled network",
+        Duration::from_secs(10),
+        locker.lock("faults:lock-idle", timeout),
+    )
+    .await;
     let took = started.elapsed();
     println!("lock() under a stalled network (idle connections): {res:?} after {took:?}");
     assert!(matches!(res, Err(Error::Timeout { .. })), "got {res:?}");
-    assert!(took <= timeout + heartbeat_timeout + Duration::from_millis(700), "{took:?}");
+    assert!(
+        took <= timeout + heartbeat_timeout + Duration::from_millis(700),
+        "{took:?}"
+    );
     teardown(proxy, pool).await;
 }
 
 #[sqlx::test(migrations = false)]
-async fn proxy_stall_and_pass_are_transparent_when_short(_pool_opts: PgPoolOptions, connect_opts: PgConnectOptions) {
+async fn proxy_stall_and_pass_are_transparent_when_short(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
     // Sanity check of the fault injector itself: a stall shorter than the
     // heartbeat deadline is not a loss, and traffic resumes after it.
     let (proxy, pool) = proxied(&connect_opts, 2).await;
@@ -279,11 +414,25 @@ async fn proxy_stall_and_pass_are_transparent_when_short(_pool_opts: PgPoolOptio
     proxy.stall();
     tokio::time::sleep(Duration::from_millis(400)).await;
     // While stalled, a query cannot complete.
-    let stalled = tokio::time::timeout(Duration::from_millis(200), sqlx::query("SELECT 1").execute(&pool)).await;
+    let stalled = tokio::time::timeout(
+        Duration::from_millis(200),
+        sqlx::query("SELECT 1").execute(&pool),
+    )
+    .await;
     assert!(stalled.is_err(), "the stall must stop traffic");
     proxy.pass();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!guard.is_lost(), "a short stall is not a loss: {:?}", guard.loss());
-    bounded("release after the blip", Duration::from_secs(5), guard.release()).await.unwrap();
+    assert!(
+        !guard.is_lost(),
+        "a short stall is not a loss: {:?}",
+        guard.loss()
+    );
+    bounded(
+        "release after the blip",
+        Duration::from_secs(5),
+        guard.release(),
+    )
+    .await
+    .unwrap();
     teardown(proxy, pool).await;
 }

@@ -145,7 +145,7 @@ async fn check_key_form(
                 .fetch_one(&mut *tx)
                 .await
                 .expect("raw xact"),
-                Raw::PairRaw(a, b) => {
+                Raw::IntPair(a, b) => {
                     sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_xact_lock($1, $2)")
                         .bind(*a)
                         .bind(*b)
@@ -192,7 +192,7 @@ async fn check_key_form(
                     .fetch_one(&mut *tx)
                     .await
             }
-            Raw::PairRaw(a, b) => {
+            Raw::IntPair(a, b) => {
                 sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_xact_lock($1, $2)")
                     .bind(*a)
                     .bind(*b)
@@ -231,7 +231,7 @@ async fn text_key_locks_hashtext_of_its_name(pool: PgPool) {
         let h = hashtext(&mut obs, name).await;
         let unrelated = [
             Raw::text(&format!("{name}-other")),
-            Raw::PairRaw(0, h),
+            Raw::IntPair(0, h),
             Raw::BigInt(i64::from(h) + 1),
         ];
         check_key_form(
@@ -303,7 +303,7 @@ async fn id_key_locks_the_raw_bigint(pool: PgPool) {
         let lo = i32::from_ne_bytes((n as u64 as u32).to_ne_bytes());
         let hi = i32::from_ne_bytes(((n as u64 >> 32) as u32).to_ne_bytes());
         // The same 32-bit halves in the two-int keyspace are a different lock.
-        let unrelated = [Raw::BigInt(n.wrapping_add(1)), Raw::PairRaw(hi, lo)];
+        let unrelated = [Raw::BigInt(n.wrapping_add(1)), Raw::IntPair(hi, lo)];
         check_key_form(
             &locker,
             &mut obs,

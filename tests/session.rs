@@ -264,7 +264,6 @@ async fn lock_timeout_returns_timeout_near_deadline_naming_holder(
 }
 
 #[sqlx::test(migrations = false)]
-#[ignore = "bug: lock(key, Duration::ZERO) times out on the pool acquire instead of making its documented single try"]
 async fn lock_with_zero_timeout_is_a_single_try(pool: PgPool) {
     // Documented: "A timeout of zero is a single try."
     let locker = PgLocker::new(pool.clone());
@@ -327,7 +326,6 @@ async fn cancelling_lock_while_waiting_leaks_no_lock(pool: PgPool) {
 }
 
 #[sqlx::test(migrations = false)]
-#[ignore = "bug: client_connection_check_interval is set in the same statement that waits, so it never takes effect; the orphaned waiter stays until lock_timeout"]
 async fn cancelled_lock_waiter_leaves_pg_locks_promptly(pool: PgPool) {
     // Documented: "the server abandons the wait within 100 ms".
     let locker = PgLocker::new(pool.clone());

@@ -190,8 +190,12 @@ async fn closure_error_rolls_back_returns_error_unchanged_and_frees_lock(pool: P
         .unwrap();
     assert_eq!(n, 1, "Ok commits");
     // The crate's own errors reach the caller through From<distlock::Error>.
-    let res: Result<Option<()>, AppError> = locker.with_advisory_lock("", async |_conn| Ok(())).await;
-    assert!(matches!(res, Err(AppError::Lock(Error::InvalidKey { .. }))), "got {res:?}");
+    let res: Result<Option<()>, AppError> =
+        locker.with_advisory_lock("", async |_conn| Ok(())).await;
+    assert!(
+        matches!(res, Err(AppError::Lock(Error::InvalidKey { .. }))),
+        "got {res:?}"
+    );
     close(obs).await;
 }
 
@@ -524,7 +528,6 @@ async fn dropping_with_advisory_lock_future_while_closure_sleeps_frees_the_lock(
 }
 
 #[sqlx::test(migrations = false)]
-#[ignore = "bug: a dropped with_advisory_lock future keeps the lock until the closure's in-flight statement ends"]
 async fn dropping_with_advisory_lock_future_during_a_server_statement_frees_the_lock(pool: PgPool) {
     // Principle 5 (DESIGN.md): dropping any future leaves no lock held. Here
     // the closure is blocked in a long server-side statement when the future
@@ -590,7 +593,6 @@ async fn cancelling_wait_variant_while_waiting_leaks_no_lock(pool: PgPool) {
 }
 
 #[sqlx::test(migrations = false)]
-#[ignore = "bug: client_connection_check_interval is set in the same statement that waits, so it never takes effect; the orphaned waiter stays until lock_timeout"]
 async fn cancelled_wait_variant_waiter_leaves_pg_locks_promptly(pool: PgPool) {
     // Documented: "the server abandons the wait within 100 ms".
     let locker = PgLocker::new(pool.clone());

@@ -39,6 +39,14 @@ impl HeldConn {
         self.armed = false;
     }
 
+    /// Closes the connection now, by dropping its socket; the wrapper must
+    /// not be used for statements afterwards.
+    pub(crate) fn close_now(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            drop(conn.detach());
+        }
+    }
+
     /// Closes the connection by dropping its socket.
     pub(crate) fn close(mut self) {
         self.armed = true;

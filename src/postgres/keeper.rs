@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sqlx::Row;
 use tokio::sync::{oneshot, watch};
-use tokio::time::{Instant, sleep_until, timeout};
+use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 
 use super::conn::HeldConn;
 use super::locker::Config;
@@ -63,33 +63,80 @@ impl Keeper {
         let mut first = true;
         let held_since = Instant::now();
         loop {
-            tokio::select! {
+            let step = tokio::select! {
                 biased;
                 request = &mut self.release => {
-                    let outcome = release(self.conn, &self.key, self.pid, self.release_timeout).await;
-                    if outcome.is_ok() { crate::metrics::released("postgres", &self.key, held_since.elapsed()); }
-                    report_release(&self.key, request.ok(), outcome);
-                    return;
+                    Step::Release(request.ok(), Instant::now() + self.release_timeout)
                 }
                 () = sleep_until(next) => {
                     let sql = if first { FIRST_HEARTBEAT } else { HEARTBEAT };
-                    if let Err(reason) = heartbeat(&mut self.conn, sql, self.pid, self.heartbeat_timeout).await {
-                        return self.lost(reason).await;
-                    }
+                    self.beat(sql).await
+                }
+            };
+            match step {
+                Step::Beat => {
                     first = false;
                     next = Instant::now() + self.heartbeat;
+                }
+                Step::Lost(reason) => return self.lost(reason).await,
+                Step::Release(request, deadline) => {
+                    let budget = self.release_timeout;
+                    let outcome = release(self.conn, &self.key, self.pid, deadline, budget).await;
+                    if outcome.is_ok() {
+                        crate::metrics::released("postgres", &self.key, held_since.elapsed());
+                    }
+                    report_release(&self.key, request, outcome);
+                    return;
+                }
+                Step::LostWhileReleasing(request, reason) => {
+                    let key = self.key.to_string();
+                    self.publish_loss(reason.clone());
+                    report_release(&self.key, request, Err(Error::LockLost { key, reason }));
+                    return;
                 }
             }
         }
     }
 
-    /// Closes the connection, publishes the loss, then waits for the guard
-    /// to be released or dropped so `release()` can report it.
-    async fn lost(self, reason: LossReason) {
+    /// One heartbeat. A release requested meanwhile does not wait for the
+    /// heartbeat's own deadline: the beat gets what is left of the release
+    /// deadline, then the unlock runs on what remains after it.
+    async fn beat(&mut self, sql: &'static str) -> Step {
+        let beat = heartbeat(&mut self.conn, sql, self.pid, self.heartbeat_timeout);
+        tokio::pin!(beat);
+        tokio::select! {
+            biased;
+            outcome = &mut beat => match outcome {
+                Ok(()) => Step::Beat,
+                Err(reason) => Step::Lost(reason),
+            },
+            request = &mut self.release => {
+                let request = request.ok();
+                let deadline = Instant::now() + self.release_timeout;
+                match timeout_at(deadline, beat).await {
+                    Ok(Ok(())) => Step::Release(request, deadline),
+                    Ok(Err(reason)) => Step::LostWhileReleasing(request, reason),
+                    Err(_) => Step::LostWhileReleasing(
+                        request,
+                        LossReason::HeartbeatTimedOut(self.release_timeout),
+                    ),
+                }
+            }
+        }
+    }
+
+    /// Closes the connection and tells the guard the lock is lost.
+    fn publish_loss(&mut self, reason: LossReason) {
         tracing::warn!(key = %self.key, %reason, "distlock session lock lost");
         crate::metrics::lost("postgres", &self.key);
-        self.conn.close();
-        self.loss.send_replace(Some(reason.clone()));
+        self.conn.close_now();
+        self.loss.send_replace(Some(reason));
+    }
+
+    /// Publishes the loss, then waits for the guard to be released or
+    /// dropped so `release()` can report it.
+    async fn lost(mut self, reason: LossReason) {
+        self.publish_loss(reason.clone());
         if let Ok(reply) = self.release.await {
             let _ = reply.send(Err(Error::LockLost {
                 key: self.key.to_string(),
@@ -97,6 +144,19 @@ impl Keeper {
             }));
         }
     }
+}
+
+/// What the keeper does next.
+enum Step {
+    /// The heartbeat passed.
+    Beat,
+    /// The lock is lost.
+    Lost(LossReason),
+    /// Release (asked for, or the guard was dropped) before the deadline.
+    Release(Option<ReleaseRequest>, Instant),
+    /// Release was asked for while a heartbeat found the lock lost (or did
+    /// not finish within the release deadline).
+    LostWhileReleasing(Option<ReleaseRequest>, LossReason),
 }
 
 /// The heartbeat: which backend answers.
@@ -109,7 +169,11 @@ const HEARTBEAT: &str = "SELECT pg_backend_pid()";
 /// operating system's default of hours. It runs off the acquire/release path
 /// so that a short-lived lock costs no extra work; the settings are harmless
 /// for the connection's later users. On a Unix-domain socket they are ignored.
-const FIRST_HEARTBEAT: &str = "SELECT pg_backend_pid(),      set_config('tcp_keepalives_idle', '10', false),      set_config('tcp_keepalives_interval', '5', false),      set_config('tcp_keepalives_count', '3', false),      set_config('tcp_user_timeout', '30000', false)";
+const FIRST_HEARTBEAT: &str = "SELECT pg_backend_pid(), \
+     set_config('tcp_keepalives_idle', '10', false), \
+     set_config('tcp_keepalives_interval', '5', false), \
+     set_config('tcp_keepalives_count', '3', false), \
+     set_config('tcp_user_timeout', '30000', false)";
 
 /// One heartbeat: the same backend must still answer, within the deadline.
 async fn heartbeat(
@@ -137,16 +201,17 @@ async fn release(
     mut conn: HeldConn,
     key: &LockKey,
     pid: i32,
-    deadline: Duration,
+    deadline: Instant,
+    budget: Duration,
 ) -> Result<(), Error> {
     let args = key.args()?;
     let sql = keyed!(args; "SELECT pg_advisory_unlock(", "), pg_backend_pid()"; "$1", "$2");
     let query = bind_key(sqlx::query(sql), args).fetch_one(conn.conn());
-    let row = match timeout(deadline, query).await {
+    let row = match timeout_at(deadline, query).await {
         Err(_) => {
             return Err(Error::ReleaseTimedOut {
                 key: key.to_string(),
-                after: deadline,
+                after: budget,
             });
         }
         Ok(row) => row?,

@@ -191,7 +191,11 @@ impl PgLockerBuilder {
     /// Builds the locker.
     pub fn build(self) -> PgLocker {
         let mux = (self.config.multiplex > 0).then(|| {
-            super::mux::Mux::new(self.pool.clone(), self.config.clone(), self.config.multiplex)
+            super::mux::Mux::new(
+                self.pool.clone(),
+                self.config.clone(),
+                self.config.multiplex,
+            )
         });
         PgLocker {
             inner: Arc::new(Inner {

@@ -13,7 +13,7 @@ use super::conn::HeldConn;
 use super::holders;
 use super::keeper::{Keeper, ReleaseRequest};
 use super::locker::PgLocker;
-use super::sql::{CLIENT_CHECK_INTERVAL, bind_key, keyed, millis_setting};
+use super::sql::{bind_key, keyed, millis_setting};
 use crate::error::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
 use crate::key::KeyArgs;
 use crate::{Error, FencingToken, LockKey, LossReason};
@@ -203,7 +203,10 @@ impl PgLocker {
     /// The lock lives on a connection taken from the pool for as long as the
     /// returned [`SessionLock`] lives. Costs 1 round trip (the backend pid
     /// used by the heartbeat comes back with the lock attempt), plus whatever
-    /// the pool spends handing out a connection.
+    /// the pool spends handing out a connection. The statement also sets
+    /// `client_connection_check_interval = 100ms` on the connection (a
+    /// harmless setting that lets the server notice a vanished client during
+    /// a statement), which later users of the pooled connection keep.
     ///
     /// # Cancel safety
     ///
@@ -248,20 +251,22 @@ impl PgLocker {
     /// with [`Error::Timeout`] (naming the holder's pid and application when
     /// PostgreSQL shows them) when the deadline passes.
     ///
-    /// The wait happens on the server (`pg_advisory_lock` under a
-    /// statement-local `lock_timeout`), so the lock passes to this waiter the
-    /// moment its holder releases it; nothing polls. Costs 1 round trip, plus
-    /// 1 to name the holder on timeout. A `timeout` of zero is a single try.
-    /// If the server does not answer within `timeout` plus the heartbeat
+    /// It first tries; if the lock is busy, it waits on the server
+    /// (`pg_advisory_lock` under a statement-local `lock_timeout`), so the
+    /// lock passes to this waiter the moment its holder releases it; nothing
+    /// polls. Costs 1 round trip when the lock is free, 2 when it has to wait,
+    /// plus 1 to name the holder on timeout. A `timeout` of zero is a single
+    /// try. If the server does not answer within `timeout` plus the heartbeat
     /// deadline (a stalled network), the attempt is abandoned and reported as
     /// a timeout.
     ///
     /// # Cancel safety
     ///
     /// Dropping the future while it waits closes its connection rather than
-    /// returning it to the pool; the server abandons the wait within 100 ms
-    /// (`client_connection_check_interval`), and a lock granted in that
-    /// window dies with the session. No lock is left held.
+    /// returning it to the pool, and the server abandons the wait within
+    /// 100 ms: the try before the wait set `client_connection_check_interval`
+    /// on the connection for this. A lock granted in that window dies with
+    /// the session. No lock is left held.
     pub async fn lock(
         &self,
         key: impl Into<LockKey>,
@@ -279,30 +284,37 @@ impl PgLocker {
         let args = key.args()?;
         let started = Instant::now();
         let deadline = tokio::time::Instant::from_std(started + timeout);
-        let pooled = tokio::time::timeout_at(deadline, self.pool().acquire()).await;
+        // A zero timeout is a single try: it still needs a connection, so the
+        // pool's own acquire timeout applies then.
+        let pooled = if timeout.is_zero() {
+            Ok(self.pool().acquire().await)
+        } else {
+            tokio::time::timeout_at(deadline, self.pool().acquire()).await
+        };
         let Ok(pooled) = pooled else {
             return Err(self.timeout_error(&key, started, None).await);
         };
         let mut conn = HeldConn::new(pooled?, true);
-        self.inner.pooler.ensure_session(conn.conn()).await?;
-        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
         let fencing = self.config().fencing.then(|| key.fencing_name());
-        let attempt = wait_for_lock(&mut conn, args, remaining, fencing.as_deref());
-        let grace = deadline + self.config().heartbeat_timeout;
+        let attempt = self.try_then_wait(&mut conn, &key, args, deadline, fencing.as_deref());
+        // The server gives up at the deadline (lock_timeout); no answer a
+        // heartbeat deadline later means the network is stalled.
+        let grace = deadline.max(tokio::time::Instant::now()) + self.config().heartbeat_timeout;
         let outcome = tokio::time::timeout_at(grace, attempt).await;
         record_wait(started);
         match outcome {
-            Ok(Ok((pid, token))) => {
+            Ok(Ok(Some((pid, token)))) => {
                 tracing::Span::current().record("outcome", "acquired");
                 crate::metrics::acquired("postgres", &key, started.elapsed());
                 Ok(SessionLock::start(conn, key, pid, token, self))
             }
-            Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+            Ok(Ok(None)) => Err(self.timeout_error(&key, started, Some(conn)).await),
+            Ok(Err(err)) if is_lock_timeout(&err) => {
                 Err(self.timeout_error(&key, started, Some(conn)).await)
             }
             Ok(Err(err)) => {
                 tracing::Span::current().record("outcome", "error");
-                Err(locking_error(err, &key))
+                Err(err)
             }
             // The server did not answer in time: drop (close) the connection.
             Err(_) => {
@@ -312,8 +324,38 @@ impl PgLocker {
         }
     }
 
+    /// Tries first (1 round trip, the common uncontended case, and it tells
+    /// the server to watch for this client going away); if busy and time is
+    /// left, waits on the server until `deadline`. `Ok(None)`: busy, no time.
+    async fn try_then_wait(
+        &self,
+        conn: &mut HeldConn,
+        key: &LockKey,
+        args: KeyArgs<'_>,
+        deadline: tokio::time::Instant,
+        fencing: Option<&str>,
+    ) -> Result<Option<(i32, Option<FencingToken>)>, Error> {
+        self.inner.pooler.ensure_session(conn.conn()).await?;
+        let row = try_lock_query(args, fencing)
+            .fetch_one(conn.conn())
+            .await
+            .map_err(|err| locking_error(err, key))?;
+        let (locked, pid): (bool, i32) = (row.try_get(0)?, row.try_get(1)?);
+        if locked {
+            return Ok(Some((pid, fencing_token(&row, 2, fencing.is_some())?)));
+        }
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if remaining.is_zero() {
+            return Ok(None);
+        }
+        let locked = wait_for_lock(conn, args, remaining, fencing).await;
+        locked.map(Some).map_err(|err| locking_error(err, key))
+    }
+
     /// Builds [`Error::Timeout`], naming the holder if it can be seen
-    /// (looked up on `conn` when it is still usable, else on the pool).
+    /// (looked up on `conn` when it is still usable, else on an idle pooled
+    /// connection). The look-up has a deadline of its own, so a stalled
+    /// network cannot hang the caller here either.
     pub(super) async fn timeout_error(
         &self,
         key: &LockKey,
@@ -322,18 +364,14 @@ impl PgLocker {
     ) -> Error {
         tracing::Span::current().record("outcome", "timeout");
         crate::metrics::timeout("postgres", key, started.elapsed());
+        let conn = conn.or_else(|| {
+            self.pool()
+                .try_acquire()
+                .map(|pooled| HeldConn::new(pooled, true))
+        });
         let holder = match conn {
-            Some(mut conn) => {
-                let found = holders::first_holder(conn.conn(), key).await;
-                if found.is_ok() {
-                    conn.into_pool();
-                }
-                found.ok().flatten()
-            }
-            None => match self.pool().try_acquire() {
-                Some(mut pooled) => holders::first_holder(&mut pooled, key).await.ok().flatten(),
-                None => None,
-            },
+            Some(conn) => self.first_holder(conn, key).await,
+            None => None,
         };
         Error::Timeout {
             key: key.to_string(),
@@ -342,6 +380,27 @@ impl PgLocker {
             holder_application: holder.and_then(|h| h.application_name),
         }
     }
+
+    /// Looks up the first holder of `key` on `conn` within the heartbeat
+    /// deadline; the connection goes back to the pool only if that worked.
+    async fn first_holder(&self, mut conn: HeldConn, key: &LockKey) -> Option<holders::Holder> {
+        let lookup = holders::first_holder(conn.conn(), key);
+        match tokio::time::timeout(self.config().heartbeat_timeout, lookup).await {
+            Ok(Ok(holder)) => {
+                conn.into_pool();
+                holder
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Whether `err` is PostgreSQL's `lock_timeout` expiring.
+fn is_lock_timeout(err: &Error) -> bool {
+    match err {
+        Error::Database(err) => sqlstate(err).as_deref() == Some(LOCK_NOT_AVAILABLE),
+        _ => false,
+    }
 }
 
 /// The try statement: lock attempt and backend pid in one round trip; with
@@ -349,12 +408,14 @@ impl PgLocker {
 /// taken (`$1` is the counter's name, the key binds after it).
 fn try_lock_query<'q>(args: KeyArgs<'q>, fencing: Option<&'q str>) -> PgQuery<'q> {
     let Some(counter) = fencing else {
-        let sql = keyed!(args; "SELECT pg_try_advisory_lock(", "), pg_backend_pid()"; "$1", "$2");
+        let sql = keyed!(args; "SELECT pg_try_advisory_lock(", "), pg_backend_pid(), \
+             set_config('client_connection_check_interval', '100ms', false)"; "$1", "$2");
         return bind_key(sqlx::query(sql), args);
     };
     let sql = keyed!(args;
         "WITH l AS (SELECT pg_try_advisory_lock(",
-        ") AS ok, pg_backend_pid() AS pid), \
+        ") AS ok, pg_backend_pid() AS pid, \
+         set_config('client_connection_check_interval', '100ms', false)), \
          t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
                SELECT $1, 1 FROM l WHERE l.ok \
                ON CONFLICT (lock_key) DO UPDATE SET token = f.token + 1, issued_at = now() \
@@ -372,26 +433,25 @@ async fn wait_for_lock(
     fencing: Option<&str>,
 ) -> Result<(i32, Option<FencingToken>), sqlx::Error> {
     // Outside a transaction block, `set_config(.., true)` lasts for this one
-    // statement: the session's own settings are untouched afterwards.
+    // statement: the session's own lock_timeout is untouched afterwards. The
+    // try before this statement set client_connection_check_interval, so the
+    // server abandons this wait soon after the client goes away.
     let query = match fencing {
         None => sqlx::query(keyed!(args;
-            "SELECT pg_backend_pid(), set_config('lock_timeout', $1, true), \
-             set_config('client_connection_check_interval', $2, true), pg_advisory_lock(",
-            ")"; "$3", "$4"))
-        .bind(millis_setting(timeout))
-        .bind(CLIENT_CHECK_INTERVAL),
+            "SELECT pg_backend_pid(), set_config('lock_timeout', $1, true), pg_advisory_lock(",
+            ")"; "$2", "$3"))
+        .bind(millis_setting(timeout)),
         // The token's INSERT runs after the wait, and ON CONFLICT DO UPDATE
         // reads the newest committed counter, so tokens strictly increase.
         Some(counter) => sqlx::query(keyed!(args;
             "WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), \
-             set_config('client_connection_check_interval', $2, true), pg_advisory_lock(",
+             pg_advisory_lock(",
             ")), t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
-               SELECT $3, 1 FROM l \
+               SELECT $2, 1 FROM l \
                ON CONFLICT (lock_key) DO UPDATE SET token = f.token + 1, issued_at = now() \
                RETURNING f.token) \
-             SELECT l.pid, (SELECT token FROM t) FROM l"; "$4", "$5"))
+             SELECT l.pid, (SELECT token FROM t) FROM l"; "$3", "$4"))
         .bind(millis_setting(timeout))
-        .bind(CLIENT_CHECK_INTERVAL)
         .bind(counter),
     };
     let row = bind_key(query, args).fetch_one(conn.conn()).await?;

@@ -8,9 +8,8 @@ use sqlx::postgres::PgConnection;
 use tracing::Instrument;
 
 use super::conn::HeldConn;
-use super::holders;
 use super::locker::PgLocker;
-use super::sql::{CLIENT_CHECK_INTERVAL, bind_key, keyed, millis_setting};
+use super::sql::{bind_key, keyed, millis_setting};
 use crate::error::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
 use crate::key::KeyArgs;
 use crate::{Error, LockKey};
@@ -66,10 +65,11 @@ impl PgLocker {
     ///
     /// # Cancel safety
     ///
-    /// Dropping the future at any `.await` drops the transaction: sqlx rolls it
-    /// back before the connection is used again, which the pool does at once
-    /// when the connection comes back, so the lock is freed as soon as any
-    /// statement in flight finishes.
+    /// Dropping the future at any `.await` closes its connection instead of
+    /// returning it to the pool. The lock statement sets
+    /// `client_connection_check_interval = 100ms` for the transaction, so the
+    /// server notices within 100 ms, aborts whatever statement is running
+    /// (also one of the closure's), rolls back and frees the lock.
     pub async fn with_advisory_lock<K, F, T, E>(&self, key: K, f: F) -> Result<Option<T>, E>
     where
         K: Into<LockKey>,
@@ -103,14 +103,15 @@ impl PgLocker {
     /// transaction-local `lock_timeout`), so the lock passes to the waiter the
     /// moment its holder commits; nothing polls. The caller's own
     /// `lock_timeout` is restored before `f` runs. Costs the same 3 round trips
-    /// as the try variant.
+    /// as the try variant when the lock is free, 4 when it has to wait.
     ///
     /// # Cancel safety
     ///
     /// Dropping the future while it waits closes the connection instead of
     /// returning it to the pool, and the server abandons the wait within
-    /// 100 ms (`client_connection_check_interval`); no lock is left held.
-    /// Dropped later, the connection is closed as well, which rolls back.
+    /// 100 ms (`client_connection_check_interval`, set by the try that
+    /// precedes the wait); no lock is left held. Dropped later, the
+    /// connection is closed as well, which rolls back.
     pub async fn with_advisory_lock_wait<K, F, T, E>(
         &self,
         key: K,
@@ -181,17 +182,22 @@ impl PgLocker {
             }
             None => self.pool().acquire().await,
         };
-        // A waiting attempt may leave the backend blocked in a lock wait if
-        // dropped; such a connection must be closed, not pooled.
-        let mut held = HeldConn::new(pooled.map_err(Error::from)?, deadline.is_some());
+        // Armed until the transaction has ended: if this future is dropped,
+        // the connection is closed rather than pooled. The lock statement
+        // sets client_connection_check_interval for the transaction, so the
+        // server then aborts a statement still running (a lock wait, or the
+        // closure's own) within 100 ms and frees the lock, instead of
+        // finishing it first as a pooled connection's clean-up would.
+        let mut held = HeldConn::new(pooled.map_err(Error::from)?, true);
         let mut tx = held.conn().begin().await.map_err(Error::from)?;
-        let attempt = lock_in_xact(&mut tx, args, mode);
+        let attempt = lock_in_xact(&mut tx, args, mode, deadline);
         let attempt = match deadline {
             // The server gives up at the deadline (lock_timeout); if it does
             // not answer shortly after, the network is stalled: give up too,
             // and let the armed connection close.
             Some(deadline) => {
-                let grace = deadline + self.config().heartbeat_timeout;
+                let grace =
+                    deadline.max(tokio::time::Instant::now()) + self.config().heartbeat_timeout;
                 match tokio::time::timeout_at(grace, attempt).await {
                     Ok(result) => result,
                     Err(_) => {
@@ -206,19 +212,20 @@ impl PgLocker {
         let locked = match attempt {
             Ok(locked) => locked,
             Err(err) => {
-                let _ = tx.rollback().await;
-                return Err(self
-                    .xact_lock_failed(err, &key, mode, started, &mut held)
-                    .await
-                    .into());
+                let rolled_back = tx.rollback().await.is_ok();
+                let err = self.xact_lock_failed(err, &key, mode, started, held, rolled_back);
+                return Err(err.await.into());
             }
         };
         let span = tracing::Span::current();
         span.record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
         if !locked {
+            tx.rollback().await.map_err(Error::from)?;
+            if deadline.is_some() {
+                return Err(self.timeout_error(&key, started, Some(held)).await.into());
+            }
             span.record("outcome", "busy");
             crate::metrics::busy("postgres", &key);
-            tx.rollback().await.map_err(Error::from)?;
             held.into_pool();
             return Ok(None);
         }
@@ -264,68 +271,56 @@ impl PgLocker {
         key: &LockKey,
         mode: Mode,
         started: Instant,
-        held: &mut HeldConn,
+        held: HeldConn,
+        rolled_back: bool,
     ) -> Error {
-        let span = tracing::Span::current();
         if let (Mode::Wait(_), Some(LOCK_NOT_AVAILABLE)) = (mode, sqlstate(&err).as_deref()) {
-            span.record("outcome", "timeout");
-            crate::metrics::timeout("postgres", key, started.elapsed());
-            let holder = holders::first_holder(held.conn(), key).await.ok().flatten();
-            return Error::Timeout {
-                key: key.to_string(),
-                waited: started.elapsed(),
-                holder_pid: holder.as_ref().map(|h| h.pid),
-                holder_application: holder.and_then(|h| h.application_name),
-            };
+            return self
+                .timeout_error(key, started, rolled_back.then_some(held))
+                .await;
         }
-        span.record("outcome", "error");
+        tracing::Span::current().record("outcome", "error");
         locking_error(err, key)
     }
 }
 
-/// Takes the lock inside the open transaction; `Ok(false)` means busy.
+/// Takes the lock inside the open transaction; `Ok(false)` means busy (and,
+/// when waiting, that the deadline passed).
 async fn lock_in_xact(
     conn: &mut PgConnection,
     args: KeyArgs<'_>,
     mode: Mode,
+    deadline: Option<tokio::time::Instant>,
 ) -> Result<bool, sqlx::Error> {
-    match mode {
-        Mode::Try => {
-            let sql = keyed!(args; "SELECT pg_try_advisory_xact_lock(", ")"; "$1", "$2");
-            bind_key(sqlx::query(sql), args)
-                .fetch_one(&mut *conn)
-                .await
-                .and_then(first_bool)
-        }
-        Mode::TryShared => {
-            let sql = keyed!(args; "SELECT pg_try_advisory_xact_lock_shared(", ")"; "$1", "$2");
-            bind_key(sqlx::query(sql), args)
-                .fetch_one(&mut *conn)
-                .await
-                .and_then(first_bool)
-        }
-        Mode::Wait(timeout) => {
-            // One statement: remember the caller's lock_timeout, wait under
-            // ours, then put theirs back (OFFSET 0 keeps the inner select
-            // from being flattened, so it runs first).
-            let sql = keyed!(args;
-                "SELECT set_config('lock_timeout', s.prev, true) FROM (SELECT \
-                 current_setting('lock_timeout') AS prev, \
-                 set_config('lock_timeout', $1, true), \
-                 set_config('client_connection_check_interval', $2, true), \
-                 pg_advisory_xact_lock(",
-                ") OFFSET 0) s"; "$3", "$4");
-            let query = sqlx::query(sql)
-                .bind(millis_setting(timeout))
-                .bind(CLIENT_CHECK_INTERVAL);
-            bind_key(query, args)
-                .execute(&mut *conn)
-                .await
-                .map(|_| true)
-        }
+    let try_sql = match mode {
+        Mode::TryShared => keyed!(args; "SELECT pg_try_advisory_xact_lock_shared(",
+            "), set_config('client_connection_check_interval', '100ms', true)"; "$1", "$2"),
+        Mode::Try | Mode::Wait(_) => keyed!(args; "SELECT pg_try_advisory_xact_lock(",
+            "), set_config('client_connection_check_interval', '100ms', true)"; "$1", "$2"),
+    };
+    let row = bind_key(sqlx::query(try_sql), args)
+        .fetch_one(&mut *conn)
+        .await?;
+    let locked: bool = sqlx::Row::try_get(&row, 0)?;
+    let Some(deadline) = deadline.filter(|_| !locked) else {
+        return Ok(locked);
+    };
+    let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+    if remaining.is_zero() {
+        return Ok(false);
     }
-}
-
-fn first_bool(row: sqlx::postgres::PgRow) -> Result<bool, sqlx::Error> {
-    sqlx::Row::try_get(&row, 0)
+    // One statement: remember the caller's lock_timeout, wait under ours,
+    // then put theirs back (OFFSET 0 keeps the inner select from being
+    // flattened, so it runs first).
+    let sql = keyed!(args;
+        "SELECT set_config('lock_timeout', s.prev, true) FROM (SELECT \
+         current_setting('lock_timeout') AS prev, \
+         set_config('lock_timeout', $1, true), \
+         pg_advisory_xact_lock(",
+        ") OFFSET 0) s"; "$2", "$3");
+    let query = sqlx::query(sql).bind(millis_setting(remaining));
+    bind_key(query, args)
+        .execute(&mut *conn)
+        .await
+        .map(|_| true)
 }

@@ -136,7 +136,7 @@ pub enum Raw {
     /// `(ns, hashtext(name))` in the two-int keyspace.
     Pair(i32, String),
     /// `(a, b)` in the two-int keyspace.
-    PairRaw(i32, i32),
+    IntPair(i32, i32),
 }
 
 impl Raw {
@@ -163,7 +163,7 @@ macro_rules! raw_call {
                     .bind(*ns)
                     .bind(name.clone())
             }
-            Raw::PairRaw(a, b) => {
+            Raw::IntPair(a, b) => {
                 sqlx::query_scalar::<_, bool>(concat!("SELECT ", $func, "($1::int4, $2::int4)"))
                     .bind(*a)
                     .bind(*b)
@@ -217,11 +217,10 @@ pub async fn assert_no_advisory_locks_eventually(
     conn: &mut PgConnection,
     limit: Duration,
 ) -> Duration {
-    let took = eventually("no advisory lock left", limit, async || {
+    eventually("no advisory lock left", limit, async || {
         advisory_locks(conn).await.is_empty()
     })
-    .await;
-    took
+    .await
 }
 
 /// Waits (bounded) until at least `n` sessions wait (granted = false) for an

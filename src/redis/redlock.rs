@@ -326,32 +326,43 @@ struct Quorum {
 /// What the nodes answered to one command.
 #[derive(Debug)]
 struct Tally {
+    /// How many nodes were asked.
+    asked: usize,
     /// Nodes that did what was asked.
     granted: usize,
-    /// Nodes that could not be asked (error or no reply in time).
-    failed: Vec<RedisError>,
+    /// Nodes that could not be asked (error or no reply in time), by label.
+    failed: Vec<(String, RedisError)>,
 }
 
 impl Tally {
     /// Why a quorum could not be reached with this many failing nodes.
     fn unreachable(self, needed: usize) -> RedisError {
         let count = self.failed.len();
-        let first = self.failed.into_iter().next().map(|e| e.to_string());
+        let errors: Vec<String> = self
+            .failed
+            .iter()
+            .map(|(node, err)| format!("{node}: {err}"))
+            .collect();
         RedisError::from((
             ErrorKind::Io,
             "Redlock quorum unreachable",
             format!(
-                "{count} node(s) failed, so fewer than the {needed} needed can grant; first error: {}",
-                first.unwrap_or_default()
+                "{count} of {} nodes failed and {needed} must grant ({})",
+                self.asked,
+                errors.join("; ")
             ),
         ))
     }
 
     fn loss(&self) -> LossReason {
         match self.failed.first() {
-            Some(err) => LossReason::ConnectionFailed(err.to_string()),
+            Some((node, err)) => LossReason::ConnectionFailed(format!("{node}: {err}")),
             None => LossReason::Expired,
         }
+    }
+
+    fn first_error(self) -> Option<RedisError> {
+        self.failed.into_iter().next().map(|(_, err)| err)
     }
 }
 
@@ -369,14 +380,15 @@ impl Quorum {
         )
         .await;
         let mut tally = Tally {
+            asked: self.nodes.len(),
             granted: 0,
             failed: Vec::new(),
         };
-        for reply in replies {
+        for (node, reply) in self.nodes.iter().zip(replies) {
             match reply {
                 Ok(value) if yes(&value) => tally.granted += 1,
                 Ok(_) => {}
-                Err(err) => tally.failed.push(err),
+                Err(err) => tally.failed.push((node.label().to_owned(), err)),
             }
         }
         tally
@@ -410,7 +422,7 @@ impl Backend for Quorum {
         if tally.granted >= self.needed() {
             return Ok(());
         }
-        match tally.failed.into_iter().next() {
+        match tally.first_error() {
             Some(err) => Err(claim.release_failed(err, self.within)),
             None => Err(claim.not_held()),
         }

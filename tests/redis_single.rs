@@ -222,6 +222,8 @@ async fn lock_waits_for_the_holder_and_times_out_while_held() -> anyhow::Result<
         started.elapsed()
     );
     lease.release().await?;
+    let lease = b.lock("jobs:wait", Duration::MAX).await?;
+    lease.release().await?;
     Ok(())
 }
 

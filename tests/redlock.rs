@@ -424,5 +424,7 @@ async fn works_through_the_backend_agnostic_traits() -> anyhow::Result<()> {
     lease.release().await?;
     let lease = locker.lock(LockKey::id(7), Duration::from_secs(1)).await?;
     lease.release().await?;
+    let lease = locker.lock(LockKey::id(7), Duration::MAX).await?;
+    lease.release().await?;
     Ok(())
 }

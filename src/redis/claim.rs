@@ -3,11 +3,17 @@
 
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use crate::{Error, LockKey};
 
 /// The shortest TTL a lease may have: the watchdog extends every TTL/3, and
 /// below this a single slow round trip would already eat the lease.
 pub(crate) const MIN_TTL: Duration = Duration::from_millis(100);
+
+/// The longest TTL a lease may have. The watchdog makes long TTLs pointless,
+/// and a holder that dies blocks others for a whole TTL.
+pub(crate) const MAX_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 
 /// Prefix of the companion key that counts a lock's fencing tokens.
 pub(crate) const FENCE_PREFIX: &str = "distlock:fencing:";
@@ -27,9 +33,9 @@ pub(crate) struct Claim {
 impl Claim {
     /// A fresh claim on `key` with a new random token.
     pub(crate) fn new(key: LockKey, ttl: Duration) -> Result<Self, Error> {
-        if ttl < MIN_TTL {
+        if !(MIN_TTL..=MAX_TTL).contains(&ttl) {
             return Err(Error::InvalidConfig(
-                "a Redis lease's ttl must be at least 100 ms",
+                "a Redis lease's ttl must be between 100 ms and 30 days",
             ));
         }
         let name = redis_key(&key)?;
@@ -78,8 +84,16 @@ impl Claim {
         }
     }
 
+    /// When a wait of `timeout` that began at `started` ends; a timeout too
+    /// large for the clock (such as `Duration::MAX`) waits about a year.
+    pub(crate) fn deadline(started: Instant, timeout: Duration) -> Instant {
+        started
+            .checked_add(timeout)
+            .unwrap_or_else(|| started + MAX_TTL * 12)
+    }
+
     /// [`Error::Timeout`] for a wait that began at `started`.
-    pub(crate) fn timed_out(&self, started: tokio::time::Instant) -> Error {
+    pub(crate) fn timed_out(&self, started: Instant) -> Error {
         Error::Timeout {
             key: self.key.to_string(),
             waited: started.elapsed(),
@@ -154,10 +168,12 @@ mod tests {
     fn window_subtracts_the_drift_margin() -> Result<(), Error> {
         let claim = Claim::new(LockKey::from("k"), Duration::from_secs(10))?;
         assert_eq!(claim.window(), Duration::from_millis(10_000 - 100 - 2));
-        assert!(matches!(
-            Claim::new(LockKey::from("k"), Duration::from_millis(99)),
-            Err(Error::InvalidConfig(_))
-        ));
+        for ttl in [Duration::from_millis(99), MAX_TTL * 2, Duration::MAX] {
+            assert!(matches!(
+                Claim::new(LockKey::from("k"), ttl),
+                Err(Error::InvalidConfig(_))
+            ));
+        }
         Ok(())
     }
 }

@@ -138,7 +138,7 @@ impl Redlock {
         Ok(redlock)
     }
 
-    /// Sets the leases' time to live (default 30 s, at least 100 ms).
+    /// Sets the leases' time to live (default 30 s, from 100 ms to 30 days).
     #[must_use]
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.config.ttl = ttl;
@@ -261,7 +261,7 @@ impl Redlock {
         timeout: Duration,
     ) -> Result<RedlockLease, Error> {
         let claim = Arc::new(Claim::new(key, self.config.ttl)?);
-        let deadline = started + timeout;
+        let deadline = Claim::deadline(started, timeout);
         let mut retries = 0_u32;
         loop {
             if let Some(lease) = self.attempt(&claim).await? {

@@ -101,7 +101,7 @@ impl RedisLocker {
         Ok(locker)
     }
 
-    /// Sets the leases' time to live (default 30 s, at least 100 ms). A
+    /// Sets the leases' time to live (default 30 s, from 100 ms to 30 days). A
     /// holder that dies without releasing blocks others for at most this
     /// long; the watchdog extends every TTL/3.
     #[must_use]
@@ -200,7 +200,7 @@ impl RedisLocker {
         timeout: Duration,
     ) -> Result<RedisLease, Error> {
         let claim = Arc::new(Claim::new(key, self.config.ttl)?);
-        let deadline = started + timeout;
+        let deadline = Claim::deadline(started, timeout);
         let mut backoff = Backoff::new(FIRST_BACKOFF, MAX_BACKOFF);
         loop {
             if let Some(lease) = self.attempt(&claim).await? {

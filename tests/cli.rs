@@ -398,3 +398,47 @@ async fn a_password_never_appears_in_output(pool: PgPool) {
         }
     }
 }
+
+mod redis_support;
+
+/// Runs `distlock run` twice at once against Redis (`urls`), expects one run
+/// and one skip; then with `--wait`, expects the second to follow.
+async fn redis_runs_one_and_skips_one(urls: &[String]) {
+    let mut args: Vec<&str> = vec!["run"];
+    for url in urls {
+        args.extend(["--redis-url", url.as_str()]);
+    }
+    args.extend(["redis-k", "--", "sleep", "2"]);
+    // No DATABASE_URL: the Redis backend needs none.
+    let spawn = || {
+        let mut cmd = distlock("", &args);
+        cmd.env_remove("DATABASE_URL");
+        cmd.spawn().expect("spawn distlock")
+    };
+    let (a, b) = tokio::join!(finish(spawn(), "run a"), finish(spawn(), "run b"));
+    let mut codes = [a.status.code(), b.status.code()];
+    codes.sort();
+    assert_eq!(
+        codes,
+        [Some(0), Some(EXIT_BUSY)],
+        "{}\n{}",
+        text(&a),
+        text(&b)
+    );
+}
+
+#[tokio::test]
+async fn run_works_with_a_single_redis_instance() {
+    let server = redis_support::RedisServer::start().await;
+    redis_runs_one_and_skips_one(&[server.url()]).await;
+}
+
+#[tokio::test]
+async fn run_works_with_redlock_over_three_nodes() {
+    let mut servers = Vec::new();
+    for _ in 0..3 {
+        servers.push(redis_support::RedisServer::start().await);
+    }
+    let urls: Vec<String> = servers.iter().map(|s| s.url()).collect();
+    redis_runs_one_and_skips_one(&urls).await;
+}

@@ -34,6 +34,12 @@ pub(crate) struct ConnArgs {
     // hide_env_values: `--help` would otherwise print the URL, password included.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_name = "URL")]
     pub(crate) database_url: Option<String>,
+
+    /// Use Redis instead of PostgreSQL: once for a single instance (with a
+    /// watchdog-extended lease), several times for Redlock over independent
+    /// nodes (e.g. five). Takes precedence over the database URL.
+    #[arg(long = "redis-url", value_name = "URL")]
+    pub(crate) redis_urls: Vec<String>,
 }
 
 #[derive(Debug, Args)]

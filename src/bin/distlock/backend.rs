@@ -2,14 +2,14 @@
 //!
 //! This is the one place that knows which backends exist: commands get an
 //! `Arc<dyn Locker>` (plus the PostgreSQL locker where a command needs
-//! PostgreSQL-only features such as naming holders). A Redis backend plugs in
-//! here: a repeatable `--redis-url` in [`ConnArgs`] and a branch in
-//! [`connect`] building `RedisLocker`/`Redlock`.
+//! PostgreSQL-only features such as naming holders). One `--redis-url` picks
+//! a single Redis instance, several pick Redlock over them.
 
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use distlock::redis::{RedisLocker, Redlock};
 use distlock::{Locker, PgLocker};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -34,6 +34,9 @@ pub(crate) async fn connect(
     application: &str,
     heartbeat: Duration,
 ) -> Result<Backend, Failure> {
+    if !conn.redis_urls.is_empty() {
+        return connect_redis(&conn.redis_urls).await;
+    }
     let Some(url) = conn.database_url.as_deref() else {
         return Err(Failure::usage(
             "no database: pass --database-url or set DATABASE_URL",
@@ -54,6 +57,32 @@ pub(crate) async fn connect(
     Ok(Backend {
         locker: Arc::new(locker.clone()),
         postgres: Some(locker),
+    })
+}
+
+/// A single Redis instance for one URL, Redlock over several.
+async fn connect_redis(urls: &[String]) -> Result<Backend, Failure> {
+    let targets: Vec<String> = urls.iter().map(|url| redact_url(url)).collect();
+    let locker: Arc<dyn Locker> = match urls {
+        [url] => Arc::new(RedisLocker::connect(url).await.map_err(|err| {
+            Failure::unavailable(format!(
+                "could not connect to {}: {err}",
+                targets.join(", ")
+            ))
+        })?),
+        _ => {
+            let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+            Arc::new(Redlock::connect(&urls).await.map_err(|err| {
+                Failure::unavailable(format!(
+                    "could not connect to {}: {err}",
+                    targets.join(", ")
+                ))
+            })?)
+        }
+    };
+    Ok(Backend {
+        locker,
+        postgres: None,
     })
 }
 

@@ -17,9 +17,9 @@
 //! [`SingletonJob`](crate::SingletonJob), so a job's lock is counted once.
 //!
 //! Lock names are often built from ids (`order:4711`); a label per id would
-//! create a time series per id. [`set_key_label`] chooses what the `key` and
-//! `job` labels carry for the whole process; the default,
-//! [`KeyLabel::Prefix`], keeps the part before the first `:`.
+//! create a time series per id. `set_key_label` (feature `metrics`) chooses
+//! what the `key` and `job` labels carry for the whole process; the default,
+//! `KeyLabel::Prefix`, keeps the part before the first `:`.
 //!
 //! Without the feature every function here compiles to nothing.
 

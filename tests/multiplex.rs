@@ -538,3 +538,53 @@ async fn a_stalled_shared_connection_loses_its_locks_within_the_heartbeat_bound(
     bounded("pool close", Duration::from_secs(10), pool.close()).await;
     close(obs).await;
 }
+
+#[sqlx::test(migrations = false)]
+async fn many_local_waiters_of_one_key_each_get_it_once_in_turn(pool: PgPool) {
+    let locker = mux(&pool, 2);
+    let mut obs = observer_for(&pool).await;
+    assert!(raw_try_lock(&mut obs, "mux:herd").await);
+    let inside = Arc::new(AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..16 {
+        let (locker, inside) = (locker.clone(), inside.clone());
+        tasks.spawn(async move {
+            let lock = locker
+                .lock("mux:herd", Duration::from_secs(30))
+                .await
+                .expect("lock");
+            assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            inside.fetch_sub(1, Ordering::SeqCst);
+            lock.release().await.expect("release");
+        });
+    }
+    // Waiters that give up while queued behind the others do not disturb them.
+    for _ in 0..8 {
+        let waited = tokio::time::timeout(
+            Duration::from_millis(50),
+            locker.lock("mux:herd", Duration::from_secs(30)),
+        )
+        .await;
+        assert!(waited.is_err(), "still held by the observer");
+    }
+    // Only one of this process's waiters waits on the server.
+    wait_for_waiters(&mut obs, 1, Duration::from_secs(5)).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiting = advisory_locks(&mut obs)
+        .await
+        .iter()
+        .filter(|r| !r.granted)
+        .count();
+    assert_eq!(waiting, 1, "one server-side waiter per process and key");
+
+    assert!(raw_unlock(&mut obs, "mux:herd").await);
+    bounded("16 waiters in turn", Duration::from_secs(20), async {
+        while let Some(done) = tasks.join_next().await {
+            done.unwrap();
+        }
+    })
+    .await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+    close(obs).await;
+}

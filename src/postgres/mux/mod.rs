@@ -25,12 +25,16 @@
 //!   A hand-off therefore costs two round trips after the holder's unlock
 //!   (the wake-up's answer, then the try) instead of none, and is not FIFO:
 //!   another process may take the key between the wake-up and the try.
+//!   Shared waiters all wake together, so the waiters of one key in this
+//!   process queue on an in-process gate and only the first waits on the
+//!   server; otherwise every hand-off would wake (and retry) all of them.
 //! - **Cancellation.** Callers only exchange messages with drivers. A grant
 //!   travels as a [`request::Ticket`] whose `Drop` queues the unlock, so a
 //!   caller that goes away at any `.await` leaves nothing held; a waiting
 //!   connection is closed, not pooled, if dropped mid-wait.
 
 mod driver;
+mod gate;
 mod release;
 mod request;
 mod sql;
@@ -60,6 +64,8 @@ pub(crate) struct Mux {
     config: Config,
     /// One inbox per shared connection; replaced when its driver has ended.
     slots: Box<[Mutex<Option<Inbox>>]>,
+    /// Where this process's waiters for one key queue (see `gate`).
+    gates: gate::Gates,
 }
 
 impl Mux {
@@ -71,6 +77,7 @@ impl Mux {
             pool,
             config,
             slots,
+            gates: gate::Gates::default(),
         }
     }
 

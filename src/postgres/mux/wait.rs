@@ -21,6 +21,14 @@ impl Mux {
         let args = key.args()?;
         let started = Instant::now();
         let deadline = tokio::time::Instant::from_std(started + timeout);
+        if let Some(lock) = self.try_lock(key.clone()).await? {
+            return Ok(lock);
+        }
+        // Busy: queue behind this process's other waiters for the key, so
+        // that only one of them waits on the server (see `gate`).
+        let Ok(_pass) = tokio::time::timeout_at(deadline, self.gates.enter(&key)).await else {
+            return Err(self.timeout_error(&key, started, None).await);
+        };
         // Armed while it is used: a wait dropped mid-statement closes the
         // connection (the server abandons the wait) instead of pooling it.
         let mut waiter: Option<HeldConn> = None;

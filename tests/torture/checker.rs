@@ -1,0 +1,458 @@
+//! The offline checker: reads every process's history and decides whether
+//! two holders were ever inside the critical section of one key at once,
+//! and whether the register guarded by the lock lost an update or accepted a
+//! stale write.
+//!
+//! # Mutual exclusion
+//!
+//! Each operation that got the lock has a critical section `[entered,
+//! exited]`; one that entered and never exited (its process died, or its
+//! history ends) is *possibly holding* until the end of time. Its status:
+//!
+//! - **clean**: released (or committed) without any sign of loss: the
+//!   server confirmed the unlock on the same backend, so it held the lock
+//!   from grant to release;
+//! - **lost**: `lost()` fired, release failed, or the transaction failed
+//!   after the lock was granted;
+//! - **unknown**: no outcome recorded; treated like clean (possibly holding).
+//!
+//! Two sections of one key that overlap, `A` entered first, are a
+//! **violation** unless `A` was lost *and* `B` was granted after the fault
+//! that could have cost `A` its lock (the first recorded fault aimed at `A`
+//! between its invocation and its detection, or at its backend pid). A lost
+//! holder whose loss has no recorded cause (a server-side timeout, or a
+//! heartbeat that timed out on a loaded machine) cannot be judged: its
+//! overlaps are counted separately as *unattributed*.
+//!
+//! A holder that keeps working after the server dropped its lock *does*
+//! overlap its successor: no lock can prevent that, it can only report it
+//! (`lost()`). Those overlaps are counted as *excused*; the register below
+//! shows the fence refusing the late holder's writes.
+//!
+//! # Register
+//!
+//! Each key guards a register that holders read, sleep, and write back
+//! incremented, logging each committed write in the same transaction. If two
+//! holders ever read the same value and both committed, the log holds that
+//! value twice: a **lost update**. With fencing, the log's tokens must not
+//! decrease along the register's values: a decrease is a **stale write
+//! accepted**.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::clock::ms;
+use super::history::Event;
+
+/// A fault may take a moment to bite (a terminated backend exits
+/// asynchronously, a pooled connection was picked just before): faults this
+/// long before an operation's invocation still count for it.
+const FAULT_GRACE_NS: u64 = 250_000_000;
+
+/// One acquisition attempt and what became of it.
+#[derive(Debug, Clone, Default)]
+pub struct Acq {
+    pub op: (i64, i64, i64),
+    pub key: i64,
+    pub method: String,
+    pub invoke: u64,
+    pub acquired: Option<u64>,
+    pub entered: Option<u64>,
+    pub exited: Option<u64>,
+    pub released: Option<u64>,
+    pub lost: Option<(u64, String)>,
+    pub release_failed: Option<(u64, String)>,
+    pub failed: Option<(u64, String)>,
+    pub busy: bool,
+    pub timeout: bool,
+    pub token: Option<i64>,
+    pub backend_pid: Option<i64>,
+}
+
+/// How an acquisition that entered its critical section ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Clean,
+    Lost,
+    Unknown,
+}
+
+impl Acq {
+    pub fn held(&self) -> bool {
+        self.entered.is_some()
+    }
+
+    pub fn status(&self) -> Status {
+        if self.lost.is_some() || self.release_failed.is_some() || self.failed.is_some() {
+            Status::Lost
+        } else if self.released.is_some() {
+            Status::Clean
+        } else {
+            Status::Unknown
+        }
+    }
+
+    /// When the holder first learnt that its lock could not be trusted.
+    pub fn detected(&self) -> Option<u64> {
+        [&self.lost, &self.release_failed, &self.failed]
+            .into_iter()
+            .flatten()
+            .map(|(t, _)| *t)
+            .min()
+    }
+
+    /// Why, as the holder was told.
+    pub fn loss_reason(&self) -> Option<&str> {
+        [&self.lost, &self.release_failed, &self.failed]
+            .into_iter()
+            .flatten()
+            .min_by_key(|(t, _)| *t)
+            .map(|(_, r)| r.as_str())
+    }
+
+    fn end(&self) -> u64 {
+        self.exited.unwrap_or(u64::MAX)
+    }
+}
+
+/// A fault injected by the control process.
+#[derive(Debug, Clone)]
+pub struct Fault {
+    pub t: u64,
+    pub kind: String,
+    /// Aimed at this backend pid only.
+    pub backend_pid: Option<i64>,
+    /// Aimed at this worker process only.
+    pub target: Option<i64>,
+}
+
+impl Fault {
+    fn affects(&self, acq: &Acq) -> bool {
+        self.backend_pid
+            .is_none_or(|bp| acq.backend_pid == Some(bp))
+            && self.target.is_none_or(|p| acq.op.0 == p)
+    }
+}
+
+/// All histories of a run, folded per operation.
+#[derive(Debug, Default)]
+pub struct History {
+    pub acqs: Vec<Acq>,
+    pub faults: Vec<Fault>,
+    /// `(process, advisory locks still held after all its guards ended)`.
+    pub leakchecks: Vec<(i64, i64)>,
+    /// Processes that recorded `done`.
+    pub done: Vec<i64>,
+    /// Register events: reads, acknowledged writes, refusals, unknowns.
+    pub reads: usize,
+    pub writes_acked: Vec<(i64, i64, i64)>,
+    pub read_rejected: usize,
+    pub write_rejected: Vec<(u64, (i64, i64, i64))>,
+    pub reg_failed: usize,
+    /// Every event, by time.
+    pub events: Vec<Event>,
+}
+
+impl History {
+    pub fn build(events: Vec<Event>) -> Self {
+        let mut h = History::default();
+        let mut acqs: HashMap<(i64, i64, i64), Acq> = HashMap::new();
+        for ev in &events {
+            match ev.e.as_str() {
+                "fault" => h.faults.push(Fault {
+                    t: ev.t,
+                    kind: ev.text("kind").unwrap_or("?").to_owned(),
+                    backend_pid: ev.int("bp"),
+                    target: ev.int("target"),
+                }),
+                "leakcheck" => h.leakchecks.push((ev.p, ev.int("n").unwrap_or(-1))),
+                "done" => h.done.push(ev.p),
+                "read" => h.reads += 1,
+                "write" => h.writes_acked.extend(ev.op()),
+                "read_rejected" => h.read_rejected += 1,
+                "write_rejected" => h.write_rejected.extend(ev.op().map(|op| (ev.t, op))),
+                "reg_failed" => h.reg_failed += 1,
+                _ => {}
+            }
+            let Some(op) = ev.op() else { continue };
+            let reason = || ev.text("r").unwrap_or("").to_owned();
+            let acq = acqs.entry(op).or_insert_with(|| Acq {
+                op,
+                ..Acq::default()
+            });
+            match ev.e.as_str() {
+                "invoke" => {
+                    acq.invoke = ev.t;
+                    acq.key = ev.int("k").unwrap_or(-1);
+                    acq.method = ev.text("m").unwrap_or("?").to_owned();
+                }
+                "acquired" => {
+                    acq.acquired = Some(ev.t);
+                    acq.token = ev.int("tok");
+                    acq.backend_pid = acq.backend_pid.or(ev.int("bp"));
+                }
+                "read" => acq.backend_pid = acq.backend_pid.or(ev.int("bp")),
+                "entered" => acq.entered = Some(ev.t),
+                "exited" => acq.exited = Some(ev.t),
+                "released" => acq.released = Some(ev.t),
+                "busy" => acq.busy = true,
+                "timeout" => acq.timeout = true,
+                "lost" => {
+                    acq.lost.get_or_insert((ev.t, reason()));
+                }
+                "release_failed" => {
+                    acq.release_failed.get_or_insert((ev.t, reason()));
+                }
+                "failed" => {
+                    // A failure before the lock was granted holds nothing.
+                    if acq.acquired.is_some() {
+                        acq.failed.get_or_insert((ev.t, reason()));
+                    }
+                }
+                _ => {}
+            }
+        }
+        h.acqs = acqs.into_values().collect();
+        h.acqs.sort_by_key(|a| (a.invoke, a.op));
+        h.events = events;
+        h
+    }
+
+    /// Acquisitions that entered their critical section.
+    pub fn held(&self) -> impl Iterator<Item = &Acq> {
+        self.acqs.iter().filter(|a| a.held())
+    }
+
+    /// When the server may first have dropped `acq`'s lock: the first fault
+    /// aimed at it between its invocation (less a grace) and its detection,
+    /// but not before it was granted. `None`: no recorded cause.
+    pub fn loss_start(&self, acq: &Acq) -> Option<u64> {
+        let detected = acq.detected()?;
+        let granted = acq.acquired.or(acq.entered)?;
+        self.faults
+            .iter()
+            .filter(|f| f.affects(acq))
+            .filter(|f| f.t + FAULT_GRACE_NS >= acq.invoke && f.t <= detected)
+            .map(|f| f.t.max(granted))
+            .min()
+    }
+}
+
+/// Two critical sections of one key that overlapped.
+#[derive(Debug, Clone)]
+pub struct Overlap {
+    pub key: i64,
+    pub first: (i64, i64, i64),
+    pub second: (i64, i64, i64),
+    /// How long they overlapped.
+    pub ns: u64,
+}
+
+/// The mutual-exclusion verdict.
+#[derive(Debug, Default)]
+pub struct Exclusion {
+    pub held: usize,
+    pub clean: usize,
+    pub lost: usize,
+    pub unknown: usize,
+    pub violations: Vec<Overlap>,
+    /// Overlaps after the first holder's recorded fault: expected.
+    pub excused: Vec<Overlap>,
+    /// Overlaps with a lost holder whose loss has no recorded cause.
+    pub unattributed: Vec<Overlap>,
+}
+
+pub fn check_exclusion(h: &History) -> Exclusion {
+    let mut verdict = Exclusion::default();
+    let mut by_key: BTreeMap<i64, Vec<&Acq>> = BTreeMap::new();
+    for acq in h.held() {
+        verdict.held += 1;
+        match acq.status() {
+            Status::Clean => verdict.clean += 1,
+            Status::Lost => verdict.lost += 1,
+            Status::Unknown => verdict.unknown += 1,
+        }
+        by_key.entry(acq.key).or_default().push(acq);
+    }
+    for (key, mut sections) in by_key {
+        sections.sort_by_key(|a| a.entered);
+        let mut active: Vec<&Acq> = Vec::new();
+        for b in sections {
+            let start = b.entered.unwrap_or(0);
+            active.retain(|a| a.end() > start);
+            for a in &active {
+                let overlap = Overlap {
+                    key,
+                    first: a.op,
+                    second: b.op,
+                    ns: a.end().min(b.end()).saturating_sub(start),
+                };
+                if a.status() != Status::Lost {
+                    verdict.violations.push(overlap);
+                    continue;
+                }
+                let granted = b.acquired.unwrap_or(start);
+                match h.loss_start(a) {
+                    Some(lost_at) if granted >= lost_at => verdict.excused.push(overlap),
+                    Some(_) => verdict.violations.push(overlap),
+                    None => verdict.unattributed.push(overlap),
+                }
+            }
+            active.push(b);
+        }
+    }
+    verdict
+}
+
+/// `lost()` detection latency: from the fault that cost a holder its lock
+/// to the moment the holder learnt it, for every lost holder with a recorded
+/// cause. Returns `(operation, latency in ns, reason)`.
+pub fn loss_latencies(h: &History) -> Vec<((i64, i64, i64), u64, String)> {
+    h.held()
+        .filter(|a| a.status() == Status::Lost)
+        .filter_map(|a| {
+            let start = h.loss_start(a)?;
+            let detected = a.detected()?;
+            Some((
+                a.op,
+                detected.saturating_sub(start),
+                a.loss_reason().unwrap_or("").to_owned(),
+            ))
+        })
+        .collect()
+}
+
+/// p50 / p99 / max of a set of nanosecond durations, in milliseconds.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Percentiles {
+    pub n: usize,
+    pub p50: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+impl Percentiles {
+    pub fn of(mut ns: Vec<u64>) -> Self {
+        if ns.is_empty() {
+            return Self::default();
+        }
+        ns.sort_unstable();
+        let at = |q: f64| {
+            let idx = ((ns.len() as f64 - 1.0) * q).round() as usize;
+            ms(ns[idx.min(ns.len() - 1)])
+        };
+        Self {
+            n: ns.len(),
+            p50: at(0.5),
+            p99: at(0.99),
+            max: ms(*ns.last().unwrap_or(&0)),
+        }
+    }
+}
+
+impl std::fmt::Display for Percentiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.n == 0 {
+            return f.write_str("n=0");
+        }
+        write!(
+            f,
+            "n={} p50={:.0} ms p99={:.0} ms max={:.0} ms",
+            self.n, self.p50, self.p99, self.max
+        )
+    }
+}
+
+/// One committed register write, as logged in its own transaction.
+#[derive(Debug, Clone)]
+pub struct LoggedWrite {
+    pub key: i64,
+    pub value: i64,
+    pub token: Option<i64>,
+    pub op: (i64, i64, i64),
+}
+
+/// The register verdict.
+#[derive(Debug, Default)]
+pub struct RegisterVerdict {
+    pub keys: usize,
+    pub committed: usize,
+    /// Values committed more than once: two holders read the same value.
+    pub lost_updates: usize,
+    /// Values missing from the sequence 1..=n of a key.
+    pub gaps: usize,
+    /// Writes accepted with a token older than an earlier accepted one.
+    pub stale_accepted: usize,
+    /// Keys whose final value is not the number of committed writes.
+    pub final_mismatch: usize,
+    /// Writes acknowledged to the client that are not in the log.
+    pub acked_missing: usize,
+    /// Refusals by the fence, as the clients saw them.
+    pub read_rejected: usize,
+    pub write_rejected: usize,
+    /// Register statements that failed with an unknown outcome.
+    pub unknown: usize,
+}
+
+impl RegisterVerdict {
+    pub fn is_sound(&self) -> bool {
+        self.lost_updates == 0
+            && self.gaps == 0
+            && self.stale_accepted == 0
+            && self.final_mismatch == 0
+            && self.acked_missing == 0
+    }
+}
+
+pub fn check_register(log: &[LoggedWrite], finals: &[(i64, i64)], h: &History) -> RegisterVerdict {
+    let mut verdict = RegisterVerdict {
+        keys: finals.len(),
+        committed: log.len(),
+        read_rejected: h.read_rejected,
+        write_rejected: h.write_rejected.len(),
+        unknown: h.reg_failed,
+        ..RegisterVerdict::default()
+    };
+    let mut by_key: BTreeMap<i64, Vec<&LoggedWrite>> = BTreeMap::new();
+    for w in log {
+        by_key.entry(w.key).or_default().push(w);
+    }
+    for writes in by_key.values_mut() {
+        writes.sort_by_key(|w| w.value);
+        let mut newest_token = i64::MIN;
+        let mut expected = 1;
+        for pair in writes.windows(2) {
+            if pair[0].value == pair[1].value {
+                verdict.lost_updates += 1;
+            }
+        }
+        for w in writes.iter() {
+            if w.value > expected {
+                verdict.gaps += usize::try_from(w.value - expected).unwrap_or(0);
+            }
+            expected = expected.max(w.value + 1);
+            if let Some(token) = w.token {
+                if token < newest_token {
+                    verdict.stale_accepted += 1;
+                }
+                newest_token = newest_token.max(token);
+            }
+        }
+    }
+    for (key, value) in finals {
+        let n = by_key.get(key).map_or(0, Vec::len);
+        let top = by_key
+            .get(key)
+            .and_then(|w| w.last())
+            .map_or(0, |w| w.value);
+        if i64::try_from(n).ok() != Some(*value) || top != *value {
+            verdict.final_mismatch += 1;
+        }
+    }
+    let logged: std::collections::HashSet<_> = log.iter().map(|w| w.op).collect();
+    verdict.acked_missing = h
+        .writes_acked
+        .iter()
+        .filter(|op| !logged.contains(op))
+        .count();
+    verdict
+}

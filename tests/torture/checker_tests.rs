@@ -1,0 +1,195 @@
+//! The checker must fail histories that break the rules, or its silence on
+//! the real runs means nothing.
+
+use serde_json::{Map, Value, json};
+
+use super::checker::{History, LoggedWrite, Status, check_exclusion, check_register};
+use super::history::{CONTROL, Event};
+
+const MS: u64 = 1_000_000;
+
+fn ev(t_ms: u64, p: i64, e: &str, fields: Value) -> Event {
+    let Value::Object(fields) = fields else {
+        panic!("object")
+    };
+    Event {
+        t: t_ms * MS,
+        p,
+        e: e.into(),
+        fields,
+    }
+}
+
+/// A session acquisition of `key` by `(p, w=0, s)`: invoke at `t`, granted
+/// and entered 1 ms later, exited at `exit`, then `end` (released or lost).
+fn section(p: i64, s: i64, key: i64, t: u64, exit: u64, end: &str, bp: i64) -> Vec<Event> {
+    let op = |extra: Value| {
+        let mut m: Map<String, Value> = json!({"w": 0, "s": s}).as_object().cloned().unwrap();
+        m.extend(extra.as_object().cloned().unwrap());
+        Value::Object(m)
+    };
+    vec![
+        ev(t, p, "invoke", op(json!({"k": key, "m": "try"}))),
+        ev(t + 1, p, "acquired", op(json!({"bp": bp}))),
+        ev(t + 1, p, "entered", op(json!({}))),
+        ev(exit, p, "exited", op(json!({}))),
+        ev(
+            exit + 1,
+            p,
+            end,
+            op(json!({"r": "connection failed: terminated"})),
+        ),
+    ]
+}
+
+fn history(parts: Vec<Vec<Event>>) -> History {
+    let mut events: Vec<Event> = parts.into_iter().flatten().collect();
+    events.sort_by_key(|e| e.t);
+    History::build(events)
+}
+
+#[test]
+fn checker_passes_sequential_holders() {
+    let h = history(vec![
+        section(0, 1, 7, 0, 10, "released", 100),
+        section(1, 1, 7, 11, 20, "released", 101),
+        // Another key may be held at the same time.
+        section(2, 1, 8, 5, 15, "released", 102),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert_eq!(verdict.held, 3);
+    assert_eq!(verdict.clean, 3);
+    assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+}
+
+#[test]
+fn checker_flags_two_clean_holders_of_one_key() {
+    let h = history(vec![
+        section(0, 1, 7, 0, 10, "released", 100),
+        section(1, 1, 7, 5, 20, "released", 101),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert_eq!(verdict.violations.len(), 1);
+    assert_eq!(verdict.violations[0].key, 7);
+}
+
+#[test]
+fn checker_treats_a_section_without_outcome_as_still_holding() {
+    let mut open = section(0, 1, 7, 0, 10, "released", 100);
+    open.truncate(3); // entered, never exited: the process died
+    let h = history(vec![open, section(1, 1, 7, 500, 510, "released", 101)]);
+    let verdict = check_exclusion(&h);
+    assert_eq!(verdict.unknown, 1);
+    assert_eq!(verdict.violations.len(), 1, "possibly holding forever");
+}
+
+#[test]
+fn checker_excuses_a_successor_granted_after_the_lost_holders_fault() {
+    let h = history(vec![
+        section(0, 1, 7, 0, 100, "lost", 100),
+        vec![ev(
+            50,
+            CONTROL,
+            "fault",
+            json!({"kind": "terminate", "bp": 100}),
+        )],
+        section(1, 1, 7, 60, 70, "released", 101),
+    ]);
+    assert_eq!(
+        h.acqs.iter().filter(|a| a.status() == Status::Lost).count(),
+        1
+    );
+    let verdict = check_exclusion(&h);
+    assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+    assert_eq!(verdict.excused.len(), 1);
+}
+
+#[test]
+fn checker_flags_a_successor_granted_before_the_fault() {
+    let h = history(vec![
+        section(0, 1, 7, 0, 100, "lost", 100),
+        section(1, 1, 7, 20, 30, "released", 101),
+        vec![ev(
+            50,
+            CONTROL,
+            "fault",
+            json!({"kind": "terminate", "bp": 100}),
+        )],
+    ]);
+    let verdict = check_exclusion(&h);
+    assert_eq!(
+        verdict.violations.len(),
+        1,
+        "granted while the lock was intact"
+    );
+}
+
+#[test]
+fn checker_ignores_faults_aimed_at_other_backends() {
+    let h = history(vec![
+        section(0, 1, 7, 0, 100, "lost", 100),
+        vec![ev(
+            10,
+            CONTROL,
+            "fault",
+            json!({"kind": "terminate", "bp": 999}),
+        )],
+        section(1, 1, 7, 20, 30, "released", 101),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert!(verdict.violations.is_empty());
+    assert_eq!(
+        verdict.unattributed.len(),
+        1,
+        "a loss with no recorded cause"
+    );
+}
+
+fn write(key: i64, value: i64, token: Option<i64>, s: i64) -> LoggedWrite {
+    LoggedWrite {
+        key,
+        value,
+        token,
+        op: (0, 0, s),
+    }
+}
+
+#[test]
+fn register_check_passes_a_clean_sequence() {
+    let log = [
+        write(0, 1, Some(1), 1),
+        write(0, 2, Some(2), 2),
+        write(0, 3, Some(2), 3),
+    ];
+    let verdict = check_register(&log, &[(0, 3), (1, 0)], &History::default());
+    assert!(verdict.is_sound(), "{verdict:?}");
+}
+
+#[test]
+fn register_check_flags_a_lost_update() {
+    let log = [
+        write(0, 1, Some(1), 1),
+        write(0, 2, Some(2), 2),
+        write(0, 2, Some(3), 3),
+    ];
+    let verdict = check_register(&log, &[(0, 2)], &History::default());
+    assert_eq!(verdict.lost_updates, 1);
+    assert_eq!(verdict.final_mismatch, 1);
+    assert!(!verdict.is_sound());
+}
+
+#[test]
+fn register_check_flags_a_stale_write_accepted() {
+    let log = [write(0, 1, Some(5), 1), write(0, 2, Some(4), 2)];
+    let verdict = check_register(&log, &[(0, 2)], &History::default());
+    assert_eq!(verdict.stale_accepted, 1);
+    assert!(!verdict.is_sound());
+}
+
+#[test]
+fn register_check_flags_an_acknowledged_write_missing_from_the_log() {
+    let h = History::build(vec![ev(1, 0, "write", json!({"w": 0, "s": 9, "v": 1}))]);
+    let verdict = check_register(&[], &[(0, 0)], &h);
+    assert_eq!(verdict.acked_missing, 1);
+    assert!(!verdict.is_sound());
+}

@@ -1,0 +1,53 @@
+//! The torture suite: distlock under contention and injected faults, judged
+//! by an offline checker over the histories of every process involved.
+//!
+//! ```sh
+//! cargo test --all-features --test torture                 # short run (CI)
+//! DISTLOCK_TORTURE=full cargo test --all-features --release --test torture \
+//!     -- --nocapture --test-threads=1                      # RELIABILITY.md
+//! ```
+//!
+//! Scenarios run one at a time (they share two cores and a PostgreSQL),
+//! each in a database of its own. Multi-process scenarios start this test
+//! binary again as worker processes (`worker_entry`, configured through
+//! `DISTLOCK_TORTURE_WORKER`); the test process injects the faults and
+//! records them in a history of its own. See `checker.rs` for what is
+//! judged, and RELIABILITY.md for the figures of a full run.
+
+mod checker;
+mod clock;
+mod db;
+mod history;
+mod procs;
+mod report;
+mod scale;
+mod worker;
+
+mod checker_tests;
+mod contention;
+
+use std::future::Future;
+
+/// Scenarios take turns: each one measures latencies and throughput, which
+/// another scenario running at the same time would distort.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Runs one scenario on a runtime of its own, after the previous one.
+fn scenario(body: impl Future<Output = ()>) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let _turn = SERIAL.lock().await;
+        body.await;
+    });
+}
+
+/// The worker process's entry point (see `worker.rs`); returns at once in
+/// the test run itself.
+#[test]
+fn worker_entry() {
+    worker::main_from_env();
+}

@@ -1,0 +1,158 @@
+//! Worker processes: the test binary started again as `worker_entry`, killed
+//! (and reaped) when the [`Fleet`] is dropped, whatever happens.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use super::worker::{Config, ENV};
+
+/// A run's directory: histories, worker output, the stop file. Removed at
+/// the end unless the test failed (then its path is printed).
+#[derive(Debug)]
+pub struct RunDir {
+    pub path: PathBuf,
+}
+
+impl RunDir {
+    pub fn new(scenario: &str) -> Self {
+        let path = std::env::temp_dir().join(format!(
+            "distlock-torture-{scenario}-{}-{}",
+            std::process::id(),
+            super::clock::now_ns()
+        ));
+        std::fs::create_dir_all(&path).expect("create run directory");
+        Self { path }
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("torture: histories kept in {}", self.path.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// One running worker.
+#[derive(Debug)]
+pub struct Worker {
+    pub proc: i64,
+    child: Child,
+    status: Option<ExitStatus>,
+}
+
+impl Worker {
+    pub fn pid(&self) -> Pid {
+        Pid::from_raw(i32::try_from(self.child.id()).expect("pid"))
+    }
+}
+
+/// A set of worker processes.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    workers: Vec<Worker>,
+    dir: PathBuf,
+}
+
+impl Fleet {
+    /// Starts one process per configuration.
+    pub fn spawn(dir: &Path, configs: &[Config]) -> Self {
+        let exe = std::env::current_exe().expect("current test binary");
+        let mut fleet = Fleet {
+            workers: Vec::new(),
+            dir: dir.to_owned(),
+        };
+        for cfg in configs {
+            let out = File::create(dir.join(format!("worker-{}.out", cfg.proc))).expect("out");
+            let err = File::create(dir.join(format!("worker-{}.err", cfg.proc))).expect("err");
+            let child = Command::new(&exe)
+                .args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
+                .env(ENV, cfg.to_json())
+                .stdin(Stdio::null())
+                .stdout(out)
+                .stderr(err)
+                .spawn()
+                .expect("spawn worker");
+            fleet.workers.push(Worker {
+                proc: cfg.proc,
+                child,
+                status: None,
+            });
+        }
+        fleet
+    }
+
+    pub fn workers(&self) -> &[Worker] {
+        &self.workers
+    }
+
+    /// Asks every worker to finish its current operation and stop.
+    pub fn stop(&self) {
+        File::create(self.dir.join("stop")).expect("stop file");
+    }
+
+    pub fn signal(&self, proc: i64, signal: Signal) {
+        let worker = self
+            .workers
+            .iter()
+            .find(|w| w.proc == proc)
+            .expect("no such worker");
+        kill(worker.pid(), signal).expect("signal worker");
+    }
+
+    /// Waits (bounded) for every worker to exit; panics with their stderr if
+    /// one fails or they do not finish in time.
+    pub async fn wait(&mut self, limit: Duration) {
+        let started = Instant::now();
+        loop {
+            let mut running = 0;
+            for w in &mut self.workers {
+                if w.status.is_none() {
+                    w.status = w.child.try_wait().expect("try_wait");
+                }
+                if w.status.is_none() {
+                    running += 1;
+                }
+            }
+            if running == 0 {
+                break;
+            }
+            assert!(
+                started.elapsed() < limit,
+                "{running} worker(s) still running after {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for w in &self.workers {
+            let status = w.status.expect("exited");
+            if !status.success() {
+                let err = std::fs::read_to_string(self.dir.join(format!("worker-{}.err", w.proc)))
+                    .unwrap_or_default();
+                let out = std::fs::read_to_string(self.dir.join(format!("worker-{}.out", w.proc)))
+                    .unwrap_or_default();
+                panic!("worker {} failed ({status}):\n{out}\n{err}", w.proc);
+            }
+        }
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            if w.status.is_none() && matches!(w.child.try_wait(), Ok(None)) {
+                // A stopped process is killed all the same; SIGCONT first so
+                // nothing is left half-frozen if the kill is refused.
+                let _ = kill(w.pid(), Signal::SIGCONT);
+                let _ = w.child.kill();
+                let _ = w.child.wait();
+            }
+        }
+    }
+}

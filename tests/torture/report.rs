@@ -1,0 +1,193 @@
+//! Folding a run's histories into verdicts and the figures RELIABILITY.md
+//! quotes; every scenario prints one block.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use super::checker::{
+    self, Exclusion, History, Percentiles, RegisterVerdict, Status, check_exclusion, check_register,
+};
+use super::db::TestDb;
+use super::history;
+
+/// Everything the checker found in one run.
+#[derive(Debug)]
+pub struct Outcome {
+    pub history: History,
+    pub exclusion: Exclusion,
+    pub register: RegisterVerdict,
+    /// Advisory locks workers still held after all their guards ended.
+    pub leaked: i64,
+    /// Worker processes that did not report their leak check.
+    pub unchecked: usize,
+    /// `lost()` latency from each loss's recorded fault, in ns.
+    pub latencies: Vec<((i64, i64, i64), u64, String)>,
+}
+
+impl Outcome {
+    /// Reads the histories in `dir` and the register of `db`.
+    pub async fn analyse(db: &TestDb, dir: &Path, workers: usize) -> Self {
+        let history = History::build(history::load(dir));
+        let exclusion = check_exclusion(&history);
+        let (log, finals) = db.register().await;
+        let register = check_register(&log, &finals, &history);
+        let leaked = history.leakchecks.iter().map(|(_, n)| (*n).max(0)).sum();
+        let failed_checks = history.leakchecks.iter().filter(|(_, n)| *n < 0).count();
+        let unchecked = workers.saturating_sub(history.leakchecks.len()) + failed_checks;
+        let latencies = checker::loss_latencies(&history);
+        Self {
+            history,
+            exclusion,
+            register,
+            leaked,
+            unchecked,
+            latencies,
+        }
+    }
+
+    /// Acquisitions (entered critical sections) by method.
+    pub fn acquisitions(&self, methods: &[&str]) -> usize {
+        self.history
+            .held()
+            .filter(|a| methods.contains(&a.method.as_str()))
+            .count()
+    }
+
+    pub fn latency(&self, reason_contains: Option<&str>) -> Percentiles {
+        Percentiles::of(
+            self.latencies
+                .iter()
+                .filter(|(_, _, r)| reason_contains.is_none_or(|s| r.contains(s)))
+                .map(|(_, ns, _)| *ns)
+                .collect(),
+        )
+    }
+
+    /// Prints the block RELIABILITY.md is made from.
+    pub fn print(&self, title: &str, extra: &[String]) {
+        let h = &self.history;
+        let mut by_method: BTreeMap<&str, [usize; 5]> = BTreeMap::new();
+        for a in &h.acqs {
+            let row = by_method.entry(a.method.as_str()).or_default();
+            row[0] += 1;
+            if a.held() {
+                row[1] += 1;
+            }
+            if a.busy {
+                row[2] += 1;
+            }
+            if a.timeout {
+                row[3] += 1;
+            }
+            if !a.held() && !a.busy && !a.timeout {
+                row[4] += 1;
+            }
+        }
+        let ex = &self.exclusion;
+        let reg = &self.register;
+        println!("=== torture: {title} ({}) ===", super::scale::name());
+        for (method, [calls, held, busy, timeout, failed]) in by_method {
+            println!(
+                "  {method:>5}: {calls} calls, {held} acquired, {busy} busy, {timeout} timed out, {failed} failed before the grant"
+            );
+        }
+        println!(
+            "  critical sections: {} ({} clean, {} lost, {} unknown)",
+            ex.held, ex.clean, ex.lost, ex.unknown
+        );
+        println!(
+            "  mutual exclusion: {} violations; {} overlaps after a holder's fault (excused), {} with an unattributed loss",
+            ex.violations.len(),
+            ex.excused.len(),
+            ex.unattributed.len()
+        );
+        println!(
+            "  register: {} keys, {} committed writes, {} lost updates, {} gaps, {} stale writes accepted, {} final mismatches, {} acknowledged but missing",
+            reg.keys,
+            reg.committed,
+            reg.lost_updates,
+            reg.gaps,
+            reg.stale_accepted,
+            reg.final_mismatch,
+            reg.acked_missing
+        );
+        println!(
+            "  fence: {} stale reads and {} stale writes refused; {} register statements with unknown outcome",
+            reg.read_rejected, reg.write_rejected, reg.unknown
+        );
+        println!(
+            "  leaked locks: {} (workers without a leak check: {})",
+            self.leaked, self.unchecked
+        );
+        println!("  faults: {}", fault_summary(h));
+        let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
+        for a in h.held().filter(|a| a.status() == Status::Lost) {
+            *reasons
+                .entry(reason_class(a.loss_reason().unwrap_or("")))
+                .or_default() += 1;
+        }
+        if !reasons.is_empty() {
+            println!("  losses by reason: {reasons:?}");
+        }
+        println!("  lost() latency from the fault: {}", self.latency(None));
+        for line in extra {
+            println!("  {line}");
+        }
+        for v in ex.violations.iter().take(5) {
+            println!("  VIOLATION: {v:?}");
+        }
+    }
+
+    /// The guarantees every scenario must keep.
+    pub fn assert_sound(&self) {
+        let ex = &self.exclusion;
+        assert!(
+            ex.violations.is_empty(),
+            "{} mutual-exclusion violations, first: {:?}",
+            ex.violations.len(),
+            &ex.violations[..ex.violations.len().min(5)]
+        );
+        assert_eq!(ex.unknown, 0, "critical sections without an outcome");
+        assert!(self.register.is_sound(), "register: {:?}", self.register);
+        assert_eq!(self.leaked, 0, "advisory locks leaked by workers");
+        assert_eq!(self.unchecked, 0, "workers that did not check for leaks");
+    }
+}
+
+/// Groups loss reasons into a few classes for the report.
+pub fn reason_class(reason: &str) -> String {
+    let classes = [
+        ("heartbeat got no answer", "heartbeat timed out"),
+        ("backend pid changed", "backend changed"),
+        (
+            "terminating connection due to administrator command",
+            "terminated",
+        ),
+        ("idle-session timeout", "idle_session_timeout"),
+        (
+            "idle-in-transaction timeout",
+            "idle_in_transaction_session_timeout",
+        ),
+        ("did not finish within", "release timed out"),
+        ("connection failed", "connection failed"),
+    ];
+    for (needle, class) in classes {
+        if reason.contains(needle) {
+            return class.to_owned();
+        }
+    }
+    let short: String = reason.chars().take(60).collect();
+    short
+}
+
+fn fault_summary(h: &History) -> String {
+    let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+    for f in &h.faults {
+        *kinds.entry(f.kind.as_str()).or_default() += 1;
+    }
+    if kinds.is_empty() {
+        "none".into()
+    } else {
+        format!("{kinds:?}")
+    }
+}

@@ -173,6 +173,11 @@ impl PgLockerBuilder {
     /// - **One holder per process and key.** A key held through this locker
     ///   is busy for its other callers, as in the default mode, although
     ///   PostgreSQL itself would grant it again on the same session.
+    /// - **Sizing.** PostgreSQL walks a session's table of held locks at
+    ///   the end of every transaction, so each statement on a session that
+    ///   holds *n* locks costs about *n* × 0.1 µs more (1 ms at 10,000 locks,
+    ///   measured on PostgreSQL 15; see BENCHMARKS.md). Allow one connection
+    ///   per one or two thousand locks.
     ///
     /// ```no_run
     /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {

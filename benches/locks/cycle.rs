@@ -1,0 +1,286 @@
+//! Uncontended cycles: one task takes and gives back one free key, again and
+//! again, with each alternative.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use distlock::{LockKey, PgLocker};
+use sqlx::postgres::{PgAdvisoryLock, PgAdvisoryLockKey, PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Either, PgPool, Row};
+
+use crate::counting::CountingProxy;
+use crate::stats::{median_f64, us};
+
+/// One way of taking and releasing an uncontended lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cycle {
+    /// `pool.begin()`, `SELECT pg_try_advisory_xact_lock($1)`, `COMMIT`.
+    XactRaw,
+    /// `BEGIN; SELECT pg_try_advisory_xact_lock(<literal>)` in one simple
+    /// query, then `COMMIT`: the 2-round-trip reference (see BENCHMARKS.md
+    /// for why distlock does not do this).
+    XactPipelined,
+    /// `locker.with_advisory_lock(key, async |_| Ok(()))`.
+    XactDistlock,
+    /// `pool.acquire()`, `pg_try_advisory_lock($1)`, `pg_advisory_unlock($1)`.
+    SessionRaw,
+    /// sqlx's `PgAdvisoryLock::try_acquire(pool.acquire())` + `release_now()`.
+    SessionSqlx,
+    /// `locker.try_lock(key)` + `release()`, heartbeat on (default 1 s).
+    SessionDistlock,
+    /// The same with `.multiplex(2)`.
+    SessionDistlockMux,
+}
+
+pub const ALL: [Cycle; 7] = [
+    Cycle::XactRaw,
+    Cycle::XactPipelined,
+    Cycle::XactDistlock,
+    Cycle::SessionRaw,
+    Cycle::SessionSqlx,
+    Cycle::SessionDistlock,
+    Cycle::SessionDistlockMux,
+];
+
+impl Cycle {
+    pub fn label(self) -> &'static str {
+        match self {
+            Cycle::XactRaw => "sqlx hand-written BEGIN/try/COMMIT",
+            Cycle::XactPipelined => "raw pipelined BEGIN+try; COMMIT (reference)",
+            Cycle::XactDistlock => "distlock with_advisory_lock",
+            Cycle::SessionRaw => "sqlx hand-written try/unlock",
+            Cycle::SessionSqlx => "sqlx PgAdvisoryLock",
+            Cycle::SessionDistlock => "distlock try_lock+release",
+            Cycle::SessionDistlockMux => "distlock multiplexed try_lock+release",
+        }
+    }
+
+    /// Short label for charts.
+    pub fn short(self) -> &'static str {
+        match self {
+            Cycle::XactRaw => "xact: sqlx 3-RT",
+            Cycle::XactPipelined => "xact: pipelined 2-RT (ref)",
+            Cycle::XactDistlock => "xact: distlock",
+            Cycle::SessionRaw => "session: sqlx raw",
+            Cycle::SessionSqlx => "session: PgAdvisoryLock",
+            Cycle::SessionDistlock => "session: distlock",
+            Cycle::SessionDistlockMux => "session: distlock mux",
+        }
+    }
+
+    pub fn is_xact(self) -> bool {
+        matches!(
+            self,
+            Cycle::XactRaw | Cycle::XactPipelined | Cycle::XactDistlock
+        )
+    }
+
+    /// What the ratio column compares against.
+    pub fn baseline(self) -> Cycle {
+        if self.is_xact() {
+            Cycle::XactRaw
+        } else {
+            Cycle::SessionSqlx
+        }
+    }
+
+    fn key(self) -> i64 {
+        7_100 + ALL.iter().position(|c| *c == self).unwrap_or(0) as i64
+    }
+}
+
+/// Pools and lockers for the cycles, all on one database.
+pub struct Ctx {
+    pool: PgPool,
+    locker: PgLocker,
+    mux: PgLocker,
+}
+
+impl Ctx {
+    pub async fn new(opts: &PgConnectOptions) -> anyhow::Result<Self> {
+        // Default pool options (as users have them): every acquire of an idle
+        // connection pings it first (`test_before_acquire`), 1 round trip.
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(opts.clone())
+            .await?;
+        Ok(Self {
+            locker: PgLocker::new(pool.clone()),
+            mux: PgLocker::builder(pool.clone()).multiplex(2).build(),
+            pool,
+        })
+    }
+
+    pub async fn close(self) {
+        drop((self.locker, self.mux));
+        self.pool.close().await;
+    }
+
+    /// One cycle; fails if the key was not free.
+    pub async fn once(&self, cycle: Cycle) -> anyhow::Result<()> {
+        self.timed(cycle).await.map(|_| ())
+    }
+
+    /// One cycle, returning how long taking the lock took (for session
+    /// locks; the whole cycle for transaction-scoped ones) and the whole.
+    pub async fn timed(&self, cycle: Cycle) -> anyhow::Result<(Duration, Duration)> {
+        let key = cycle.key();
+        let start = Instant::now();
+        let mut taken = None;
+        let got = match cycle {
+            Cycle::XactRaw => {
+                let mut tx = self.pool.begin().await?;
+                let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+                    .bind(key)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                got
+            }
+            Cycle::XactPipelined => {
+                let mut conn = self.pool.acquire().await?;
+                // An i64 formatted as a literal cannot inject anything; a
+                // text key would need quoting here, which is the catch.
+                let sql = format!("BEGIN; SELECT pg_try_advisory_xact_lock({key})");
+                let rows = sqlx::raw_sql(AssertSqlSafe(sql))
+                    .fetch_all(&mut *conn)
+                    .await?;
+                let got: bool = rows.first().context("no row")?.try_get(0)?;
+                sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
+                got
+            }
+            Cycle::XactDistlock => self
+                .locker
+                .with_advisory_lock(LockKey::id(key), async |_| Ok::<_, distlock::Error>(()))
+                .await?
+                .is_some(),
+            Cycle::SessionRaw => {
+                let mut conn = self.pool.acquire().await?;
+                let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+                    .bind(key)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                taken = Some(start.elapsed());
+                if got {
+                    let _: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+                        .bind(key)
+                        .fetch_one(&mut *conn)
+                        .await?;
+                }
+                got
+            }
+            Cycle::SessionSqlx => {
+                let lock = PgAdvisoryLock::with_key(PgAdvisoryLockKey::BigInt(key));
+                let attempt = lock.try_acquire(self.pool.acquire().await?).await?;
+                taken = Some(start.elapsed());
+                match attempt {
+                    Either::Left(guard) => {
+                        guard.release_now().await?;
+                        true
+                    }
+                    Either::Right(_) => false,
+                }
+            }
+            Cycle::SessionDistlock | Cycle::SessionDistlockMux => {
+                let locker = if cycle == Cycle::SessionDistlock {
+                    &self.locker
+                } else {
+                    &self.mux
+                };
+                let attempt = locker.try_lock(LockKey::id(key)).await?;
+                taken = Some(start.elapsed());
+                match attempt {
+                    Some(lock) => {
+                        lock.release().await?;
+                        true
+                    }
+                    None => false,
+                }
+            }
+        };
+        if !got {
+            bail!("{}: key {key} was not free", cycle.label());
+        }
+        let total = start.elapsed();
+        Ok((taken.unwrap_or(total), total))
+    }
+}
+
+/// Measured cost of one alternative.
+#[derive(Debug, Clone)]
+pub struct CycleResult {
+    pub cycle: Cycle,
+    pub samples: Vec<Duration>,
+    /// Time until the lock was held (session locks), per cycle.
+    pub take: Vec<Duration>,
+    /// Median of each round, in µs.
+    pub round_medians: Vec<f64>,
+    pub round_trips: f64,
+}
+
+/// Runs `rounds` rounds; in each, every alternative does `per_round` timed
+/// cycles (alternatives interleaved, so drift in machine load hits all).
+pub async fn measure(
+    opts: &PgConnectOptions,
+    rounds: usize,
+    per_round: usize,
+) -> anyhow::Result<Vec<CycleResult>> {
+    let ctx = Ctx::new(opts).await?;
+    let mut results: Vec<CycleResult> = ALL
+        .iter()
+        .map(|&cycle| CycleResult {
+            cycle,
+            samples: Vec::new(),
+            take: Vec::new(),
+            round_medians: Vec::new(),
+            round_trips: f64::NAN,
+        })
+        .collect();
+    for cycle in ALL {
+        for _ in 0..50 {
+            ctx.once(cycle).await?; // warm up: prepared statements, probes
+        }
+    }
+    for round in 0..rounds {
+        // Rotate the order each round so no alternative always runs first.
+        for i in 0..ALL.len() {
+            let slot = (i + round) % ALL.len();
+            let cycle = ALL[slot];
+            let mut samples = Vec::with_capacity(per_round);
+            for _ in 0..per_round {
+                let (take, total) = ctx.timed(cycle).await?;
+                results[slot].take.push(take);
+                samples.push(total);
+            }
+            let mut sorted: Vec<f64> = samples.iter().map(|d| us(*d)).collect();
+            sorted.sort_by(f64::total_cmp);
+            results[slot].round_medians.push(median_f64(&sorted));
+            results[slot].samples.extend(samples);
+        }
+    }
+    ctx.close().await;
+    Ok(results)
+}
+
+/// Round trips per cycle of each alternative, counted through a proxy.
+pub async fn count_round_trips(
+    opts: &PgConnectOptions,
+    results: &mut [CycleResult],
+) -> anyhow::Result<()> {
+    let proxy = CountingProxy::start(opts.get_host(), opts.get_port(), Duration::ZERO)?;
+    let proxied = opts.clone().host("127.0.0.1").port(proxy.port());
+    let ctx = Ctx::new(&proxied).await?;
+    const OPS: u64 = 200;
+    for result in results.iter_mut() {
+        for _ in 0..20 {
+            ctx.once(result.cycle).await?;
+        }
+        let before = proxy.turns();
+        for _ in 0..OPS {
+            ctx.once(result.cycle).await?;
+        }
+        result.round_trips = (proxy.turns() - before) as f64 / OPS as f64;
+    }
+    ctx.close().await;
+    Ok(())
+}

@@ -1,0 +1,237 @@
+//! Contended hand-offs: `waiters` tasks fight over one hot key; each takes
+//! it, gives it back at once and queues again. The latency of a hand-off is
+//! measured from the moment the holder starts its release until the next
+//! holder's acquisition returns; the rate is hand-offs per second.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use distlock::{LockKey, PgLocker};
+use sqlx::postgres::{PgAdvisoryLock, PgAdvisoryLockKey, PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+
+/// One way of waiting for a busy lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handoff {
+    /// A dedicated connection per task: `pg_advisory_lock` / `pg_advisory_unlock`.
+    Raw,
+    /// A dedicated connection per task: `PgAdvisoryLock::acquire` / `release_now`.
+    Sqlx,
+    /// `locker.lock(key, timeout)` / `release()` (pooled connection per lock).
+    Distlock,
+    /// The same with `.multiplex(2)` (wake-up on a pooled connection, then a
+    /// try on the shared one).
+    DistlockMux,
+}
+
+pub const ALL: [Handoff; 4] = [
+    Handoff::Raw,
+    Handoff::Sqlx,
+    Handoff::Distlock,
+    Handoff::DistlockMux,
+];
+
+impl Handoff {
+    pub fn label(self) -> &'static str {
+        match self {
+            Handoff::Raw => "sqlx hand-written pg_advisory_lock",
+            Handoff::Sqlx => "sqlx PgAdvisoryLock::acquire",
+            Handoff::Distlock => "distlock lock()",
+            Handoff::DistlockMux => "distlock multiplexed lock()",
+        }
+    }
+
+    pub fn short(self) -> &'static str {
+        match self {
+            Handoff::Raw => "sqlx raw",
+            Handoff::Sqlx => "PgAdvisoryLock",
+            Handoff::Distlock => "distlock",
+            Handoff::DistlockMux => "distlock mux",
+        }
+    }
+
+    fn key(self) -> i64 {
+        4_200 + ALL.iter().position(|h| *h == self).unwrap_or(0) as i64
+    }
+}
+
+/// What one run measured.
+#[derive(Debug, Clone, Default)]
+pub struct Run {
+    pub latencies: Vec<Duration>,
+    pub per_second: f64,
+}
+
+/// Shared between the tasks of one run.
+struct Baton {
+    released_at: Mutex<Option<Instant>>,
+    latencies: Mutex<Vec<Duration>>,
+    done: AtomicUsize,
+    inside: AtomicUsize,
+    violations: AtomicUsize,
+    stop: AtomicBool,
+}
+
+impl Baton {
+    /// Called right after acquiring; returns whether the task should stop.
+    fn acquired(&self, target: usize) -> bool {
+        let now = Instant::now();
+        if self.inside.fetch_add(1, Ordering::SeqCst) != 0 {
+            self.violations.fetch_add(1, Ordering::SeqCst);
+        }
+        if let Some(at) = self.released_at.lock().expect("baton").take() {
+            self.latencies.lock().expect("baton").push(now - at);
+            if self.done.fetch_add(1, Ordering::SeqCst) + 1 >= target {
+                self.stop.store(true, Ordering::SeqCst);
+            }
+        }
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    /// Called right before releasing.
+    fn releasing(&self) {
+        self.inside.fetch_sub(1, Ordering::SeqCst);
+        *self.released_at.lock().expect("baton") = Some(Instant::now());
+    }
+}
+
+/// Runs `waiters` tasks until `target` hand-offs (or `limit` elapsed).
+pub async fn run(
+    opts: &PgConnectOptions,
+    variant: Handoff,
+    waiters: usize,
+    target: usize,
+    limit: Duration,
+) -> anyhow::Result<Run> {
+    let baton = Arc::new(Baton {
+        released_at: Mutex::new(None),
+        latencies: Mutex::new(Vec::with_capacity(target)),
+        done: AtomicUsize::new(0),
+        inside: AtomicUsize::new(0),
+        violations: AtomicUsize::new(0),
+        stop: AtomicBool::new(false),
+    });
+    let key = variant.key();
+    let mut pool: Option<PgPool> = None;
+    let mut tasks = tokio::task::JoinSet::new();
+    match variant {
+        Handoff::Raw | Handoff::Sqlx => {
+            let mut conns = Vec::new();
+            for _ in 0..waiters {
+                conns.push(opts.connect().await?);
+            }
+            for conn in conns {
+                let baton = baton.clone();
+                tasks.spawn(async move {
+                    if variant == Handoff::Raw {
+                        raw_loop(conn, key, &baton, target).await
+                    } else {
+                        sqlx_loop(conn, key, &baton, target).await
+                    }
+                });
+            }
+        }
+        Handoff::Distlock | Handoff::DistlockMux => {
+            let p = PgPoolOptions::new()
+                .max_connections(u32::try_from(waiters + 4)?)
+                .min_connections(u32::try_from(waiters + 1)?)
+                .connect_with(opts.clone())
+                .await?;
+            let mut builder = PgLocker::builder(p.clone());
+            if variant == Handoff::DistlockMux {
+                builder = builder.multiplex(2);
+            }
+            let locker = builder.build();
+            // Warm up: pooler probe, shared connections, prepared statements.
+            for _ in 0..waiters + 2 {
+                if let Some(lock) = locker.try_lock(LockKey::id(key)).await? {
+                    lock.release().await?;
+                }
+            }
+            for _ in 0..waiters {
+                let (locker, baton) = (locker.clone(), baton.clone());
+                tasks.spawn(async move {
+                    loop {
+                        let lock = locker
+                            .lock(LockKey::id(key), Duration::from_secs(120))
+                            .await?;
+                        let stop = baton.acquired(target);
+                        baton.releasing();
+                        lock.release().await?;
+                        if stop {
+                            return Ok::<_, anyhow::Error>(());
+                        }
+                    }
+                });
+            }
+            pool = Some(p);
+        }
+    }
+    let started = Instant::now();
+    let watchdog = {
+        let baton = baton.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(limit).await;
+            baton.stop.store(true, Ordering::SeqCst);
+        })
+    };
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    watchdog.abort();
+    let elapsed = started.elapsed();
+    if let Some(pool) = pool {
+        pool.close().await;
+    }
+    if baton.violations.load(Ordering::SeqCst) != 0 {
+        bail!("{}: two holders at once", variant.label());
+    }
+    let latencies = std::mem::take(&mut *baton.latencies.lock().expect("baton"));
+    Ok(Run {
+        per_second: latencies.len() as f64 / elapsed.as_secs_f64(),
+        latencies,
+    })
+}
+
+async fn raw_loop(
+    mut conn: PgConnection,
+    key: i64,
+    baton: &Baton,
+    target: usize,
+) -> anyhow::Result<()> {
+    loop {
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(key)
+            .execute(&mut conn)
+            .await?;
+        let stop = baton.acquired(target);
+        baton.releasing();
+        sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(key)
+            .execute(&mut conn)
+            .await?;
+        if stop {
+            return Ok(conn.close().await?);
+        }
+    }
+}
+
+async fn sqlx_loop(
+    mut conn: PgConnection,
+    key: i64,
+    baton: &Baton,
+    target: usize,
+) -> anyhow::Result<()> {
+    let lock = PgAdvisoryLock::with_key(PgAdvisoryLockKey::BigInt(key));
+    loop {
+        let guard = lock.acquire(&mut conn).await?;
+        let stop = baton.acquired(target);
+        baton.releasing();
+        guard.release_now().await?;
+        if stop {
+            return Ok(conn.close().await?);
+        }
+    }
+}

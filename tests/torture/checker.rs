@@ -16,12 +16,15 @@
 //!   after the lock was granted;
 //! - **unknown**: no outcome recorded; treated like clean (possibly holding).
 //!
-//! Two sections of one key that overlap, `A` entered first, are a
-//! **violation** unless `A` was lost *and* `B` was granted after the fault
-//! that could have cost `A` its lock (the first recorded fault aimed at `A`
-//! between its invocation and its detection, or at its backend pid). A lost
-//! holder whose loss has no recorded cause (a server-side timeout, or a
-//! heartbeat that timed out on a loaded machine) cannot be judged: its
+//! Two sections of one key that overlap are a **violation** unless one of
+//! them, `Z`, was lost, invoked before the other (`W`) was granted, and a
+//! recorded fault aimed at `Z` (its backend pid, the key its backend held,
+//! or its process) happened after `Z` was invoked and before `W` was
+//! granted: then `Z` may have lost its lock before `W` got it. The order in
+//! which the two *entered* does not matter: a holder may learn of its grant
+//! late (a terminated backend's last answer), after its successor entered.
+//! A lost holder whose loss has no recorded cause (a server-side timeout,
+//! or a heartbeat that timed out on a loaded machine) cannot be judged: its
 //! overlaps are counted separately as *unattributed*.
 //!
 //! A holder that keeps working after the server dropped its lock *does*
@@ -60,6 +63,8 @@ pub struct Acq {
     pub exited: Option<u64>,
     pub released: Option<u64>,
     pub lost: Option<(u64, String)>,
+    /// The loss was first reported by `lost()` (not by `release()`).
+    pub lost_by_watch: bool,
     pub release_failed: Option<(u64, String)>,
     pub failed: Option<(u64, String)>,
     pub busy: bool,
@@ -123,13 +128,20 @@ pub struct Fault {
     pub backend_pid: Option<i64>,
     /// Aimed at this worker process only.
     pub target: Option<i64>,
+    /// The key the targeted backend held, when known.
+    pub key: Option<i64>,
 }
 
 impl Fault {
+    /// Whether the fault may have cost `acq` its lock. A backend pid the
+    /// holder never learnt (it died before answering) is matched by key.
     fn affects(&self, acq: &Acq) -> bool {
-        self.backend_pid
-            .is_none_or(|bp| acq.backend_pid == Some(bp))
-            && self.target.is_none_or(|p| acq.op.0 == p)
+        let backend = match (self.backend_pid, acq.backend_pid) {
+            (None, _) => true,
+            (Some(bp), Some(own)) => bp == own,
+            (Some(_), None) => self.key.is_none_or(|k| k == acq.key),
+        };
+        backend && self.target.is_none_or(|p| acq.op.0 == p)
     }
 }
 
@@ -163,6 +175,7 @@ impl History {
                     kind: ev.text("kind").unwrap_or("?").to_owned(),
                     backend_pid: ev.int("bp"),
                     target: ev.int("target"),
+                    key: ev.int("k"),
                 }),
                 "leakcheck" => h.leakchecks.push((ev.p, ev.int("n").unwrap_or(-1))),
                 "done" => h.done.push(ev.p),
@@ -197,7 +210,10 @@ impl History {
                 "busy" => acq.busy = true,
                 "timeout" => acq.timeout = true,
                 "lost" => {
-                    acq.lost.get_or_insert((ev.t, reason()));
+                    if acq.lost.is_none() {
+                        acq.lost = Some((ev.t, reason()));
+                        acq.lost_by_watch = ev.text("via") == Some("lost()");
+                    }
                 }
                 "release_failed" => {
                     acq.release_failed.get_or_insert((ev.t, reason()));
@@ -222,18 +238,35 @@ impl History {
         self.acqs.iter().filter(|a| a.held())
     }
 
-    /// When the server may first have dropped `acq`'s lock: the first fault
-    /// aimed at it between its invocation (less a grace) and its detection,
-    /// but not before it was granted. `None`: no recorded cause.
-    pub fn loss_start(&self, acq: &Acq) -> Option<u64> {
+    /// The first recorded fault aimed at `acq` between its invocation (less
+    /// a grace) and the moment it learnt of its loss.
+    pub fn first_fault(&self, acq: &Acq) -> Option<u64> {
         let detected = acq.detected()?;
-        let granted = acq.acquired.or(acq.entered)?;
         self.faults
             .iter()
             .filter(|f| f.affects(acq))
             .filter(|f| f.t + FAULT_GRACE_NS >= acq.invoke && f.t <= detected)
-            .map(|f| f.t.max(granted))
+            .map(|f| f.t)
             .min()
+    }
+
+    /// When the server may first have dropped `acq`'s lock: its first fault,
+    /// but not before it was granted. `None`: no recorded cause.
+    pub fn loss_start(&self, acq: &Acq) -> Option<u64> {
+        let granted = acq.acquired.or(acq.entered)?;
+        self.first_fault(acq).map(|f| f.max(granted))
+    }
+
+    /// Whether lost `z` may have lost its lock before `w` was granted:
+    /// `Some(false)` if not (or `z` was not lost), `None` if `z`'s loss has
+    /// no recorded cause.
+    fn excuses(&self, z: &Acq, w: &Acq) -> Option<bool> {
+        if z.status() != Status::Lost {
+            return Some(false);
+        }
+        let w_granted = w.acquired.or(w.entered).unwrap_or(0);
+        let fault = self.first_fault(z)?;
+        Some(z.invoke <= w_granted && fault <= w_granted)
     }
 }
 
@@ -286,15 +319,10 @@ pub fn check_exclusion(h: &History) -> Exclusion {
                     second: b.op,
                     ns: a.end().min(b.end()).saturating_sub(start),
                 };
-                if a.status() != Status::Lost {
-                    verdict.violations.push(overlap);
-                    continue;
-                }
-                let granted = b.acquired.unwrap_or(start);
-                match h.loss_start(a) {
-                    Some(lost_at) if granted >= lost_at => verdict.excused.push(overlap),
-                    Some(_) => verdict.violations.push(overlap),
-                    None => verdict.unattributed.push(overlap),
+                match (h.excuses(a, b), h.excuses(b, a)) {
+                    (Some(true), _) | (_, Some(true)) => verdict.excused.push(overlap),
+                    (None, _) | (_, None) => verdict.unattributed.push(overlap),
+                    (Some(false), Some(false)) => verdict.violations.push(overlap),
                 }
             }
             active.push(b);
@@ -303,20 +331,31 @@ pub fn check_exclusion(h: &History) -> Exclusion {
     verdict
 }
 
-/// `lost()` detection latency: from the fault that cost a holder its lock
-/// to the moment the holder learnt it, for every lost holder with a recorded
-/// cause. Returns `(operation, latency in ns, reason)`.
-pub fn loss_latencies(h: &History) -> Vec<((i64, i64, i64), u64, String)> {
+/// How long a holder took to learn that its lock was gone.
+#[derive(Debug, Clone)]
+pub struct Latency {
+    pub op: (i64, i64, i64),
+    /// From the fault that cost the lock (or from the grant, if later).
+    pub ns: u64,
+    pub reason: String,
+    /// First reported by `lost()` rather than by `release()` or the
+    /// transaction failing.
+    pub by_watch: bool,
+}
+
+/// Detection latency of every lost holder with a recorded cause.
+pub fn loss_latencies(h: &History) -> Vec<Latency> {
     h.held()
         .filter(|a| a.status() == Status::Lost)
         .filter_map(|a| {
             let start = h.loss_start(a)?;
             let detected = a.detected()?;
-            Some((
-                a.op,
-                detected.saturating_sub(start),
-                a.loss_reason().unwrap_or("").to_owned(),
-            ))
+            Some(Latency {
+                op: a.op,
+                ns: detected.saturating_sub(start),
+                reason: a.loss_reason().unwrap_or("").to_owned(),
+                by_watch: a.lost_by_watch && a.lost.as_ref().is_some_and(|(t, _)| *t == detected),
+            })
         })
         .collect()
 }

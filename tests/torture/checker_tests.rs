@@ -125,6 +125,49 @@ fn checker_flags_a_successor_granted_before_the_fault() {
 }
 
 #[test]
+fn checker_excuses_a_lost_holder_that_learnt_of_its_grant_late() {
+    // Granted first, terminated, and told of the grant only after its
+    // successor (granted after the termination) had entered; it never
+    // learnt its backend pid, so the fault is matched by the key it held.
+    let mut late = section(0, 1, 7, 0, 40, "lost", 0);
+    late.retain(|e| e.e != "acquired");
+    late.iter_mut()
+        .filter(|e| e.e == "entered")
+        .for_each(|e| e.t = 30 * MS);
+    let h = history(vec![
+        late,
+        vec![ev(
+            5,
+            CONTROL,
+            "fault",
+            json!({"kind": "terminate", "bp": 100, "k": 7}),
+        )],
+        section(1, 1, 7, 8, 50, "released", 101),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+    assert_eq!(verdict.excused.len(), 1);
+}
+
+#[test]
+fn checker_flags_a_lost_holder_granted_while_a_clean_one_held() {
+    // The lost holder was invoked after the clean one was granted: it was
+    // granted while the clean one held the lock, whatever happened later.
+    let h = history(vec![
+        section(0, 1, 7, 0, 50, "released", 100),
+        vec![ev(
+            20,
+            CONTROL,
+            "fault",
+            json!({"kind": "terminate", "bp": 101}),
+        )],
+        section(1, 1, 7, 10, 30, "lost", 101),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert_eq!(verdict.violations.len(), 1);
+}
+
+#[test]
 fn checker_ignores_faults_aimed_at_other_backends() {
     let h = history(vec![
         section(0, 1, 7, 0, 100, "lost", 100),

@@ -2,6 +2,7 @@
 //! database, and some scenarios change database-level settings), dropped at
 //! the end even if the test panics.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -154,12 +155,20 @@ pub async fn count_advisory_locks(conn: &mut PgConnection) -> i64 {
     .expect("pg_locks")
 }
 
-/// Backend pids holding a granted advisory lock in this database, with
-/// their `application_name`.
-pub async fn advisory_holders(conn: &mut PgConnection) -> Vec<(i32, String)> {
+/// A granted advisory lock of this database and who holds it.
+#[derive(Debug, Clone)]
+pub struct HeldLock {
+    pub pid: i32,
+    pub application: String,
+    /// `(classid, objid, objsubid)` as `pg_locks` shows the key.
+    pub triple: (i64, i64, i32),
+}
+
+/// Granted advisory locks in this database, with their holders.
+pub async fn advisory_holders(conn: &mut PgConnection) -> Vec<HeldLock> {
     sqlx::query(
-        "SELECT DISTINCT l.pid, coalesce(a.application_name, '') FROM pg_locks l \
-         JOIN pg_stat_activity a ON a.pid = l.pid \
+        "SELECT l.pid, coalesce(a.application_name, ''), l.classid::int8, l.objid::int8, \
+         l.objsubid::int4 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
          WHERE l.locktype = 'advisory' AND l.granted \
          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
     )
@@ -167,8 +176,43 @@ pub async fn advisory_holders(conn: &mut PgConnection) -> Vec<(i32, String)> {
     .await
     .expect("advisory holders")
     .iter()
-    .map(|r| (r.get(0), r.get(1)))
+    .map(|r| HeldLock {
+        pid: r.get(0),
+        application: r.get(1),
+        triple: (r.get(2), r.get(3), r.get(4)),
+    })
     .collect()
+}
+
+/// Maps `pg_locks` triples back to the workers' key indexes `keys`.
+pub async fn key_triples(
+    conn: &mut PgConnection,
+    keys: std::ops::Range<i64>,
+) -> HashMap<(i64, i64, i32), i64> {
+    let mut map = HashMap::new();
+    for k in keys {
+        let hash: i32 = sqlx::query_scalar("SELECT hashtext($1)")
+            .bind(format!("torture:{k}"))
+            .fetch_one(&mut *conn)
+            .await
+            .expect("hashtext");
+        let low = |v: i32| i64::from(u32::from_ne_bytes(v.to_ne_bytes()));
+        let bigint = |v: i64| {
+            let bits = u64::from_ne_bytes(v.to_ne_bytes());
+            (
+                i64::try_from(bits >> 32).expect("high"),
+                i64::try_from(bits & 0xFFFF_FFFF).expect("low"),
+                1,
+            )
+        };
+        let triple = match k.rem_euclid(3) {
+            0 => bigint(i64::from(hash)),
+            1 => bigint(0x7f00_0000 + k),
+            _ => (77, low(hash), 2),
+        };
+        map.insert(triple, k);
+    }
+    map
 }
 
 impl Drop for TestDb {

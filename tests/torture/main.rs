@@ -25,6 +25,9 @@ mod worker;
 
 mod checker_tests;
 mod contention;
+mod network;
+mod proxy;
+mod terminate;
 
 use std::future::Future;
 

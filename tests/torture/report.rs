@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::checker::{
-    self, Exclusion, History, Percentiles, RegisterVerdict, Status, check_exclusion, check_register,
+    self, Exclusion, History, Latency, Percentiles, RegisterVerdict, Status, check_exclusion,
+    check_register,
 };
 use super::db::TestDb;
 use super::history;
@@ -20,8 +21,8 @@ pub struct Outcome {
     pub leaked: i64,
     /// Worker processes that did not report their leak check.
     pub unchecked: usize,
-    /// `lost()` latency from each loss's recorded fault, in ns.
-    pub latencies: Vec<((i64, i64, i64), u64, String)>,
+    /// Detection latency from each loss's recorded fault.
+    pub latencies: Vec<Latency>,
 }
 
 impl Outcome {
@@ -53,14 +54,34 @@ impl Outcome {
             .count()
     }
 
-    pub fn latency(&self, reason_contains: Option<&str>) -> Percentiles {
-        Percentiles::of(
-            self.latencies
-                .iter()
-                .filter(|(_, _, r)| reason_contains.is_none_or(|s| r.contains(s)))
-                .map(|(_, ns, _)| *ns)
-                .collect(),
-        )
+    /// Detection latency of the operations of `methods`: all of them, and
+    /// those whose loss `lost()` reported first.
+    pub fn latency_for(&self, methods: &[&str]) -> (Percentiles, Percentiles) {
+        let wanted: std::collections::HashSet<_> = self
+            .history
+            .acqs
+            .iter()
+            .filter(|a| methods.contains(&a.method.as_str()))
+            .map(|a| a.op)
+            .collect();
+        let of = |watch_only: bool| {
+            Percentiles::of(
+                self.latencies
+                    .iter()
+                    .filter(|l| wanted.contains(&l.op) && (l.by_watch || !watch_only))
+                    .map(|l| l.ns)
+                    .collect(),
+            )
+        };
+        (of(false), of(true))
+    }
+
+    /// Lost critical sections of the operations of `methods`.
+    pub fn lost_for(&self, methods: &[&str]) -> usize {
+        self.history
+            .held()
+            .filter(|a| methods.contains(&a.method.as_str()) && a.status() == Status::Lost)
+            .count()
     }
 
     /// Prints the block RELIABILITY.md is made from.
@@ -129,7 +150,15 @@ impl Outcome {
         if !reasons.is_empty() {
             println!("  losses by reason: {reasons:?}");
         }
-        println!("  lost() latency from the fault: {}", self.latency(None));
+        let all = Percentiles::of(self.latencies.iter().map(|l| l.ns).collect());
+        let watch = Percentiles::of(
+            self.latencies
+                .iter()
+                .filter(|l| l.by_watch)
+                .map(|l| l.ns)
+                .collect(),
+        );
+        println!("  detection latency from the fault: {all}; by lost(): {watch}");
         for line in extra {
             println!("  {line}");
         }

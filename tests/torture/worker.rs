@@ -381,7 +381,7 @@ async fn session_held(ctx: &Ctx, w: usize, s: u64, k: i64, lock: SessionLock, ho
         tokio::select! {
             () = &mut section => break,
             reason = lock.lost(), if !lost => {
-                ctx.emit(w, s, "lost", json!({"r": reason.to_string()}));
+                ctx.emit(w, s, "lost", json!({"r": reason.to_string(), "via": "lost()"}));
                 lost = true;
             }
         }
@@ -393,7 +393,12 @@ async fn session_held(ctx: &Ctx, w: usize, s: u64, k: i64, lock: SessionLock, ho
         }
         Err(Error::LockLost { reason, .. }) => {
             if !lost {
-                ctx.emit(w, s, "lost", json!({"r": reason.to_string()}));
+                ctx.emit(
+                    w,
+                    s,
+                    "lost",
+                    json!({"r": reason.to_string(), "via": "release"}),
+                );
             }
         }
         Err(err) => {

@@ -52,9 +52,14 @@ impl TestDb {
         admin_options().database(&self.name)
     }
 
+    /// A control connection, exempt from the idle timeouts a scenario sets.
     pub async fn connect(&self, application: &str) -> PgConnection {
         self.options()
             .application_name(application)
+            .options([
+                ("idle_session_timeout", "0"),
+                ("idle_in_transaction_session_timeout", "0"),
+            ])
             .connect()
             .await
             .expect("connect to the scenario database")

@@ -25,8 +25,10 @@ mod worker;
 
 mod checker_tests;
 mod contention;
+mod idle;
 mod network;
 mod proxy;
+mod sigstop;
 mod terminate;
 
 use std::future::Future;

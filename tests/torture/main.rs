@@ -23,6 +23,7 @@ mod report;
 mod scale;
 mod worker;
 
+mod cancel;
 mod checker_tests;
 mod contention;
 mod idle;

@@ -25,6 +25,25 @@ const PROBES: usize = 3;
 /// produces.
 const INVALID_STATEMENT_NAME: &str = "26000";
 
+/// SQLSTATE 42P05: a prepared statement of that name already exists. sqlx
+/// numbers the statements it prepares per connection and never reuses a
+/// name, so on a real session this cannot happen: another client prepared
+/// it on the same server session.
+const DUPLICATE_PREPARED_STATEMENT: &str = "42P05";
+
+/// Whether a failed statement shows that the server session is shared with
+/// other clients or was swapped under the connection: a prepared statement
+/// that another client created there, or one of ours that vanished. This is
+/// how a transaction-pooling proxy with a *single* server connection gives
+/// itself away, which the pid probe cannot see (every statement is answered
+/// by the same backend).
+pub(crate) fn shared_session(err: &sqlx::Error) -> bool {
+    matches!(
+        crate::error::sqlstate(err).as_deref(),
+        Some(DUPLICATE_PREPARED_STATEMENT | INVALID_STATEMENT_NAME)
+    )
+}
+
 /// Whether a locker has verified that its connections are real sessions.
 #[derive(Debug, Default)]
 pub(crate) struct PoolerCheck {

@@ -232,7 +232,7 @@ impl PgLocker {
         let row = try_lock_query(args, fencing.as_deref())
             .fetch_one(conn.conn())
             .await
-            .map_err(|err| locking_error(err, &key))?;
+            .map_err(|err| session_locking_error(err, &key))?;
         let (locked, pid): (bool, i32) = (row.try_get(0)?, row.try_get(1)?);
         record_wait(started);
         if !locked {
@@ -339,7 +339,7 @@ impl PgLocker {
         let row = try_lock_query(args, fencing)
             .fetch_one(conn.conn())
             .await
-            .map_err(|err| locking_error(err, key))?;
+            .map_err(|err| session_locking_error(err, key))?;
         let (locked, pid): (bool, i32) = (row.try_get(0)?, row.try_get(1)?);
         if locked {
             return Ok(Some((pid, fencing_token(&row, 2, fencing.is_some())?)));
@@ -349,7 +349,9 @@ impl PgLocker {
             return Ok(None);
         }
         let locked = wait_for_lock(conn, args, remaining, fencing).await;
-        locked.map(Some).map_err(|err| locking_error(err, key))
+        locked
+            .map(Some)
+            .map_err(|err| session_locking_error(err, key))
     }
 
     /// Builds [`Error::Timeout`], naming the holder if it can be seen
@@ -393,6 +395,21 @@ impl PgLocker {
             _ => None,
         }
     }
+}
+
+/// Maps an error of a session lock statement: a server session shared with
+/// other clients (see `pooler::shared_session`) is reported as
+/// [`Error::PoolerDetected`] (pids unknown, so 0), not as a driver error.
+/// The statement failed before locking anything, and the connection is
+/// closed by the caller.
+fn session_locking_error(err: sqlx::Error, key: &LockKey) -> Error {
+    if super::pooler::shared_session(&err) {
+        return Error::PoolerDetected {
+            expected_pid: 0,
+            actual_pid: 0,
+        };
+    }
+    locking_error(err, key)
 }
 
 /// Whether `err` is PostgreSQL's `lock_timeout` expiring.

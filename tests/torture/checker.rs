@@ -337,7 +337,6 @@ pub struct Latency {
     pub op: (i64, i64, i64),
     /// From the fault that cost the lock (or from the grant, if later).
     pub ns: u64,
-    pub reason: String,
     /// First reported by `lost()` rather than by `release()` or the
     /// transaction failing.
     pub by_watch: bool,
@@ -353,7 +352,6 @@ pub fn loss_latencies(h: &History) -> Vec<Latency> {
             Some(Latency {
                 op: a.op,
                 ns: detected.saturating_sub(start),
-                reason: a.loss_reason().unwrap_or("").to_owned(),
                 by_watch: a.lost_by_watch && a.lost.as_ref().is_some_and(|(t, _)| *t == detected),
             })
         })

@@ -28,6 +28,8 @@ mod checker_tests;
 mod contention;
 mod idle;
 mod network;
+mod pgbouncer;
+mod pooler;
 mod proxy;
 mod sigstop;
 mod terminate;

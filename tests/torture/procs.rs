@@ -89,10 +89,6 @@ impl Fleet {
         fleet
     }
 
-    pub fn workers(&self) -> &[Worker] {
-        &self.workers
-    }
-
     /// Asks every worker to finish its current operation and stop.
     pub fn stop(&self) {
         File::create(self.dir.join("stop")).expect("stop file");

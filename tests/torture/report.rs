@@ -163,7 +163,13 @@ impl Outcome {
             println!("  {line}");
         }
         for v in ex.violations.iter().take(5) {
-            println!("  VIOLATION: {v:?}");
+            println!(
+                "  VIOLATION on key {}: {:?} and {:?} overlapped for {:.3} ms",
+                v.key,
+                v.first,
+                v.second,
+                super::clock::ms(v.ns)
+            );
         }
     }
 

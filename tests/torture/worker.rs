@@ -65,6 +65,9 @@ pub struct Config {
     pub fencing: bool,
     pub register: bool,
     pub multiplex: usize,
+    /// sqlx's statement cache capacity, when not the default (0 through a
+    /// transaction-pooling PgBouncer older than 1.21; see RELIABILITY.md).
+    pub statement_cache: Option<usize>,
     pub seed: u64,
 }
 
@@ -93,6 +96,7 @@ impl Config {
             fencing: mode == Mode::Session,
             register: true,
             multiplex: 0,
+            statement_cache: None,
             seed: 0x7047_7572,
         }
     }
@@ -109,7 +113,8 @@ impl Config {
             "wait_share": self.wait_share, "wait_ms": self.wait_ms,
             "lock_pool": self.lock_pool, "register_pool": self.register_pool,
             "fencing": self.fencing, "register": self.register,
-            "multiplex": self.multiplex, "seed": self.seed,
+            "multiplex": self.multiplex, "statement_cache": self.statement_cache,
+            "seed": self.seed,
         })
         .to_string()
     }
@@ -147,6 +152,9 @@ impl Config {
             fencing: b("fencing"),
             register: b("register"),
             multiplex: usize::try_from(u("multiplex")).expect("multiplex"),
+            statement_cache: v["statement_cache"]
+                .as_u64()
+                .map(|n| usize::try_from(n).expect("statement_cache")),
             seed: u("seed"),
         }
     }
@@ -207,7 +215,10 @@ impl Ctx {
 async fn run(cfg: Config) {
     let rec = Recorder::create(&cfg.dir, cfg.proc);
     let app = Config::lock_app(cfg.proc);
-    let opts = admin_options().database(&cfg.db).port(cfg.port);
+    let mut opts = admin_options().database(&cfg.db).port(cfg.port);
+    if let Some(capacity) = cfg.statement_cache {
+        opts = opts.statement_cache_capacity(capacity);
+    }
     let lock_pool = PgPoolOptions::new()
         .max_connections(cfg.lock_pool)
         .acquire_timeout(Duration::from_secs(10))

@@ -158,3 +158,34 @@ pub(crate) fn locking_error(err: sqlx::Error, key: &impl std::fmt::Display) -> E
         Error::Database(err)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync_static<T: Send + Sync + 'static>() {}
+
+    #[test]
+    fn error_converts_into_anyhow_and_names_the_holder() {
+        assert_send_sync_static::<Error>();
+        let err = Error::Timeout {
+            key: "jobs:nightly".into(),
+            waited: Duration::from_millis(1500),
+            holder_pid: Some(4242),
+            holder_application: Some("billing-worker".into()),
+        };
+        let any = anyhow::Error::from(err);
+        assert_eq!(
+            any.to_string(),
+            "timed out after 1.5s waiting for lock jobs:nightly \
+             (held by pid 4242, application \"billing-worker\")"
+        );
+        assert!(any.downcast_ref::<Error>().is_some());
+    }
+
+    #[test]
+    fn errors_without_sqlstate_53200_stay_database_errors() {
+        let plain = locking_error(sqlx::Error::RowNotFound, &"k");
+        assert!(matches!(plain, Error::Database(sqlx::Error::RowNotFound)));
+    }
+}

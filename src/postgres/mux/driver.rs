@@ -124,6 +124,7 @@ fn refuse_all(requests: &mut mpsc::UnboundedReceiver<Request>, err: Option<Error
 struct Held {
     key: LockKey,
     server: ServerKey,
+    since: std::time::Instant,
 }
 
 struct Driver {
@@ -254,6 +255,7 @@ impl Driver {
             Held {
                 key: key.clone(),
                 server: row.key,
+                since: std::time::Instant::now(),
             },
         );
         self.by_key.insert(key, id);
@@ -287,7 +289,10 @@ impl Driver {
         self.by_server.remove(&held.server);
         let outcome = self.unlock_level(held.server).await;
         let (result, step) = match outcome {
-            Ok(true) => (Ok(()), Ok(())),
+            Ok(true) => {
+                crate::metrics::released("postgres", &held.key, held.since.elapsed());
+                (Ok(()), Ok(()))
+            }
             Ok(false) => {
                 tracing::warn!(key = %held.key, "distlock multiplexed lock was not held at release");
                 let err = Error::LockNotHeld {
@@ -374,6 +379,9 @@ impl Driver {
             locks = self.locks.len(),
             "distlock multiplexed connection lost; all its locks are lost"
         );
+        for held in self.locks.values() {
+            crate::metrics::lost("postgres", &held.key);
+        }
         self.loss.send_replace(Some(reason));
         // Dropping a `PgConnection` without `close` drops the socket without
         // a goodbye, like `HeldConn` does for a lock's connection.

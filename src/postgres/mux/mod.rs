@@ -84,6 +84,29 @@ impl Mux {
     /// `try_lock` on a shared connection. Costs 1 round trip, queued behind
     /// the statements of the other locks on that connection.
     pub(crate) async fn try_lock(&self, key: LockKey) -> Result<Option<SessionLock>, Error> {
+        let started = std::time::Instant::now();
+        let outcome = self.attempt(&key).await;
+        let span = tracing::Span::current();
+        span.record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
+        match &outcome {
+            Ok(Some(_)) => {
+                span.record("outcome", "acquired");
+                crate::metrics::acquired("postgres", &key, started.elapsed());
+            }
+            Ok(None) => {
+                span.record("outcome", "busy");
+                crate::metrics::busy("postgres", &key);
+            }
+            Err(_) => {
+                span.record("outcome", "error");
+            }
+        }
+        outcome
+    }
+
+    /// One try on `key`'s shared connection, moving to a fresh connection
+    /// when the shared one fails under it. Records nothing.
+    async fn attempt(&self, key: &LockKey) -> Result<Option<SessionLock>, Error> {
         key.validate()?;
         let fencing = self.config.fencing.then(|| key.fencing_name());
         for _ in 0..ATTEMPTS {
@@ -93,29 +116,18 @@ impl Mux {
                 fencing: fencing.clone(),
                 reply,
             };
-            if self.inbox(&key).send(request).is_err() {
+            if self.inbox(key).send(request).is_err() {
                 continue; // the driver just ended; the next call opens a new one
             }
-            let span = tracing::Span::current();
             match answer.await {
-                Ok(Ok(Some(granted))) => {
-                    span.record("outcome", "acquired");
-                    return Ok(Some(self.guard(key, granted)));
-                }
-                Ok(Ok(None)) => {
-                    span.record("outcome", "busy");
-                    return Ok(None);
-                }
-                Ok(Err(TryError::Failed(err))) => {
-                    span.record("outcome", "error");
-                    return Err(err);
-                }
+                Ok(Ok(Some(granted))) => return Ok(Some(self.guard(key.clone(), granted))),
+                Ok(Ok(None)) => return Ok(None),
+                Ok(Err(TryError::Failed(err))) => return Err(err),
                 // The shared connection failed under the try; nothing is
                 // held for it. Go again on a fresh one.
                 Ok(Err(TryError::Gone)) | Err(_) => {}
             }
         }
-        tracing::Span::current().record("outcome", "error");
         Err(Error::Database(sqlx::Error::Protocol(
             "the multiplexed connection failed on every attempt".into(),
         )))

@@ -12,7 +12,7 @@ use sqlx::Row;
 use sqlx::postgres::{PgArguments, PgRow, Postgres};
 use sqlx::query::Query;
 
-use super::super::sql::{CLIENT_CHECK_INTERVAL, bind_key, millis_setting};
+use super::super::sql::{bind_key, millis_setting};
 use crate::key::KeyArgs;
 use crate::{FencingToken, LockKey};
 
@@ -144,33 +144,28 @@ pub(super) fn unlock(key: ServerKey) -> PgQuery<'static> {
 }
 
 /// The wake-up wait run on a temporary pooled connection: waits (under a
-/// statement-local `lock_timeout`) until no one holds `key` exclusively by
-/// taking it *shared*, and gives the shared lock back in the same statement,
-/// so a finished statement leaves nothing held. A shared request queues
-/// behind exclusive waiters, so it does not jump ahead of them.
+/// statement-local `lock_timeout`, which the server reads when the wait
+/// begins) until no one holds `key` exclusively by taking it *shared*, and
+/// gives the shared lock back in the same statement, so a finished statement
+/// leaves nothing held. A shared request queues behind exclusive waiters, so
+/// it does not jump ahead of them.
 pub(super) fn wait_until_free<'q>(args: KeyArgs<'q>, timeout: std::time::Duration) -> PgQuery<'q> {
     let sql = match args {
         KeyArgs::Text(_) => {
             "SELECT set_config('lock_timeout', $1, true), \
-             set_config('client_connection_check_interval', $2, true), \
-             pg_advisory_lock_shared(hashtext($3)), pg_advisory_unlock_shared(hashtext($3))"
+             pg_advisory_lock_shared(hashtext($2)), pg_advisory_unlock_shared(hashtext($2))"
         }
         KeyArgs::BigInt(_) => {
             "SELECT set_config('lock_timeout', $1, true), \
-             set_config('client_connection_check_interval', $2, true), \
-             pg_advisory_lock_shared($3::int8), pg_advisory_unlock_shared($3::int8)"
+             pg_advisory_lock_shared($2::int8), pg_advisory_unlock_shared($2::int8)"
         }
         KeyArgs::Pair(..) => {
             "SELECT set_config('lock_timeout', $1, true), \
-             set_config('client_connection_check_interval', $2, true), \
-             pg_advisory_lock_shared($3::int4, hashtext($4)), \
-             pg_advisory_unlock_shared($3::int4, hashtext($4))"
+             pg_advisory_lock_shared($2::int4, hashtext($3)), \
+             pg_advisory_unlock_shared($2::int4, hashtext($3))"
         }
     };
-    let query = sqlx::query(sql)
-        .bind(millis_setting(timeout))
-        .bind(CLIENT_CHECK_INTERVAL);
-    bind_key(query, args)
+    bind_key(sqlx::query(sql).bind(millis_setting(timeout)), args)
 }
 
 /// The heartbeat: which backend answers.

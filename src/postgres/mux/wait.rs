@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use super::super::conn::HeldConn;
 use super::super::holders;
 use super::super::session::SessionLock;
+use super::super::sql::CLIENT_CHECK_INTERVAL;
 use super::{Mux, sql};
 use crate::error::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
 use crate::{Error, LockKey};
@@ -21,8 +22,11 @@ impl Mux {
         let args = key.args()?;
         let started = Instant::now();
         let deadline = tokio::time::Instant::from_std(started + timeout);
-        if let Some(lock) = self.try_lock(key.clone()).await? {
-            return Ok(lock);
+        if let Some(lock) = self.attempt(&key).await? {
+            return Ok(self.acquired(lock, started));
+        }
+        if timeout.is_zero() {
+            return Err(self.timeout_error(&key, started, None).await);
         }
         // Busy: queue behind this process's other waiters for the key, so
         // that only one of them waits on the server (see `gate`).
@@ -33,12 +37,12 @@ impl Mux {
         // connection (the server abandons the wait) instead of pooling it.
         let mut waiter: Option<HeldConn> = None;
         loop {
-            if let Some(lock) = self.try_lock(key.clone()).await? {
+            if let Some(lock) = self.attempt(&key).await? {
                 // Its last wait finished, so it holds nothing: pool it.
                 if let Some(conn) = waiter {
                     conn.into_pool();
                 }
-                return Ok(lock);
+                return Ok(self.acquired(lock, started));
             }
             let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
             if remaining.is_zero() {
@@ -46,9 +50,10 @@ impl Mux {
             }
             let mut conn = match waiter.take() {
                 Some(conn) => conn,
-                None => match tokio::time::timeout_at(deadline, self.pool().acquire()).await {
-                    Ok(pooled) => HeldConn::new(pooled?, true),
-                    Err(_) => return Err(self.timeout_error(&key, started, None).await),
+                None => match self.waiting_conn(deadline).await {
+                    Ok(Some(conn)) => conn,
+                    Ok(None) => return Err(self.timeout_error(&key, started, None).await),
+                    Err(err) => return Err(err),
                 },
             };
             let wait = sql::wait_until_free(args, remaining).execute(conn.conn());
@@ -71,6 +76,39 @@ impl Mux {
         }
     }
 
+    /// A pooled connection to wait on, or `None` if the deadline passed
+    /// first. It is told to check for a vanished client every 100 ms
+    /// (`client_connection_check_interval`) *before* it waits: the server
+    /// reads that setting when a statement starts, so setting it inside the
+    /// waiting statement would not apply to that wait. Then a wait whose
+    /// caller went away ends within 100 ms instead of at its `lock_timeout`.
+    /// The setting is harmless for the connection's later users. 1 round trip.
+    async fn waiting_conn(
+        &self,
+        deadline: tokio::time::Instant,
+    ) -> Result<Option<HeldConn>, Error> {
+        let Ok(pooled) = tokio::time::timeout_at(deadline, self.pool().acquire()).await else {
+            return Ok(None);
+        };
+        let mut conn = HeldConn::new(pooled?, true);
+        let set = sqlx::query("SELECT set_config('client_connection_check_interval', $1, false)")
+            .bind(CLIENT_CHECK_INTERVAL)
+            .execute(conn.conn());
+        match tokio::time::timeout_at(deadline, set).await {
+            Ok(Ok(_)) => Ok(Some(conn)),
+            Ok(Err(err)) => Err(err.into()),
+            Err(_) => Ok(None),
+        }
+    }
+
+    fn acquired(&self, lock: SessionLock, started: Instant) -> SessionLock {
+        let span = tracing::Span::current();
+        span.record("outcome", "acquired");
+        span.record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
+        crate::metrics::acquired("postgres", lock.key(), started.elapsed());
+        lock
+    }
+
     /// Builds [`Error::Timeout`], naming the holder if it can be seen (on the
     /// waiting connection when it is still usable, else on the pool), and
     /// returns a usable waiting connection to the pool.
@@ -81,18 +119,27 @@ impl Mux {
         conn: Option<HeldConn>,
     ) -> Error {
         tracing::Span::current().record("outcome", "timeout");
+        crate::metrics::timeout("postgres", key, started.elapsed());
+        // The look-up has a deadline of its own: a stalled network must not
+        // hang the caller here either. Only a connection that answered goes
+        // back to the pool.
+        let conn = conn.or_else(|| {
+            self.pool()
+                .try_acquire()
+                .map(|pooled| HeldConn::new(pooled, true))
+        });
         let holder = match conn {
             Some(mut conn) => {
-                let found = holders::first_holder(conn.conn(), key).await;
-                if found.is_ok() {
-                    conn.into_pool();
+                let lookup = holders::first_holder(conn.conn(), key);
+                match tokio::time::timeout(self.config.heartbeat_timeout, lookup).await {
+                    Ok(Ok(holder)) => {
+                        conn.into_pool();
+                        holder
+                    }
+                    _ => None,
                 }
-                found.ok().flatten()
             }
-            None => match self.pool().try_acquire() {
-                Some(mut pooled) => holders::first_holder(&mut pooled, key).await.ok().flatten(),
-                None => None,
-            },
+            None => None,
         };
         Error::Timeout {
             key: key.to_string(),

@@ -209,20 +209,16 @@ impl History {
                 "released" => acq.released = Some(ev.t),
                 "busy" => acq.busy = true,
                 "timeout" => acq.timeout = true,
-                "lost" => {
-                    if acq.lost.is_none() {
-                        acq.lost = Some((ev.t, reason()));
-                        acq.lost_by_watch = ev.text("via") == Some("lost()");
-                    }
+                "lost" if acq.lost.is_none() => {
+                    acq.lost = Some((ev.t, reason()));
+                    acq.lost_by_watch = ev.text("via") == Some("lost()");
                 }
                 "release_failed" => {
                     acq.release_failed.get_or_insert((ev.t, reason()));
                 }
-                "failed" => {
-                    // A failure before the lock was granted holds nothing.
-                    if acq.acquired.is_some() {
-                        acq.failed.get_or_insert((ev.t, reason()));
-                    }
+                // A failure before the lock was granted holds nothing.
+                "failed" if acq.acquired.is_some() => {
+                    acq.failed.get_or_insert((ev.t, reason()));
                 }
                 _ => {}
             }

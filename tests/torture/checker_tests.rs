@@ -236,3 +236,44 @@ fn register_check_flags_an_acknowledged_write_missing_from_the_log() {
     assert_eq!(verdict.acked_missing, 1);
     assert!(!verdict.is_sound());
 }
+
+/// End to end: workers that take no lock at all must be caught, by the
+/// interval check and by the register.
+#[test]
+fn checker_catches_workers_that_take_no_lock() {
+    use super::db::{TestDb, admin_options};
+    use super::procs::{Fleet, RunDir};
+    use super::report::Outcome;
+    use super::worker::{Config, Mode};
+    use std::time::Duration;
+
+    super::scenario(async {
+        let db = TestDb::create("unlocked").await;
+        db.prepare(4).await;
+        let dir = RunDir::new("unlocked");
+        let port = admin_options().get_port();
+        let configs: Vec<Config> = (0..2)
+            .map(|p| Config {
+                tasks: 4,
+                keys: 4,
+                target: 100,
+                hold_us: (1_000, 5_000),
+                ..Config::new(p, &dir.path, &db.name, port, Mode::Unlocked)
+            })
+            .collect();
+        let mut fleet = Fleet::spawn(&dir.path, &configs);
+        fleet.wait(Duration::from_secs(120)).await;
+        let outcome = Outcome::analyse(&db, &dir.path, configs.len()).await;
+        println!(
+            "unlocked control: {} overlaps, {} lost updates",
+            outcome.exclusion.violations.len(),
+            outcome.register.lost_updates
+        );
+        assert!(
+            !outcome.exclusion.violations.is_empty(),
+            "overlaps not caught"
+        );
+        assert!(outcome.register.lost_updates > 0, "lost updates not caught");
+        assert!(!outcome.register.is_sound());
+    });
+}

@@ -39,7 +39,7 @@ async fn contention(name: &str, mode: Mode) {
     let outcome = Outcome::analyse(&db, &dir.path, configs.len()).await;
     let methods: &[&str] = match mode {
         Mode::Session => &["try", "lock"],
-        Mode::Xact => &["xact", "xwait"],
+        Mode::Xact | Mode::Unlocked => &["xact", "xwait"],
     };
     let acquired = outcome.acquisitions(methods);
     outcome.print(

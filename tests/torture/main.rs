@@ -2,10 +2,12 @@
 //! by an offline checker over the histories of every process involved.
 //!
 //! ```sh
-//! cargo test --all-features --test torture                 # short run (CI)
-//! DISTLOCK_TORTURE=full cargo test --all-features --release --test torture \
-//!     -- --nocapture --test-threads=1                      # RELIABILITY.md
+//! cargo test --all-features --test torture                  # short run (CI)
+//! DISTLOCK_TORTURE=full cargo test --all-features --test torture -- --nocapture
 //! ```
+//!
+//! The full run produces the figures of RELIABILITY.md (about 20 minutes on
+//! two cores); `--nocapture` shows each scenario's figures in either run.
 //!
 //! Scenarios run one at a time (they share two cores and a PostgreSQL),
 //! each in a database of its own. Multi-process scenarios start this test

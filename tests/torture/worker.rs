@@ -33,6 +33,9 @@ pub enum Mode {
     Session,
     /// `with_advisory_lock` / `with_advisory_lock_wait`.
     Xact,
+    /// No lock at all: the control that shows the checker catching
+    /// overlaps and lost updates.
+    Unlocked,
 }
 
 /// What one worker process does.
@@ -104,7 +107,11 @@ impl Config {
     pub fn to_json(&self) -> String {
         json!({
             "proc": self.proc, "dir": self.dir, "db": self.db, "port": self.port,
-            "mode": if self.mode == Mode::Session { "session" } else { "xact" },
+            "mode": match self.mode {
+                Mode::Session => "session",
+                Mode::Xact => "xact",
+                Mode::Unlocked => "unlocked",
+            },
             "tasks": self.tasks, "key_base": self.key_base, "keys": self.keys,
             "target": self.target, "duration_ms": self.duration_ms,
             "heartbeat_ms": self.heartbeat_ms, "heartbeat_timeout_ms": self.heartbeat_timeout_ms,
@@ -127,6 +134,7 @@ impl Config {
         let mode = match v["mode"].as_str() {
             Some("session") => Mode::Session,
             Some("xact") => Mode::Xact,
+            Some("unlocked") => Mode::Unlocked,
             other => panic!("config mode {other:?}"),
         };
         let hold = |n: usize| v["hold_us"][n].as_u64().expect("config hold_us");
@@ -267,6 +275,7 @@ async fn run(cfg: Config) {
                 match ctx.cfg.mode {
                     Mode::Session => session_task(&ctx, w).await,
                     Mode::Xact => xact_task(&ctx, w).await,
+                    Mode::Unlocked => unlocked_task(&ctx, w).await,
                 }
             })
         })
@@ -498,6 +507,24 @@ async fn session_register(
         Err(_) => {
             ctx.emit(w, s, "reg_failed", json!({"r": "write timed out"}));
         }
+    }
+}
+
+/// Records the same history as a session holder, but takes no lock.
+async fn unlocked_task(ctx: &Ctx, w: usize) {
+    let mut rng = rng_for(&ctx.cfg, w);
+    let mut s = 0;
+    while ctx.go() {
+        s += 1;
+        let k = ctx.cfg.key_base + rng.random_range(0..ctx.cfg.keys);
+        let hold = hold(&ctx.cfg, &mut rng);
+        ctx.emit(w, s, "invoke", json!({"k": k, "m": "none"}));
+        ctx.acquired.fetch_add(1, Ordering::Relaxed);
+        ctx.emit(w, s, "acquired", json!({}));
+        ctx.emit(w, s, "entered", json!({}));
+        session_register(ctx, w, s, k, None, hold).await;
+        ctx.emit(w, s, "exited", json!({}));
+        ctx.emit(w, s, "released", json!({}));
     }
 }
 

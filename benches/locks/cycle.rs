@@ -45,8 +45,8 @@ pub const ALL: [Cycle; 7] = [
 impl Cycle {
     pub fn label(self) -> &'static str {
         match self {
-            Cycle::XactRaw => "sqlx hand-written BEGIN/try/COMMIT",
-            Cycle::XactPipelined => "raw pipelined BEGIN+try; COMMIT (reference)",
+            Cycle::XactRaw => "sqlx hand-written BEGIN / try / COMMIT",
+            Cycle::XactPipelined => "pipelined `BEGIN; try` + COMMIT (reference)",
             Cycle::XactDistlock => "distlock with_advisory_lock",
             Cycle::SessionRaw => "sqlx hand-written try/unlock",
             Cycle::SessionSqlx => "sqlx PgAdvisoryLock",
@@ -58,8 +58,8 @@ impl Cycle {
     /// Short label for charts.
     pub fn short(self) -> &'static str {
         match self {
-            Cycle::XactRaw => "xact: sqlx 3-RT",
-            Cycle::XactPipelined => "xact: pipelined 2-RT (ref)",
+            Cycle::XactRaw => "xact: sqlx BEGIN/try/COMMIT",
+            Cycle::XactPipelined => "xact: pipelined BEGIN+try (ref)",
             Cycle::XactDistlock => "xact: distlock",
             Cycle::SessionRaw => "session: sqlx raw",
             Cycle::SessionSqlx => "session: PgAdvisoryLock",

@@ -21,15 +21,19 @@ pub enum Handoff {
     Sqlx,
     /// `locker.lock(key, timeout)` / `release()` (pooled connection per lock).
     Distlock,
+    /// `Distlock` on a pool built with `test_before_acquire(false)`: no ping
+    /// when the pool hands out a connection (sqlx still pings on return).
+    DistlockNoPing,
     /// The same with `.multiplex(2)` (wake-up on a pooled connection, then a
     /// try on the shared one).
     DistlockMux,
 }
 
-pub const ALL: [Handoff; 4] = [
+pub const ALL: [Handoff; 5] = [
     Handoff::Raw,
     Handoff::Sqlx,
     Handoff::Distlock,
+    Handoff::DistlockNoPing,
     Handoff::DistlockMux,
 ];
 
@@ -39,6 +43,7 @@ impl Handoff {
             Handoff::Raw => "sqlx hand-written pg_advisory_lock",
             Handoff::Sqlx => "sqlx PgAdvisoryLock::acquire",
             Handoff::Distlock => "distlock lock()",
+            Handoff::DistlockNoPing => "distlock lock(), pool without acquire ping",
             Handoff::DistlockMux => "distlock multiplexed lock()",
         }
     }
@@ -48,6 +53,7 @@ impl Handoff {
             Handoff::Raw => "sqlx raw",
             Handoff::Sqlx => "PgAdvisoryLock",
             Handoff::Distlock => "distlock",
+            Handoff::DistlockNoPing => "distlock, no acquire ping",
             Handoff::DistlockMux => "distlock mux",
         }
     }
@@ -133,8 +139,9 @@ pub async fn run(
                 });
             }
         }
-        Handoff::Distlock | Handoff::DistlockMux => {
+        Handoff::Distlock | Handoff::DistlockNoPing | Handoff::DistlockMux => {
             let p = PgPoolOptions::new()
+                .test_before_acquire(variant != Handoff::DistlockNoPing)
                 .max_connections(u32::try_from(waiters + 4)?)
                 .min_connections(u32::try_from(waiters + 1)?)
                 .connect_with(opts.clone())

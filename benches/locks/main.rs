@@ -9,6 +9,7 @@ mod chart;
 mod counting;
 mod cycle;
 mod handoff;
+mod hops;
 mod many;
 mod pgbench;
 mod stats;
@@ -114,6 +115,24 @@ async fn main() -> anyhow::Result<()> {
         "",
         1,
     ));
+
+    let multi = hops::measure(2_000).await;
+    let single = std::thread::spawn(|| {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map(|rt| rt.block_on(hops::measure(2_000)))
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("hop measurement panicked"))??;
+    let _ = write!(
+        report,
+        "\n#### Task hops (no database)\n\n\
+         | runtime | request/reply to a parked task µs (median) | spawn + join µs (median) |\n\
+         |---|---:|---:|\n\
+         | multi-thread | {:.1} | {:.1} |\n| current-thread | {:.1} | {:.1} |\n",
+        multi.request_reply, multi.spawn_join, single.request_reply, single.spawn_join
+    );
 
     // Loopback hides what a round trip costs on a network: run the cycles
     // again through a proxy adding 250 µs each way (0.5 ms round trips, as
@@ -237,7 +256,7 @@ async fn machine(opts: &PgConnectOptions) -> anyhow::Result<String> {
 fn cycle_table(results: &mut [cycle::CycleResult]) -> String {
     let mut out = String::from(
         "\n### Uncontended cycle (one task, one free key)\n\n\
-         | alternative | median µs | spread of round medians µs | p99 µs | of which taking µs (median) | round trips | ratio |\n\
+         | alternative | median µs | spread of round medians µs | p99 µs | of which taking µs (median) | round trips (incl. pool pings) | ratio |\n\
          |---|---:|---:|---:|---:|---:|---:|\n",
     );
     let medians: Vec<(cycle::Cycle, f64)> = results
@@ -266,7 +285,7 @@ fn cycle_table(results: &mut [cycle::CycleResult]) -> String {
             r.round_trips,
             median / base,
             if r.cycle.is_xact() {
-                "3-RT sqlx"
+                "hand-written"
             } else {
                 "PgAdvisoryLock"
             },

@@ -106,9 +106,13 @@ pub async fn measure(
             let t = Instant::now();
             let mut locks = Vec::new();
             let mut note = None;
+            let mut acquire = Duration::ZERO;
             for k in base..base + keys_i64 {
                 match locker.try_lock(LockKey::id(k)).await {
-                    Ok(Some(lock)) => locks.push(lock),
+                    Ok(Some(lock)) => {
+                        locks.push(lock);
+                        acquire = t.elapsed(); // up to the last lock taken
+                    }
                     Ok(None) => bail!("key {k} busy"),
                     Err(err) => {
                         note = Some(format!("stopped after {} locks: {err}", locks.len()));
@@ -116,7 +120,6 @@ pub async fn measure(
                     }
                 }
             }
-            let acquire = t.elapsed();
             let connections = holder_sessions(&mut obs).await?;
             let n = locks.len();
             let t = Instant::now();

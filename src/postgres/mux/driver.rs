@@ -10,7 +10,7 @@ use sqlx::{ConnectOptions, Connection};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep_until, timeout};
 
-use super::super::pooler::PoolerCheck;
+use super::super::pooler::{PoolerCheck, shared_session};
 use super::request::{Granted, Inbox, Request, Ticket, TryError, TryOutcome};
 use super::sql::{self, ServerKey};
 use crate::error::{locking_error, sqlstate};
@@ -213,6 +213,19 @@ impl Driver {
             Ok(Err(err)) if fatal(&err) => {
                 let _ = reply.send(Err(TryError::Gone));
                 return Err(LossReason::ConnectionFailed(err.to_string()));
+            }
+            // A prepared statement another client made on this session, or
+            // one of ours gone: a transaction pooler shares the session, so
+            // none of its locks can be trusted (as in the default mode).
+            Ok(Err(err)) if shared_session(&err) => {
+                let refused = Error::PoolerDetected {
+                    expected_pid: self.pid,
+                    actual_pid: 0,
+                };
+                let _ = reply.send(Err(TryError::Failed(refused)));
+                return Err(LossReason::ConnectionFailed(format!(
+                    "the server session is shared with other clients ({err})"
+                )));
             }
             Ok(Err(err)) => {
                 let _ = reply.send(Err(TryError::Failed(locking_error(err, &key))));

@@ -61,6 +61,11 @@ struct Bench {
     /// Longest wait for the server to free what a dropped call held.
     worst_settle: Duration,
     cancelled: usize,
+    /// Times the key was found busy although nothing held it when the
+    /// previous step settled: a dropped call's statement, already on its
+    /// way, took the lock on the server just after the drop, on a session
+    /// that is closing (the lock dies with it a moment later).
+    transient: usize,
 }
 
 impl Bench {
@@ -84,6 +89,7 @@ impl Bench {
             observer_pid,
             worst_settle: Duration::ZERO,
             cancelled: 0,
+            transient: 0,
         }
     }
 
@@ -123,27 +129,60 @@ impl Bench {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         self.worst_settle = self.worst_settle.max(started.elapsed());
-        // The pool hands out healthy connections, and the key is free.
-        let probe = locker.with_advisory_lock(KEY, async |conn| {
-            sqlx::query("SELECT 1").execute(conn).await?;
-            Ok::<_, Error>(())
-        });
-        let probe = tokio::time::timeout(SETTLE, probe).await;
-        assert!(
-            matches!(probe, Ok(Ok(Some(())))),
-            "{what}: locker unusable afterwards: {probe:?}"
-        );
+        // The pool hands out healthy connections, and the key is free (after
+        // a transient hold, see `transient`).
+        let deadline = Instant::now() + SETTLE;
+        loop {
+            let probe = locker.with_advisory_lock(KEY, async |conn| {
+                sqlx::query("SELECT 1").execute(conn).await?;
+                Ok::<_, Error>(())
+            });
+            match tokio::time::timeout(SETTLE, probe).await {
+                Ok(Ok(Some(()))) => break,
+                Ok(Ok(None)) if Instant::now() < deadline => {
+                    self.transient += 1;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                other => panic!("{what}: locker unusable afterwards: {other:?}"),
+            }
+        }
+    }
+
+    /// A session lock on `KEY`, which must be free (after a transient hold).
+    async fn take(&mut self, locker: &PgLocker) -> distlock::SessionLock {
+        let deadline = Instant::now() + SETTLE;
+        loop {
+            match locker.try_lock(KEY).await {
+                Ok(Some(lock)) => return lock,
+                Ok(None) if Instant::now() < deadline => {
+                    self.transient += 1;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                other => panic!("try_lock on a free key: {other:?}"),
+            }
+        }
     }
 
     /// Takes `KEY` on a connection of its own and lets go after `hold`.
-    async fn hold_then_release(&self, hold: Duration) -> tokio::task::JoinHandle<()> {
+    async fn hold_then_release(&mut self, hold: Duration) -> tokio::task::JoinHandle<()> {
         let mut conn = self.db.connect("distlock-torture-holder").await;
-        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1))")
-            .bind(KEY)
-            .fetch_one(&mut conn)
-            .await
-            .expect("holder lock");
-        assert!(locked, "the key must be free before a step");
+        let deadline = Instant::now() + SETTLE;
+        loop {
+            let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1))")
+                .bind(KEY)
+                .fetch_one(&mut conn)
+                .await
+                .expect("holder lock");
+            if locked {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the key must be free before a step"
+            );
+            self.transient += 1;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         tokio::spawn(async move {
             tokio::time::sleep(hold).await;
             let _ = conn.close().await;
@@ -163,9 +202,21 @@ async fn sweep(what: &str, mut step: impl AsyncFnMut(usize) -> bool) -> usize {
 }
 
 fn report(op: &str, rounds: usize, points: &[(&str, usize)], bench: &Bench) {
+    let mut by_locker: std::collections::BTreeMap<&str, (usize, usize)> = Default::default();
+    for &(locker, n) in points {
+        let range = by_locker.entry(locker).or_insert((usize::MAX, 0));
+        *range = (range.0.min(n), range.1.max(n));
+    }
+    let ranges: Vec<String> = by_locker
+        .iter()
+        .map(|(locker, (lo, hi))| format!("{locker} {lo}-{hi}"))
+        .collect();
     println!(
-        "  {op}: {rounds} sweep(s); Pendings until completion {points:?}; {} drops in all so far, worst settle {:?}, leaks 0",
-        bench.cancelled, bench.worst_settle
+        "  {op}: {rounds} sweep(s) per locker; Pendings before completion: {}; so far {} drops, 0 leaks, worst settle {:?}, {} transient holds",
+        ranges.join(", "),
+        bench.cancelled,
+        bench.worst_settle,
+        bench.transient
     );
 }
 
@@ -185,7 +236,11 @@ fn cancellation_sweep_try_lock_and_release() {
                             lock.release().await.expect("release");
                             true
                         }
-                        Some(other) => panic!("try_lock on a free key: {other:?}"),
+                        Some(Ok(None)) => {
+                            bench.transient += 1;
+                            false
+                        }
+                        Some(Err(err)) => panic!("try_lock: {err}"),
                         None => {
                             bench.cancelled += 1;
                             false
@@ -200,7 +255,7 @@ fn cancellation_sweep_try_lock_and_release() {
                 try_points.push((name, n));
 
                 // A release future dropped before its first poll.
-                let lock = locker.try_lock(KEY).await.expect("try").expect("free");
+                let lock = bench.take(&locker).await;
                 drop(lock.release());
                 bench.cancelled += 1;
                 bench
@@ -208,7 +263,7 @@ fn cancellation_sweep_try_lock_and_release() {
                     .await;
 
                 let n = sweep("release", async |k| {
-                    let lock = locker.try_lock(KEY).await.expect("try").expect("free");
+                    let lock = bench.take(&locker).await;
                     let done = match drop_after(k, lock.release()).await {
                         Some(result) => {
                             result.expect("release");
@@ -301,7 +356,11 @@ fn cancellation_sweep_with_advisory_lock() {
                 let call = locker.with_advisory_lock(KEY, async |c| work(c, k).await);
                 let done = match drop_after(k, call).await {
                     Some(Ok(Some(()))) => true,
-                    Some(other) => panic!("with_advisory_lock on a free key: {other:?}"),
+                    Some(Ok(None)) => {
+                        bench.transient += 1;
+                        false
+                    }
+                    Some(Err(err)) => panic!("with_advisory_lock: {err}"),
                     None => {
                         bench.cancelled += 1;
                         false

@@ -33,12 +33,16 @@ impl RunDir {
 impl Drop for RunDir {
     fn drop(&mut self) {
         if std::thread::panicking() {
+            let _ = std::fs::remove_file(self.path.join(WORKER_BINARY));
             eprintln!("torture: histories kept in {}", self.path.display());
         } else {
             let _ = std::fs::remove_dir_all(&self.path);
         }
     }
 }
+
+/// Name of the private copy of this test binary in a run's directory.
+const WORKER_BINARY: &str = "worker-bin";
 
 /// One running worker.
 #[derive(Debug)]
@@ -64,7 +68,13 @@ pub struct Fleet {
 impl Fleet {
     /// Starts one process per configuration.
     pub fn spawn(dir: &Path, configs: &[Config]) -> Self {
-        let exe = std::env::current_exe().expect("current test binary");
+        // Workers run a private copy of this test binary: others may rebuild
+        // it in the shared target directory while a long run is under way,
+        // and `/proc/self/exe` still reads the image this process runs.
+        let exe = dir.join(WORKER_BINARY);
+        if !exe.exists() {
+            std::fs::copy("/proc/self/exe", &exe).expect("copy the test binary");
+        }
         let mut fleet = Fleet {
             workers: Vec::new(),
             dir: dir.to_owned(),

@@ -1,10 +1,16 @@
-//! The task that owns a session lock's connection: it runs the heartbeat,
-//! reports loss, and performs the release (requested or on drop).
+//! The task that keeps a session lock: it runs the heartbeat, reports loss,
+//! and releases the lock of a guard dropped without `release()`.
+//!
+//! The lock's connection sits in a [`Slot`] shared by the guard and this
+//! task. `SessionLock::release` takes it out and unlocks on the caller's own
+//! task: no hop to the keeper and back sits on the release path. The keeper
+//! holds the slot's mutex only while a heartbeat is in flight.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Row;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{Mutex, Notify, oneshot, watch};
 use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 
 use super::conn::HeldConn;
@@ -12,50 +18,81 @@ use super::locker::Config;
 use super::sql::{bind_key, keyed};
 use crate::{Error, LockKey, LossReason};
 
-/// What `SessionLock::release` sends: where to put the outcome.
+/// What a multiplexed lock's `release()` sends: where to put the outcome.
 pub(crate) type ReleaseRequest = oneshot::Sender<Result<(), Error>>;
+
+/// What the guard and the keeper share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    /// The lock's connection while the lock is held (`None` once released
+    /// or lost).
+    conn: Mutex<Option<HeldConn>>,
+    /// Signalled when the guard is dropped without `release()`. A released
+    /// guard does not signal: the keeper finds the slot empty at its next
+    /// beat and ends, so no wake-up sits on the release path.
+    dropped: Notify,
+}
+
+/// The shared state of one session lock.
+pub(crate) type Slot = Arc<Shared>;
+
+impl Shared {
+    /// Tells the keeper that the guard went away without `release()`.
+    pub(crate) fn guard_dropped(&self) {
+        self.dropped.notify_one();
+    }
+
+    /// Whether the connection may still be in the slot (`true` when the
+    /// slot is busy, to be safe).
+    pub(crate) fn holds_connection(&self) -> bool {
+        self.conn.try_lock().map_or(true, |conn| conn.is_some())
+    }
+}
 
 /// The keeper's end of a session lock.
 pub(crate) struct Keeper {
-    pub(crate) conn: HeldConn,
-    pub(crate) key: LockKey,
-    pub(crate) pid: i32,
-    pub(crate) heartbeat: Duration,
-    pub(crate) heartbeat_timeout: Duration,
-    pub(crate) release_timeout: Duration,
-    pub(crate) loss: watch::Sender<Option<LossReason>>,
-    pub(crate) release: oneshot::Receiver<ReleaseRequest>,
+    slot: Slot,
+    key: LockKey,
+    pid: i32,
+    heartbeat: Duration,
+    heartbeat_timeout: Duration,
+    release_timeout: Duration,
+    loss: watch::Sender<Option<LossReason>>,
+}
+
+/// The guard's end of a session lock.
+pub(crate) struct GuardEnd {
+    pub(crate) slot: Slot,
+    pub(crate) loss: watch::Receiver<Option<LossReason>>,
 }
 
 impl Keeper {
-    pub(crate) fn new(
-        conn: HeldConn,
-        key: LockKey,
-        pid: i32,
-        config: &Config,
-    ) -> (
-        Self,
-        watch::Receiver<Option<LossReason>>,
-        oneshot::Sender<ReleaseRequest>,
-    ) {
+    pub(crate) fn new(conn: HeldConn, key: LockKey, pid: i32, config: &Config) -> (Self, GuardEnd) {
+        let slot: Slot = Arc::new(Shared {
+            conn: Mutex::new(Some(conn)),
+            dropped: Notify::new(),
+        });
         let (loss, loss_rx) = watch::channel(None);
-        let (release_tx, release) = oneshot::channel();
         let keeper = Self {
-            conn,
+            slot: Arc::clone(&slot),
             key,
             pid,
             heartbeat: config.heartbeat,
             heartbeat_timeout: config.heartbeat_timeout,
             release_timeout: config.release_timeout,
             loss,
-            release,
         };
-        (keeper, loss_rx, release_tx)
+        let guard = GuardEnd {
+            slot,
+            loss: loss_rx,
+        };
+        (keeper, guard)
     }
 
-    /// Runs until the lock is released (on request or because the guard was
-    /// dropped). If the task is cancelled instead, the armed connection is
-    /// closed on drop and the server frees the lock.
+    /// Runs until the guard is released or dropped; a dropped guard's lock is
+    /// released here. If the task is cancelled instead (the runtime shuts
+    /// down), the armed connection is closed when the last owner of the slot
+    /// drops it, and the server frees the lock.
     pub(crate) async fn run(mut self) {
         // `sleep_until` rather than `interval`: an interval's first tick fires
         // at once and would put a heartbeat in front of a quick release.
@@ -63,100 +100,104 @@ impl Keeper {
         let mut first = true;
         let held_since = Instant::now();
         loop {
-            let step = tokio::select! {
+            tokio::select! {
                 biased;
-                request = &mut self.release => {
-                    Step::Release(request.ok(), Instant::now() + self.release_timeout)
-                }
+                () = self.slot.dropped.notified() => return self.release_dropped(held_since).await,
                 () = sleep_until(next) => {
                     let sql = if first { FIRST_HEARTBEAT } else { HEARTBEAT };
-                    self.beat(sql).await
-                }
-            };
-            match step {
-                Step::Beat => {
+                    match self.beat(sql).await {
+                        Beat::Alive => {}
+                        Beat::Released => return,
+                        // The loss stays readable through the guard's watch
+                        // receiver after this task ends.
+                        Beat::Lost => return,
+                    }
                     first = false;
                     next = Instant::now() + self.heartbeat;
                 }
-                Step::Lost(reason) => return self.lost(reason).await,
-                Step::Release(request, deadline) => {
-                    let budget = self.release_timeout;
-                    let outcome = release(self.conn, &self.key, self.pid, deadline, budget).await;
-                    if outcome.is_ok() {
-                        crate::metrics::released("postgres", &self.key, held_since.elapsed());
-                    }
-                    report_release(&self.key, request, outcome);
-                    return;
-                }
-                Step::LostWhileReleasing(request, reason) => {
-                    let key = self.key.to_string();
-                    self.publish_loss(reason.clone());
-                    report_release(&self.key, request, Err(Error::LockLost { key, reason }));
-                    return;
-                }
             }
         }
     }
 
-    /// One heartbeat. A release requested meanwhile does not wait for the
-    /// heartbeat's own deadline: the beat gets what is left of the release
-    /// deadline, then the unlock runs on what remains after it.
-    async fn beat(&mut self, sql: &'static str) -> Step {
-        let beat = heartbeat(&mut self.conn, sql, self.pid, self.heartbeat_timeout);
-        tokio::pin!(beat);
-        tokio::select! {
-            biased;
-            outcome = &mut beat => match outcome {
-                Ok(()) => Step::Beat,
-                Err(reason) => Step::Lost(reason),
-            },
-            request = &mut self.release => {
-                let request = request.ok();
-                let deadline = Instant::now() + self.release_timeout;
-                match timeout_at(deadline, beat).await {
-                    Ok(Ok(())) => Step::Release(request, deadline),
-                    Ok(Err(reason)) => Step::LostWhileReleasing(request, reason),
-                    Err(_) => Step::LostWhileReleasing(
-                        request,
-                        LossReason::HeartbeatTimedOut(self.release_timeout),
-                    ),
-                }
-            }
-        }
-    }
-
-    /// Closes the connection and tells the guard the lock is lost.
-    fn publish_loss(&mut self, reason: LossReason) {
+    /// One heartbeat, holding the slot so `release()` waits for it (within
+    /// the release deadline). On failure the connection is closed and the loss
+    /// published *before* the slot is let go, so a `release()` that finds the
+    /// slot empty also finds the reason.
+    async fn beat(&mut self, sql: &'static str) -> Beat {
+        let mut slot = self.slot.conn.lock().await;
+        let Some(conn) = slot.as_mut() else {
+            return Beat::Released;
+        };
+        let Err(reason) = heartbeat(conn, sql, self.pid, self.heartbeat_timeout).await else {
+            return Beat::Alive;
+        };
         tracing::warn!(key = %self.key, %reason, "distlock session lock lost");
         crate::metrics::lost("postgres", &self.key);
-        self.conn.close_now();
+        if let Some(mut conn) = slot.take() {
+            conn.close_now();
+        }
         self.loss.send_replace(Some(reason));
+        Beat::Lost
     }
 
-    /// Publishes the loss, then waits for the guard to be released or
-    /// dropped so `release()` can report it.
-    async fn lost(mut self, reason: LossReason) {
-        self.publish_loss(reason.clone());
-        if let Ok(reply) = self.release.await {
-            let _ = reply.send(Err(Error::LockLost {
-                key: self.key.to_string(),
-                reason,
-            }));
+    /// The guard was dropped without `release()` (or `release()` took the
+    /// connection already): unlock in the background if it is still here.
+    async fn release_dropped(self, held_since: Instant) {
+        let conn = self.slot.conn.lock().await.take();
+        let Some(conn) = conn else {
+            return;
+        };
+        let deadline = Instant::now() + self.release_timeout;
+        let outcome = release(conn, &self.key, self.pid, deadline, self.release_timeout).await;
+        match outcome {
+            Ok(()) => {
+                crate::metrics::released("postgres", &self.key, held_since.elapsed());
+                tracing::debug!(key = %self.key, "distlock session lock released in the background");
+            }
+            Err(err) => tracing::warn!(
+                key = %self.key, error = %err,
+                "background release of a dropped session lock failed; connection closed"
+            ),
         }
     }
 }
 
-/// What the keeper does next.
-enum Step {
-    /// The heartbeat passed.
-    Beat,
-    /// The lock is lost.
-    Lost(LossReason),
-    /// Release (asked for, or the guard was dropped) before the deadline.
-    Release(Option<ReleaseRequest>, Instant),
-    /// Release was asked for while a heartbeat found the lock lost (or did
-    /// not finish within the release deadline).
-    LostWhileReleasing(Option<ReleaseRequest>, LossReason),
+/// What a heartbeat found.
+enum Beat {
+    Alive,
+    Lost,
+    /// The slot was empty: `release()` took the connection.
+    Released,
+}
+
+/// Releases the lock in `slot` on the caller's task, within `budget`.
+///
+/// Waits for an in-flight heartbeat only as long as the budget allows. An
+/// empty slot means the lock was lost; the reason is in `loss`.
+pub(crate) async fn release_from_slot(
+    slot: &Slot,
+    loss: &watch::Receiver<Option<LossReason>>,
+    key: &LockKey,
+    pid: i32,
+    budget: Duration,
+) -> Result<(), Error> {
+    let deadline = Instant::now() + budget;
+    let Ok(mut guard) = timeout_at(deadline, slot.conn.lock()).await else {
+        // A heartbeat is stuck on a stalled network; it will time out and
+        // close the connection, which frees the lock on the server.
+        return Err(Error::ReleaseTimedOut {
+            key: key.to_string(),
+            after: budget,
+        });
+    };
+    let Some(conn) = guard.take() else {
+        return Err(Error::LockLost {
+            key: key.to_string(),
+            reason: loss.borrow().clone().unwrap_or(LossReason::KeeperStopped),
+        });
+    };
+    drop(guard);
+    release(conn, key, pid, deadline, budget).await
 }
 
 /// The heartbeat: which backend answers.
@@ -230,17 +271,4 @@ async fn release(
     }
     conn.into_pool();
     Ok(())
-}
-
-fn report_release(key: &LockKey, reply: Option<ReleaseRequest>, outcome: Result<(), Error>) {
-    match (&outcome, &reply) {
-        (Ok(()), _) => tracing::debug!(%key, "distlock session lock released"),
-        (Err(err), None) => {
-            tracing::warn!(%key, error = %err, "background release of a dropped session lock failed; connection closed");
-        }
-        (Err(_), Some(_)) => {}
-    }
-    if let Some(reply) = reply {
-        let _ = reply.send(outcome);
-    }
 }

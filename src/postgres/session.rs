@@ -11,7 +11,7 @@ use tracing::Instrument;
 
 use super::conn::HeldConn;
 use super::holders;
-use super::keeper::{Keeper, ReleaseRequest};
+use super::keeper::{Keeper, ReleaseRequest, Slot, release_from_slot};
 use super::locker::PgLocker;
 use super::sql::{bind_key, keyed, millis_setting};
 use crate::error::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
@@ -43,7 +43,21 @@ pub struct SessionLock {
     pid: i32,
     acquired_at: Instant,
     loss: watch::Receiver<Option<LossReason>>,
-    release: Option<oneshot::Sender<ReleaseRequest>>,
+    holding: Holding,
+}
+
+/// Where the lock's connection is, and so how `release()` works.
+enum Holding {
+    /// Its own connection, shared with its keeper task: `release()` unlocks
+    /// on the caller's task; a guard dropped without it asks the keeper to.
+    Own {
+        slot: Slot,
+        released: bool,
+        release_timeout: Duration,
+    },
+    /// A connection shared by many locks (multiplexed mode), driven by
+    /// another task: `release()` and `Drop` are messages to it.
+    Shared(Option<oneshot::Sender<ReleaseRequest>>),
 }
 
 impl fmt::Debug for SessionLock {
@@ -57,6 +71,20 @@ impl fmt::Debug for SessionLock {
     }
 }
 
+impl Drop for SessionLock {
+    fn drop(&mut self) {
+        if let Holding::Own { slot, released, .. } = &self.holding {
+            // Never blocks: the keeper task does the unlock. A `release()`
+            // dropped before it took the connection leaves it in the slot,
+            // so the keeper is asked in that case too.
+            let still_held = !*released || slot.holds_connection();
+            if still_held {
+                slot.guard_dropped();
+            }
+        }
+    }
+}
+
 impl SessionLock {
     fn start(
         conn: HeldConn,
@@ -65,7 +93,7 @@ impl SessionLock {
         token: Option<FencingToken>,
         locker: &PgLocker,
     ) -> Self {
-        let (keeper, loss, release) = Keeper::new(conn, key.clone(), pid, locker.config());
+        let (keeper, guard) = Keeper::new(conn, key.clone(), pid, locker.config());
         let span = tracing::debug_span!("distlock.keeper", key = %key, pid);
         tokio::spawn(keeper.run().instrument(span));
         Self {
@@ -73,8 +101,12 @@ impl SessionLock {
             token,
             pid,
             acquired_at: Instant::now(),
-            loss,
-            release: Some(release),
+            loss: guard.loss,
+            holding: Holding::Own {
+                slot: guard.slot,
+                released: false,
+                release_timeout: locker.config().release_timeout,
+            },
         }
     }
 
@@ -93,7 +125,7 @@ impl SessionLock {
             pid,
             acquired_at: Instant::now(),
             loss,
-            release: Some(release),
+            holding: Holding::Shared(Some(release)),
         }
     }
 
@@ -171,10 +203,10 @@ impl SessionLock {
     ///
     /// # Cancel safety
     ///
-    /// The release is carried out by the lock's background task once asked
-    /// for, so dropping this future after its first poll still releases the
-    /// lock (the outcome is then only logged). Dropped before its first poll,
-    /// it drops the guard, which releases the lock in the background too.
+    /// The unlock runs on the caller's task. Dropping this future after it
+    /// took the connection closes the connection, so the server frees the
+    /// lock; dropped earlier, it drops the guard, whose background task then
+    /// releases the lock.
     pub async fn release(mut self) -> Result<(), Error> {
         let span = tracing::debug_span!(
             "distlock.release",
@@ -182,14 +214,35 @@ impl SessionLock {
             hold_ms = self.acquired_at.elapsed().as_secs_f64() * 1e3,
             outcome = tracing::field::Empty,
         );
-        let (reply, outcome) = oneshot::channel();
-        let sent = self.release.take().map(|tx| tx.send(reply).is_ok());
-        let result = match (sent, outcome.await) {
-            (Some(true), Ok(result)) => result,
-            _ => Err(Error::LockLost {
-                key: self.key.to_string(),
-                reason: self.loss().unwrap_or(LossReason::KeeperStopped),
-            }),
+        let result = match &mut self.holding {
+            Holding::Own {
+                slot,
+                released,
+                release_timeout,
+            } => {
+                // From here on the keeper is not woken: it finds the slot
+                // empty at its next beat, or the connection still there if
+                // this future is dropped before taking it (see `Drop`).
+                *released = true;
+                let result =
+                    release_from_slot(slot, &self.loss, &self.key, self.pid, *release_timeout)
+                        .await;
+                if result.is_ok() {
+                    crate::metrics::released("postgres", &self.key, self.acquired_at.elapsed());
+                }
+                result
+            }
+            Holding::Shared(request) => {
+                let (reply, outcome) = oneshot::channel();
+                let sent = request.take().map(|tx| tx.send(reply).is_ok());
+                match (sent, outcome.await) {
+                    (Some(true), Ok(result)) => result,
+                    _ => Err(Error::LockLost {
+                        key: self.key.to_string(),
+                        reason: self.loss().unwrap_or(LossReason::KeeperStopped),
+                    }),
+                }
+            }
         };
         span.record("outcome", if result.is_ok() { "released" } else { "error" });
         result

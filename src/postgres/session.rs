@@ -21,7 +21,7 @@ use crate::{Error, FencingToken, LockKey, LossReason};
 /// A session-scoped advisory lock, held on a dedicated pooled connection until
 /// [`release`](Self::release) or drop.
 ///
-/// A background task owns the connection: every heartbeat interval it checks
+/// A background task keeps the connection: every heartbeat interval it checks
 /// that the same backend still answers within the heartbeat deadline, and if
 /// not, [`lost`](Self::lost) completes and the connection is closed. Treat a
 /// lost lock as gone: another process may hold it already.

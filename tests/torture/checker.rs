@@ -237,13 +237,16 @@ impl History {
     /// The first recorded fault aimed at `acq` between its invocation (less
     /// a grace) and the moment it learnt of its loss.
     pub fn first_fault(&self, acq: &Acq) -> Option<u64> {
+        self.first_fault_of(acq).map(|f| f.t)
+    }
+
+    fn first_fault_of(&self, acq: &Acq) -> Option<&Fault> {
         let detected = acq.detected()?;
         self.faults
             .iter()
             .filter(|f| f.affects(acq))
             .filter(|f| f.t + FAULT_GRACE_NS >= acq.invoke && f.t <= detected)
-            .map(|f| f.t)
-            .min()
+            .min_by_key(|f| f.t)
     }
 
     /// When the server may first have dropped `acq`'s lock: its first fault,
@@ -333,6 +336,8 @@ pub struct Latency {
     pub op: (i64, i64, i64),
     /// From the fault that cost the lock (or from the grant, if later).
     pub ns: u64,
+    /// That fault's kind.
+    pub kind: String,
     /// First reported by `lost()` rather than by `release()` or the
     /// transaction failing.
     pub by_watch: bool,
@@ -348,6 +353,10 @@ pub fn loss_latencies(h: &History) -> Vec<Latency> {
             Some(Latency {
                 op: a.op,
                 ns: detected.saturating_sub(start),
+                kind: h
+                    .first_fault_of(a)
+                    .map(|f| f.kind.clone())
+                    .unwrap_or_default(),
                 by_watch: a.lost_by_watch && a.lost.as_ref().is_some_and(|(t, _)| *t == detected),
             })
         })

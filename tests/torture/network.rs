@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use super::checker::Status;
+use super::checker::{Percentiles, Status};
 use super::db::{TestDb, admin_options};
 use super::history::{CONTROL, Recorder};
 use super::procs::{Fleet, RunDir};
@@ -43,7 +43,13 @@ fn proxy_pass_delay_stall_cut_and_half_close() {
                 };
                 Config {
                     key_base: if p < 2 { 0 } else { 16 },
-                    hold_us: (2_000, 100_000),
+                    // Session holders hold long enough for heartbeats to
+                    // be the first to notice, now and then.
+                    hold_us: if p < 2 {
+                        (5_000, 400_000)
+                    } else {
+                        (2_000, 100_000)
+                    },
                     heartbeat_ms: 200,
                     heartbeat_timeout_ms: 500,
                     release_timeout_ms: 1_000,
@@ -114,6 +120,34 @@ fn proxy_pass_delay_stall_cut_and_half_close() {
                 })
             })
             .collect();
+        let by_kind: Vec<String> = ["stall", "cut", "half-close-client", "half-close-server"]
+            .iter()
+            .map(|kind| {
+                let session: std::collections::HashSet<_> = outcome
+                    .history
+                    .acqs
+                    .iter()
+                    .filter(|a| SESSION.contains(&a.method.as_str()))
+                    .map(|a| a.op)
+                    .collect();
+                let of = |watch_only: bool| {
+                    Percentiles::of(
+                        outcome
+                            .latencies
+                            .iter()
+                            .filter(|l| l.kind == *kind && session.contains(&l.op))
+                            .filter(|l| l.by_watch || !watch_only)
+                            .map(|l| l.ns)
+                            .collect(),
+                    )
+                };
+                format!(
+                    "session, {kind}: detection {}; by lost() {}",
+                    of(false),
+                    of(true)
+                )
+            })
+            .collect();
         let trusted: Vec<_> = through_stall
             .iter()
             .filter(|a| a.status() != Status::Lost)
@@ -131,6 +165,7 @@ fn proxy_pass_delay_stall_cut_and_half_close() {
                     outcome.acquisitions(SESSION),
                     outcome.lost_for(SESSION)
                 ),
+                by_kind.join("\n  "),
                 format!(
                     "session holders through a whole stall: {}, still trusting their lock: {}",
                     through_stall.len(),

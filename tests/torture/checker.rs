@@ -122,7 +122,10 @@ impl Acq {
 /// A fault injected by the control process.
 #[derive(Debug, Clone)]
 pub struct Fault {
+    /// When the injection began (a `start` field, else the event's time).
     pub t: u64,
+    /// When the injection call returned (the event's time).
+    pub end: u64,
     pub kind: String,
     /// Aimed at this backend pid only.
     pub backend_pid: Option<i64>,
@@ -171,7 +174,11 @@ impl History {
         for ev in &events {
             match ev.e.as_str() {
                 "fault" => h.faults.push(Fault {
-                    t: ev.t,
+                    t: ev
+                        .int("start")
+                        .and_then(|t| u64::try_from(t).ok())
+                        .unwrap_or(ev.t),
+                    end: ev.t,
                     kind: ev.text("kind").unwrap_or("?").to_owned(),
                     backend_pid: ev.int("bp"),
                     target: ev.int("target"),
@@ -245,7 +252,7 @@ impl History {
         self.faults
             .iter()
             .filter(|f| f.affects(acq))
-            .filter(|f| f.t + FAULT_GRACE_NS >= acq.invoke && f.t <= detected)
+            .filter(|f| f.end + FAULT_GRACE_NS >= acq.invoke && f.t <= detected)
             .min_by_key(|f| f.t)
     }
 

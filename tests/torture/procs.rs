@@ -12,7 +12,8 @@ use nix::unistd::Pid;
 use super::worker::{Config, ENV};
 
 /// A run's directory: histories, worker output, the stop file. Removed at
-/// the end unless the test failed (then its path is printed).
+/// the end unless the test failed or `DISTLOCK_TORTURE_KEEP` is set (then
+/// its path is printed).
 #[derive(Debug)]
 pub struct RunDir {
     pub path: PathBuf,
@@ -32,7 +33,7 @@ impl RunDir {
 
 impl Drop for RunDir {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if std::thread::panicking() || std::env::var_os("DISTLOCK_TORTURE_KEEP").is_some() {
             let _ = std::fs::remove_file(self.path.join(WORKER_BINARY));
             eprintln!("torture: histories kept in {}", self.path.display());
         } else {

@@ -67,12 +67,18 @@ fn terminate_random_holders_every_100ms() {
             };
             let pid = victim.pid;
             let key = keys.get(&victim.triple);
-            control.emit("fault", json!({"kind": "terminate", "bp": pid, "k": key}));
+            // Recorded once the call returns, with the time it began: on a
+            // loaded machine the termination may take effect well after.
+            let start = now_ns();
             let done: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
                 .bind(pid)
                 .fetch_one(&mut conn)
                 .await
                 .expect("pg_terminate_backend");
+            control.emit(
+                "fault",
+                json!({"kind": "terminate", "bp": pid, "k": key, "start": start}),
+            );
             terminated += usize::from(done);
         }
         control.flush();

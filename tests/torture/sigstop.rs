@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use serde_json::json;
+use sqlx::Connection;
 
 use super::checker::{Percentiles, Status};
 use super::db::{TestDb, admin_options, advisory_holders};
@@ -147,6 +148,6 @@ fn sigstopped_holder_is_reported_lost_and_fenced() {
             0,
             "advisory locks left after the run"
         );
-        drop(conn);
+        let _ = conn.close().await;
     });
 }

@@ -7,6 +7,7 @@ use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
+use sqlx::Connection;
 
 use super::clock::now_ns;
 use super::db::{TestDb, admin_options, advisory_holders, key_triples};
@@ -120,6 +121,6 @@ fn terminate_random_holders_every_100ms() {
             0,
             "advisory locks left after the run"
         );
-        drop(conn);
+        let _ = conn.close().await;
     });
 }

@@ -23,6 +23,11 @@ pub enum LossReason {
         /// The backend pid that answered the heartbeat.
         actual_pid: i32,
     },
+    /// The server session answering on the lock's connection is shared with
+    /// other clients: a prepared statement appeared or vanished between two
+    /// statements, the signature of a transaction-pooling proxy that kept
+    /// the same backend. The text is the server's error.
+    SessionShared(String),
     /// The lease's time to live ran out or its key now holds another owner's
     /// token (lease-based backends such as Redis).
     Expired,
@@ -44,6 +49,10 @@ impl fmt::Display for LossReason {
             } => write!(
                 f,
                 "backend pid changed from {expected_pid} to {actual_pid} (transaction-pooling proxy?)"
+            ),
+            Self::SessionShared(msg) => write!(
+                f,
+                "the server session is shared with other clients (transaction-pooling proxy?): {msg}"
             ),
             Self::Expired => f.write_str("the lease expired or was taken over"),
             Self::KeeperStopped => f.write_str("the task keeping the lock stopped"),

@@ -226,7 +226,7 @@ async fn heartbeat(
     let query = sqlx::query_scalar::<_, i32>(sql).fetch_one(conn.conn());
     match timeout(deadline, query).await {
         Err(_) => Err(LossReason::HeartbeatTimedOut(deadline)),
-        Ok(Err(err)) => Err(LossReason::ConnectionFailed(err.to_string())),
+        Ok(Err(err)) => Err(super::pooler::loss_reason(&err)),
         Ok(Ok(actual)) if actual != pid => Err(LossReason::BackendChanged {
             expected_pid: pid,
             actual_pid: actual,

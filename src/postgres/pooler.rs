@@ -44,6 +44,15 @@ pub(crate) fn shared_session(err: &sqlx::Error) -> bool {
     )
 }
 
+/// What a failed statement on a lock's connection means for the lock.
+pub(crate) fn loss_reason(err: &sqlx::Error) -> crate::LossReason {
+    if shared_session(err) {
+        crate::LossReason::SessionShared(err.to_string())
+    } else {
+        crate::LossReason::ConnectionFailed(err.to_string())
+    }
+}
+
 /// Whether a locker has verified that its connections are real sessions.
 #[derive(Debug, Default)]
 pub(crate) struct PoolerCheck {

@@ -10,7 +10,7 @@ use sqlx::{ConnectOptions, Connection};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep_until, timeout};
 
-use super::super::pooler::{PoolerCheck, shared_session};
+use super::super::pooler::{PoolerCheck, loss_reason, shared_session};
 use super::request::{Granted, Inbox, Request, Ticket, TryError, TryOutcome};
 use super::sql::{self, ServerKey};
 use crate::error::{locking_error, sqlstate};
@@ -223,9 +223,7 @@ impl Driver {
                     actual_pid: 0,
                 };
                 let _ = reply.send(Err(TryError::Failed(refused)));
-                return Err(LossReason::ConnectionFailed(format!(
-                    "the server session is shared with other clients ({err})"
-                )));
+                return Err(LossReason::SessionShared(err.to_string()));
             }
             Ok(Err(err)) => {
                 let _ = reply.send(Err(TryError::Failed(locking_error(err, &key))));
@@ -354,7 +352,7 @@ impl Driver {
         let query = sql::unlock(key).fetch_one(&mut self.conn);
         let row = match timeout(self.statement_timeout, query).await {
             Err(_) => return Err(LossReason::HeartbeatTimedOut(self.statement_timeout)),
-            Ok(Err(err)) => return Err(LossReason::ConnectionFailed(err.to_string())),
+            Ok(Err(err)) => return Err(loss_reason(&err)),
             Ok(Ok(row)) => row,
         };
         let decoded = sqlx::Row::try_get::<bool, _>(&row, 0)
@@ -374,7 +372,7 @@ impl Driver {
         let query = sqlx::query_scalar::<_, i32>(sql::HEARTBEAT).fetch_one(&mut self.conn);
         match timeout(self.statement_timeout, query).await {
             Err(_) => Err(LossReason::HeartbeatTimedOut(self.statement_timeout)),
-            Ok(Err(err)) => Err(LossReason::ConnectionFailed(err.to_string())),
+            Ok(Err(err)) => Err(loss_reason(&err)),
             Ok(Ok(pid)) if pid != self.pid => Err(LossReason::BackendChanged {
                 expected_pid: self.pid,
                 actual_pid: pid,

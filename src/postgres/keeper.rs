@@ -210,7 +210,7 @@ const HEARTBEAT: &str = "SELECT pg_backend_pid()";
 /// operating system's default of hours. It runs off the acquire/release path
 /// so that a short-lived lock costs no extra work; the settings are harmless
 /// for the connection's later users. On a Unix-domain socket they are ignored.
-const FIRST_HEARTBEAT: &str = "SELECT pg_backend_pid(), \
+pub(crate) const FIRST_HEARTBEAT: &str = "SELECT pg_backend_pid(), \
      set_config('tcp_keepalives_idle', '10', false), \
      set_config('tcp_keepalives_interval', '5', false), \
      set_config('tcp_keepalives_count', '3', false), \

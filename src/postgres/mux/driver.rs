@@ -10,6 +10,7 @@ use sqlx::{ConnectOptions, Connection};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep_until, timeout};
 
+use super::super::keeper::FIRST_HEARTBEAT;
 use super::super::pooler::{PoolerCheck, loss_reason, shared_session};
 use super::request::{Granted, Inbox, Request, Ticket, TryError, TryOutcome};
 use super::sql::{self, ServerKey};
@@ -69,23 +70,19 @@ async fn run(
     driver.serve(requests, config.heartbeat).await;
 }
 
-/// Opens the shared connection. The TCP keepalive settings travel in the
-/// startup packet, so the server ends the session (freeing every lock on it)
-/// within about 25 s of a partition without an extra round trip (idle 10 s +
-/// 3 probes 5 s apart, or 30 s of unacknowledged data). Before any lock is
-/// taken on it, the connection is probed for a transaction-pooling proxy, as
-/// in the default mode (3 round trips, once per connection).
+/// Opens the shared connection. Before any lock is taken on it, the
+/// connection is probed for a transaction-pooling proxy, as in the default
+/// mode (3 round trips, once per connection); the statement that then reads
+/// the backend pid also sets the TCP keepalives, so the server ends the
+/// session (freeing every lock on it) within about 25 s of a partition (idle
+/// 10 s + 3 probes 5 s apart, or 30 s of unacknowledged data). They are set
+/// by statement rather than in the startup packet, which PgBouncer rejects
+/// ("unsupported startup parameter: options").
 async fn connect(config: &DriverConfig) -> Result<(PgConnection, i32), Error> {
-    let options = config.connect.clone().options([
-        ("tcp_keepalives_idle", "10"),
-        ("tcp_keepalives_interval", "5"),
-        ("tcp_keepalives_count", "3"),
-        ("tcp_user_timeout", "30000"),
-    ]);
     let open = async {
-        let mut conn = options.connect().await?;
+        let mut conn = config.connect.connect().await?;
         PoolerCheck::default().ensure_session(&mut conn).await?;
-        let pid: i32 = sqlx::query_scalar(sql::HEARTBEAT)
+        let pid: i32 = sqlx::query_scalar(FIRST_HEARTBEAT)
             .fetch_one(&mut conn)
             .await?;
         Ok::<_, Error>((conn, pid))

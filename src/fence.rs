@@ -84,6 +84,12 @@ fn validate_resource(resource: &str) -> Result<(), Error> {
 /// UPDATE accounts SET balance = $1, fence = $2
 ///  WHERE id = $3 AND fence <= $2;   -- 0 rows updated: a newer holder wrote first
 /// ```
+///
+/// # Cancel safety
+///
+/// It runs one statement on `conn` and holds no lock of its own. Dropped
+/// before the answer, the statement may or may not have run; in your
+/// transaction that is settled by your commit or rollback.
 pub async fn check(
     conn: &mut PgConnection,
     resource: &str,
@@ -106,6 +112,10 @@ pub async fn check(
 }
 
 /// The newest token `resource` has accepted, if any. Costs 1 round trip.
+///
+/// # Cancel safety
+///
+/// Cancel safe: a read.
 pub async fn current(
     conn: &mut PgConnection,
     resource: &str,

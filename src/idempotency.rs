@@ -26,6 +26,12 @@ use crate::Error;
 /// call waits for it to finish: `false` if it committed, `true` if it rolled
 /// back. Call it in the transaction that makes the effect. Costs 1 round trip.
 /// Needs [`migrate`](crate::migrate).
+///
+/// # Cancel safety
+///
+/// It runs one statement on `conn` and holds no lock of its own. Dropped
+/// before the answer, the statement may or may not have run; in your
+/// transaction that is settled by your commit or rollback.
 pub async fn claim(conn: &mut PgConnection, scope: &str, key: &str) -> Result<bool, Error> {
     validate(scope, key)?;
     let inserted = sqlx::query(
@@ -63,6 +69,12 @@ pub enum Once {
 /// call waits for its transaction and then reports its result. An `Err` from
 /// `f` rolls back the claim too, so the key can be tried again. Costs 4 round
 /// trips plus `f`'s own.
+///
+/// # Cancel safety
+///
+/// Dropping the future before it commits drops the transaction: sqlx rolls
+/// it back before the connection is used again, so neither the claim nor
+/// the effect is kept and the key can be claimed again.
 pub async fn once<F, E>(pool: &PgPool, scope: &str, key: &str, f: F) -> Result<Once, E>
 where
     F: AsyncFnOnce(&mut PgConnection) -> Result<String, E>,
@@ -92,6 +104,10 @@ where
 }
 
 /// The stored claim of `(scope, key)`, if it was claimed. Costs 1 round trip.
+///
+/// # Cancel safety
+///
+/// Cancel safe: a read.
 pub async fn stored(
     conn: &mut PgConnection,
     scope: &str,
@@ -114,6 +130,11 @@ pub async fn stored(
 
 /// Deletes claims older than `older_than`; returns how many were deleted.
 /// Costs 1 round trip.
+///
+/// # Cancel safety
+///
+/// One statement: dropped before the answer, the delete either ran whole or
+/// not at all.
 pub async fn purge(pool: &PgPool, older_than: Duration) -> Result<u64, Error> {
     let deleted: i64 =
         sqlx::query_scalar("SELECT distlock.purge_idempotency_keys(make_interval(secs => $1))")

@@ -98,6 +98,10 @@ impl PgLocker {
     /// Costs 1 round trip. Seeing other roles' `application_name` and client
     /// address needs the `pg_read_all_stats` role (or superuser); without it
     /// PostgreSQL shows `None` there.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a read on a pooled connection; no lock is taken.
     pub async fn holders(&self) -> Result<Vec<Holder>, Error> {
         let sql: String = [HOLDERS_SQL, ORDER].concat();
         let rows = self
@@ -108,6 +112,10 @@ impl PgLocker {
     }
 
     /// The sessions holding or awaiting the lock `key`. Costs 1 round trip.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a read on a pooled connection; no lock is taken.
     pub async fn holders_of(&self, key: impl Into<LockKey>) -> Result<Vec<Holder>, Error> {
         let key = key.into();
         let mut conn = self.pool().acquire().await?;

@@ -2,15 +2,16 @@
 //! locks over a few shared connections, with the guarantees of the default
 //! mode.
 
-mod mux_support;
+mod common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::proxy::Proxy;
+use common::*;
 use distlock::{Error, LockKey, LossReason, PgLocker, SessionLock};
-use mux_support::*;
 use rand::Rng;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -78,7 +79,7 @@ async fn five_thousand_locks_are_held_over_at_most_four_connections(pool: PgPool
     }
     assert_eq!(granted_count(&mut obs).await, 2_500);
     drop(rest);
-    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(10)).await;
+    let _ = assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(10)).await;
     close(obs).await;
 }
 
@@ -115,7 +116,7 @@ async fn the_same_key_twice_in_one_process_is_busy(pool: PgPool) {
     assert_eq!(rows.len(), 1, "{rows:?}");
     first.release().await.unwrap();
     assert!(
-        raw_can_take(&mut obs, "mux:reentrant").await,
+        raw_can_take(&mut obs, &Raw::text("mux:reentrant")).await,
         "no extra lock level left on the shared session"
     );
 
@@ -212,7 +213,7 @@ async fn mutual_exclusion_holds_within_a_process_and_across_two_lockers(
     );
     assert_eq!(sections.violations.load(Ordering::SeqCst), 0);
     let mut obs = observer(&connect_opts).await;
-    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(10)).await;
+    let _ = assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(10)).await;
     close(obs).await;
 }
 
@@ -270,7 +271,7 @@ async fn terminating_a_shared_connection_loses_all_its_locks_at_once(pool: PgPoo
     .await;
     for lock in &doomed {
         let name = lock.key().to_string();
-        assert!(raw_can_take(&mut obs, &name).await);
+        assert!(raw_can_take(&mut obs, &Raw::text(&name)).await);
     }
 
     // Releasing a lost lock says so; new acquisitions get a new connection.
@@ -291,7 +292,7 @@ async fn terminating_a_shared_connection_loses_all_its_locks_at_once(pool: PgPoo
     for lock in spared {
         lock.release().await.unwrap();
     }
-    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+    let _ = assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
     close(obs).await;
 }
 
@@ -301,7 +302,7 @@ async fn a_waiting_lock_does_not_block_other_keys_on_the_shared_connection(pool:
     let locker = mux(&pool, 1);
     let mut obs = observer_for(&pool).await;
     let contested = "mux:wait:contested";
-    assert!(raw_try_lock(&mut obs, contested).await);
+    assert!(raw_try_lock(&mut obs, &Raw::text(contested)).await);
 
     let waiter = {
         let locker = locker.clone();
@@ -338,15 +339,15 @@ async fn a_waiting_lock_does_not_block_other_keys_on_the_shared_connection(pool:
     assert!(!waiter.is_finished(), "still waiting");
 
     let released_at = Instant::now();
-    assert!(raw_unlock(&mut obs, contested).await);
+    assert!(raw_unlock(&mut obs, &Raw::text(contested)).await);
     let (lock, _) = bounded("waiter", Duration::from_secs(5), waiter)
         .await
         .unwrap();
     let lock = lock.expect("acquired after the holder let go");
     println!("hand-off took {:?}", released_at.elapsed());
-    assert!(!raw_can_take(&mut obs, contested).await);
+    assert!(!raw_can_take(&mut obs, &Raw::text(contested)).await);
     lock.release().await.unwrap();
-    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+    let _ = assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
     close(obs).await;
 }
 
@@ -355,7 +356,7 @@ async fn a_missed_deadline_names_the_holder(pool: PgPool) {
     let locker = mux(&pool, 2);
     let mut obs = observer_for(&pool).await;
     let holder_pid = backend_pid(&mut obs).await;
-    assert!(raw_try_lock(&mut obs, "mux:deadline").await);
+    assert!(raw_try_lock(&mut obs, &Raw::text("mux:deadline")).await);
     let started = Instant::now();
     let err = locker
         .lock("mux:deadline", Duration::from_millis(300))
@@ -377,11 +378,11 @@ async fn a_missed_deadline_names_the_holder(pool: PgPool) {
         took >= Duration::from_millis(300) && took < Duration::from_secs(3),
         "{took:?}"
     );
-    assert!(raw_unlock(&mut obs, "mux:deadline").await);
+    assert!(raw_unlock(&mut obs, &Raw::text("mux:deadline")).await);
     // Zero timeout: a single try.
     let lock = locker.lock("mux:deadline", Duration::ZERO).await.unwrap();
     lock.release().await.unwrap();
-    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+    let _ = assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
     close(obs).await;
 }
 
@@ -404,10 +405,10 @@ async fn dropped_guards_and_dropped_futures_leave_nothing_held(pool: PgPool) {
     };
     assert_eq!(granted_count(&mut obs).await, 100);
     drop(guards);
-    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+    let _ = assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
 
     // Futures dropped at arbitrary points, with and without a wait.
-    assert!(raw_try_lock(&mut obs, "mux:drop:held").await);
+    assert!(raw_try_lock(&mut obs, &Raw::text("mux:drop:held")).await);
     for i in 0..200u64 {
         let cut = Duration::from_micros(i * 37 % 3_000);
         let _ = tokio::time::timeout(cut, locker.try_lock(format!("mux:cancel:{}", i % 7))).await;
@@ -424,8 +425,8 @@ async fn dropped_guards_and_dropped_futures_leave_nothing_held(pool: PgPool) {
         })
         .await;
     }
-    assert!(raw_unlock(&mut obs, "mux:drop:held").await);
-    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+    assert!(raw_unlock(&mut obs, &Raw::text("mux:drop:held")).await);
+    let _ = assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
     // And every key is still usable.
     for i in 0..7 {
         let lock = locker
@@ -533,7 +534,7 @@ async fn a_stalled_shared_connection_loses_its_locks_within_the_heartbeat_bound(
     proxy.pass();
     proxy.cut();
     let mut obs = observer(&connect_opts).await;
-    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(10)).await;
+    let _ = assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(10)).await;
     drop(held);
     bounded("pool close", Duration::from_secs(10), pool.close()).await;
     close(obs).await;
@@ -543,7 +544,7 @@ async fn a_stalled_shared_connection_loses_its_locks_within_the_heartbeat_bound(
 async fn many_local_waiters_of_one_key_each_get_it_once_in_turn(pool: PgPool) {
     let locker = mux(&pool, 2);
     let mut obs = observer_for(&pool).await;
-    assert!(raw_try_lock(&mut obs, "mux:herd").await);
+    assert!(raw_try_lock(&mut obs, &Raw::text("mux:herd")).await);
     let inside = Arc::new(AtomicUsize::new(0));
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..16 {
@@ -594,14 +595,14 @@ async fn many_local_waiters_of_one_key_each_get_it_once_in_turn(pool: PgPool) {
         assert_eq!(waiting, 1, "one server-side waiter per process and key");
     }
 
-    assert!(raw_unlock(&mut obs, "mux:herd").await);
+    assert!(raw_unlock(&mut obs, &Raw::text("mux:herd")).await);
     bounded("16 waiters in turn", Duration::from_secs(20), async {
         while let Some(done) = tasks.join_next().await {
             done.unwrap();
         }
     })
     .await;
-    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+    let _ = assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
     close(obs).await;
 }
 
@@ -609,7 +610,7 @@ async fn many_local_waiters_of_one_key_each_get_it_once_in_turn(pool: PgPool) {
 async fn a_cancelled_wait_is_abandoned_on_the_server_promptly(pool: PgPool) {
     let locker = mux(&pool, 1);
     let mut obs = observer_for(&pool).await;
-    assert!(raw_try_lock(&mut obs, "mux:abandon").await);
+    assert!(raw_try_lock(&mut obs, &Raw::text("mux:abandon")).await);
     let waiting = {
         let locker = locker.clone();
         tokio::spawn(async move { locker.lock("mux:abandon", Duration::from_secs(60)).await })
@@ -624,7 +625,7 @@ async fn a_cancelled_wait_is_abandoned_on_the_server_promptly(pool: PgPool) {
     .await;
     println!("cancelled wait gone from pg_locks after {gone:?}");
     assert!(gone < Duration::from_secs(1), "{gone:?}");
-    assert!(raw_unlock(&mut obs, "mux:abandon").await);
+    assert!(raw_unlock(&mut obs, &Raw::text("mux:abandon")).await);
     // The key is usable at once.
     let lock = locker.try_lock("mux:abandon").await.unwrap().expect("free");
     lock.release().await.unwrap();

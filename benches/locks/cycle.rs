@@ -30,9 +30,12 @@ pub enum Cycle {
     SessionDistlock,
     /// The same with `.multiplex(2)`.
     SessionDistlockMux,
+    /// `try_lock` + `release()` with `.fencing(true)`: the token is issued
+    /// by the lock statement, so it should cost no round trip.
+    SessionDistlockFenced,
 }
 
-pub const ALL: [Cycle; 7] = [
+pub const ALL: [Cycle; 8] = [
     Cycle::XactRaw,
     Cycle::XactPipelined,
     Cycle::XactDistlock,
@@ -40,6 +43,7 @@ pub const ALL: [Cycle; 7] = [
     Cycle::SessionSqlx,
     Cycle::SessionDistlock,
     Cycle::SessionDistlockMux,
+    Cycle::SessionDistlockFenced,
 ];
 
 impl Cycle {
@@ -52,6 +56,7 @@ impl Cycle {
             Cycle::SessionSqlx => "sqlx PgAdvisoryLock",
             Cycle::SessionDistlock => "distlock try_lock+release",
             Cycle::SessionDistlockMux => "distlock multiplexed try_lock+release",
+            Cycle::SessionDistlockFenced => "distlock try_lock+release, fencing on",
         }
     }
 
@@ -65,6 +70,7 @@ impl Cycle {
             Cycle::SessionSqlx => "session: PgAdvisoryLock",
             Cycle::SessionDistlock => "session: distlock",
             Cycle::SessionDistlockMux => "session: distlock mux",
+            Cycle::SessionDistlockFenced => "session: distlock fenced",
         }
     }
 
@@ -94,6 +100,7 @@ pub struct Ctx {
     pool: PgPool,
     locker: PgLocker,
     mux: PgLocker,
+    fenced: PgLocker,
 }
 
 impl Ctx {
@@ -104,15 +111,17 @@ impl Ctx {
             .max_connections(4)
             .connect_with(opts.clone())
             .await?;
+        distlock::migrate(&pool).await?;
         Ok(Self {
             locker: PgLocker::new(pool.clone()),
             mux: PgLocker::builder(pool.clone()).multiplex(2).build(),
+            fenced: PgLocker::builder(pool.clone()).fencing(true).build(),
             pool,
         })
     }
 
     pub async fn close(self) {
-        drop((self.locker, self.mux));
+        drop((self.locker, self.mux, self.fenced));
         self.pool.close().await;
     }
 
@@ -181,11 +190,11 @@ impl Ctx {
                     Either::Right(_) => false,
                 }
             }
-            Cycle::SessionDistlock | Cycle::SessionDistlockMux => {
-                let locker = if cycle == Cycle::SessionDistlock {
-                    &self.locker
-                } else {
-                    &self.mux
+            Cycle::SessionDistlock | Cycle::SessionDistlockMux | Cycle::SessionDistlockFenced => {
+                let locker = match cycle {
+                    Cycle::SessionDistlockMux => &self.mux,
+                    Cycle::SessionDistlockFenced => &self.fenced,
+                    _ => &self.locker,
                 };
                 let attempt = locker.try_lock(LockKey::id(key)).await?;
                 taken = Some(start.elapsed());

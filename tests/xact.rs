@@ -669,3 +669,28 @@ async fn with_advisory_lock_future_is_send_and_spawnable(pool: PgPool) {
     ));
     assert_eq!(bare.await.unwrap(), 9);
 }
+
+#[sqlx::test(migrations = false)]
+async fn wait_variant_with_zero_timeout_is_a_single_try(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    // Free: the single try takes it and runs the closure.
+    let ran = locker
+        .with_advisory_lock_wait("xact:zero", Duration::ZERO, async |_conn| Ok::<_, Error>(7))
+        .await
+        .expect("a free key is taken by the single try");
+    assert_eq!(ran, 7);
+    // Held elsewhere: a timeout naming the holder, at once.
+    let held = locker.try_lock("xact:zero").await.unwrap().unwrap();
+    let started = std::time::Instant::now();
+    let busy = locker
+        .with_advisory_lock_wait("xact:zero", Duration::ZERO, async |_conn| Ok::<_, Error>(0))
+        .await;
+    match busy {
+        Err(Error::Timeout { holder_pid, .. }) => {
+            assert_eq!(holder_pid, Some(held.backend_pid()));
+        }
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(2));
+    held.release().await.unwrap();
+}

@@ -174,6 +174,11 @@ impl PgLocker {
             Mode::Try | Mode::TryShared => None,
         };
         let pooled = match deadline {
+            // A zero timeout is a single try: it still needs a connection,
+            // so the pool's own acquire timeout applies then.
+            Some(_) if matches!(mode, Mode::Wait(timeout) if timeout.is_zero()) => {
+                self.pool().acquire().await
+            }
             Some(deadline) => {
                 match tokio::time::timeout_at(deadline, self.pool().acquire()).await {
                     Ok(pooled) => pooled,

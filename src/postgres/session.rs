@@ -259,7 +259,9 @@ impl PgLocker {
     /// the pool spends handing out a connection. The statement also sets
     /// `client_connection_check_interval = 100ms` on the connection (a
     /// harmless setting that lets the server notice a vanished client during
-    /// a statement), which later users of the pooled connection keep.
+    /// a statement), which later users of the pooled connection keep. The
+    /// first session lock of each `PgLocker` costs 3 round trips more: a
+    /// probe for a transaction-pooling proxy (see [`Error::PoolerDetected`]).
     ///
     /// # Cancel safety
     ///

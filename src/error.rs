@@ -121,6 +121,32 @@ pub enum Error {
         current: i64,
     },
 
+    /// The transaction of a transaction-scoped lock was aborted by an SQL
+    /// error that the closure did not return (for example one it ignored):
+    /// PostgreSQL would have turned the `COMMIT` into a `ROLLBACK`, so none of
+    /// the closure's work was committed. The transaction was rolled back.
+    #[error(
+        "the transaction holding lock {key} was aborted by an SQL error the closure did not \
+         return; nothing was committed"
+    )]
+    TransactionAborted {
+        /// The key of the transaction-scoped lock.
+        key: String,
+    },
+
+    /// The closure of a transaction-scoped lock ended the lock's transaction
+    /// itself (a raw `COMMIT` or `ROLLBACK`), which released the lock in the
+    /// middle of the closure: what the closure did after that ran unlocked,
+    /// and what it did before may or may not have been committed.
+    #[error(
+        "the closure ended the transaction holding lock {key} itself (raw COMMIT or ROLLBACK); \
+         the rest of the closure ran without the lock"
+    )]
+    TransactionEnded {
+        /// The key of the transaction-scoped lock.
+        key: String,
+    },
+
     /// A configuration value is out of range.
     #[error("invalid configuration: {0}")]
     InvalidConfig(&'static str),

@@ -694,3 +694,173 @@ async fn wait_variant_with_zero_timeout_is_a_single_try(pool: PgPool) {
     assert!(started.elapsed() < Duration::from_secs(2));
     held.release().await.unwrap();
 }
+
+/// The three transaction-scoped entry points, so each defect below is shown
+/// on every one of them.
+#[derive(Debug, Clone, Copy)]
+enum Entry {
+    Try,
+    Wait,
+    Shared,
+}
+
+const ENTRIES: [Entry; 3] = [Entry::Try, Entry::Wait, Entry::Shared];
+
+/// Runs `f` under `key` through `entry`; `Ok(Some)` means "committed".
+async fn run_entry<T>(
+    locker: &PgLocker,
+    entry: Entry,
+    key: &str,
+    f: impl AsyncFnOnce(&mut sqlx::PgConnection) -> Result<T, Error>,
+) -> Result<Option<T>, Error> {
+    match entry {
+        Entry::Try => locker.with_advisory_lock(key, f).await,
+        Entry::Wait => locker
+            .with_advisory_lock_wait(key, Duration::from_secs(5), f)
+            .await
+            .map(Some),
+        Entry::Shared => locker.with_shared_advisory_lock(key, f).await,
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_swallowed_sql_error_is_reported_as_rolled_back_not_committed(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    sqlx::query("CREATE TABLE work (id int PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    for (i, entry) in ENTRIES.into_iter().enumerate() {
+        let id = i32::try_from(i).unwrap();
+        let result = run_entry(&locker, entry, "xact:swallowed", async |conn| {
+            sqlx::query("INSERT INTO work VALUES ($1)")
+                .bind(id)
+                .execute(&mut *conn)
+                .await?;
+            // The closure ignores an SQL error: PostgreSQL aborts the
+            // transaction and answers the COMMIT with ROLLBACK.
+            let _ = sqlx::query("SELECT 1/0").execute(&mut *conn).await;
+            Ok(())
+        })
+        .await;
+        assert!(
+            matches!(result, Err(Error::TransactionAborted { .. })),
+            "{entry:?}: rolled-back work must not be reported as committed, got {result:?}"
+        );
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM work")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(rows, 0, "{entry:?}: the insert rolled back");
+    }
+    // The connections went back usable, and the lock is free.
+    let again = locker
+        .with_advisory_lock("xact:swallowed", async |_| Ok::<_, Error>(7))
+        .await
+        .unwrap();
+    assert_eq!(again, Some(7));
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_closure_that_ends_the_transaction_itself_is_an_error(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    for entry in ENTRIES {
+        for statement in ["COMMIT", "ROLLBACK", "COMMIT; BEGIN"] {
+            let result = run_entry(&locker, entry, "xact:ended", async |conn| {
+                sqlx::raw_sql(statement).execute(&mut *conn).await?;
+                // From here on the lock is gone: this runs unlocked.
+                Ok(())
+            })
+            .await;
+            assert!(
+                matches!(result, Err(Error::TransactionEnded { .. })),
+                "{entry:?}/{statement}: the lock ended inside the closure, got {result:?}"
+            );
+        }
+    }
+    let again = locker
+        .with_advisory_lock("xact:ended", async |_| Ok::<_, Error>(1))
+        .await
+        .unwrap();
+    assert_eq!(again, Some(1));
+}
+
+#[sqlx::test(migrations = false)]
+async fn nested_transactions_in_the_closure_are_savepoints_and_commit(pool: PgPool) {
+    use sqlx::Connection;
+    let locker = PgLocker::new(pool.clone());
+    sqlx::query("CREATE TABLE work (id int PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    for (i, entry) in ENTRIES.into_iter().enumerate() {
+        let id = i32::try_from(i).unwrap();
+        let result = run_entry(&locker, entry, "xact:nested", async |conn| {
+            let mut inner = conn.begin().await?;
+            sqlx::query("INSERT INTO work VALUES ($1)")
+                .bind(id)
+                .execute(&mut *inner)
+                .await?;
+            inner.commit().await?;
+            // A failed savepoint rolled back on its own leaves the outer
+            // transaction healthy.
+            let mut failing = conn.begin().await?;
+            let _ = sqlx::query("SELECT 1/0").execute(&mut *failing).await;
+            failing.rollback().await?;
+            Ok(())
+        })
+        .await;
+        assert!(matches!(result, Ok(Some(()))), "{entry:?}: {result:?}");
+    }
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM work")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 3);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_committed_closure_leaves_its_connection_idle_and_the_work_visible(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    // One connection, so the next statement runs where the lock ran.
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(connect.clone())
+        .await
+        .unwrap();
+    let locker = PgLocker::new(pool.clone());
+    sqlx::query("CREATE TABLE work (id int PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    for id in 0..3 {
+        let done = locker
+            .with_advisory_lock("xact:idle", async |conn| {
+                sqlx::query("INSERT INTO work VALUES ($1)")
+                    .bind(id)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok::<_, Error>(())
+            })
+            .await
+            .unwrap();
+        assert_eq!(done, Some(()));
+        // Outside any transaction block, a simple query's now() is its
+        // own start.
+        let row = sqlx::raw_sql("SELECT now() = statement_timestamp()")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        let fresh: bool = sqlx::Row::get(&row, 0);
+        assert!(fresh, "the pooled connection was left inside a transaction");
+    }
+    let mut obs = observer(&connect).await;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM work")
+        .fetch_one(&mut obs)
+        .await
+        .unwrap();
+    assert_eq!(rows, 3, "committed work is visible to other sessions");
+    assert!(advisory_locks(&mut obs).await.is_empty());
+}

@@ -44,8 +44,22 @@ impl PgLocker {
     /// no heartbeat. The lock interoperates with SQL written by hand:
     /// `LockKey::from("x")` is `pg_try_advisory_xact_lock(hashtext('x'))`.
     ///
+    /// `Ok(Some(_))` means exactly one thing: the closure's work committed
+    /// while the lock was held. Two ways a closure can return `Ok` without
+    /// that are reported as errors instead:
+    ///
+    /// - it ignored an SQL error, so PostgreSQL aborted the transaction (and
+    ///   would answer `COMMIT` with `ROLLBACK`): [`Error::TransactionAborted`],
+    ///   nothing was committed;
+    /// - it ended the transaction itself with a raw `COMMIT` or `ROLLBACK`,
+    ///   which released the lock halfway: [`Error::TransactionEnded`].
+    ///
+    /// Nested `conn.begin()` calls in the closure are savepoints, as usual
+    /// with sqlx.
+    ///
     /// Costs 3 round trips plus the closure's own (`BEGIN`, the lock attempt,
-    /// `COMMIT`/`ROLLBACK`); contention costs the same 3.
+    /// `COMMIT`/`ROLLBACK`); contention costs the same 3. The check above
+    /// rides in the `COMMIT` round trip.
     ///
     /// ```no_run
     /// # async fn demo(locker: distlock::PgLocker) -> Result<(), distlock::Error> {
@@ -238,33 +252,50 @@ impl PgLocker {
         crate::metrics::acquired("postgres", &key, started.elapsed());
         let result = f(&mut tx).await;
         let end = match &result {
-            Ok(_) => tx.commit().await,
-            Err(_) => tx.rollback().await,
+            Ok(_) => commit_checked(tx).await,
+            Err(_) => match tx.rollback().await {
+                Ok(()) => End::RolledBack,
+                Err(err) => End::Failed(err),
+            },
         };
         span.record("hold_ms", hold.elapsed().as_secs_f64() * 1e3);
         crate::metrics::released("postgres", &key, hold.elapsed());
-        span.record(
-            "outcome",
-            if result.is_ok() {
-                "committed"
-            } else {
-                "rolled_back"
-            },
-        );
-        match (result, end) {
-            (Ok(value), Ok(())) => {
-                held.into_pool();
-                Ok(Some(value))
-            }
-            (Ok(_), Err(err)) => Err(Error::from(err).into()),
-            (Err(err), end) => {
-                if let Err(rollback) = end {
+        span.record("outcome", end.outcome(result.is_ok()));
+        let value = match result {
+            Ok(value) => value,
+            Err(err) => {
+                if let End::Failed(rollback) = &end {
                     tracing::warn!(%rollback, "rollback after closure error failed; connection closed");
                 } else {
                     held.into_pool();
                 }
-                Err(err)
+                return Err(err);
             }
+        };
+        match end {
+            End::Committed => {
+                held.into_pool();
+                Ok(Some(value))
+            }
+            End::Aborted { rolled_back } => {
+                if rolled_back {
+                    held.into_pool();
+                }
+                Err(Error::TransactionAborted {
+                    key: key.to_string(),
+                }
+                .into())
+            }
+            // The session's state is not what sqlx believes: close it.
+            End::EndedInClosure => Err(Error::TransactionEnded {
+                key: key.to_string(),
+            }
+            .into()),
+            End::Failed(err) => Err(Error::from(err).into()),
+            End::RolledBack => Err(Error::TransactionAborted {
+                key: key.to_string(),
+            }
+            .into()),
         }
     }
 
@@ -289,6 +320,81 @@ impl PgLocker {
     }
 }
 
+/// How the lock's transaction ended after the closure.
+#[derive(Debug)]
+enum End {
+    /// The closure's work committed while the lock was held.
+    Committed,
+    /// An SQL error had aborted the transaction without the closure
+    /// returning it; nothing was committed. `rolled_back`: the connection is
+    /// clean again and may go back to the pool.
+    Aborted { rolled_back: bool },
+    /// The closure ended the transaction itself (raw `COMMIT`/`ROLLBACK`).
+    EndedInClosure,
+    /// The closure returned an error and the transaction was rolled back.
+    RolledBack,
+    /// `COMMIT` (or the rollback after a closure error) failed.
+    Failed(sqlx::Error),
+}
+
+impl End {
+    fn outcome(&self, closure_ok: bool) -> &'static str {
+        match self {
+            End::Committed => "committed",
+            End::RolledBack => "rolled_back",
+            End::Aborted { .. } => "aborted",
+            End::EndedInClosure => "ended_in_closure",
+            End::Failed(_) if closure_ok => "commit_failed",
+            End::Failed(_) => "rollback_failed",
+        }
+    }
+}
+
+/// The name of a setting that does not exist: asking for it raises SQLSTATE
+/// 42704 with this name in the message, which is how the commit statement
+/// says "the lock's transaction is not the one open now".
+const ENDED_IN_CLOSURE: &str = "distlock.lock_transaction_ended_inside_the_closure";
+
+/// Commits only the transaction that took the lock, and only if it is
+/// healthy, in the one round trip a plain `COMMIT` costs.
+///
+/// PostgreSQL answers `COMMIT` of an aborted transaction with `ROLLBACK`,
+/// which sqlx reports as success; and a closure that sent its own `COMMIT`
+/// or `ROLLBACK` has already released the lock. So the commit is one simple
+/// query of three statements: a check that fails if the transaction is
+/// aborted (every statement does, SQLSTATE 25P02) or if the lock's
+/// transaction-local marker is gone (a setting that does not exist is asked
+/// for, 42704); then `COMMIT`; then `BEGIN`, so that the connection is in a
+/// transaction again as sqlx's `Transaction` still believes. Dropping that
+/// `Transaction` queues a `ROLLBACK` of the empty transaction, which sqlx
+/// sends with its next message on the connection (the pool's check when the
+/// connection is returned), so it costs the caller no round trip. An error
+/// skips the rest of the query string, so nothing after a failed check runs.
+async fn commit_checked(mut tx: sqlx::Transaction<'_, sqlx::Postgres>) -> End {
+    // `distlock.xact_lock` is set transaction-locally by the lock
+    // statement, so it reads 'held' exactly as long as that transaction.
+    const COMMIT_CHECKED: &str = "SELECT current_setting(CASE WHEN current_setting('distlock.xact_lock', true) = 'held' \
+         THEN 'distlock.xact_lock' ELSE 'distlock.lock_transaction_ended_inside_the_closure' END); \
+         COMMIT; BEGIN";
+    let Err(err) = sqlx::raw_sql(COMMIT_CHECKED).execute(&mut *tx).await else {
+        drop(tx);
+        return End::Committed;
+    };
+    match sqlstate(&err).as_deref() {
+        Some(IN_FAILED_TRANSACTION) => End::Aborted {
+            rolled_back: tx.rollback().await.is_ok(),
+        },
+        Some(UNDEFINED_OBJECT) if err.to_string().contains(ENDED_IN_CLOSURE) => End::EndedInClosure,
+        _ => End::Failed(err),
+    }
+}
+
+/// SQLSTATE 25P02: "current transaction is aborted, commands ignored until
+/// end of transaction block".
+const IN_FAILED_TRANSACTION: &str = "25P02";
+/// SQLSTATE 42704: an object (here: a setting) that does not exist.
+const UNDEFINED_OBJECT: &str = "42704";
+
 /// Takes the lock inside the open transaction; `Ok(false)` means busy (and,
 /// when waiting, that the deadline passed).
 async fn lock_in_xact(
@@ -299,9 +405,11 @@ async fn lock_in_xact(
 ) -> Result<bool, sqlx::Error> {
     let try_sql = match mode {
         Mode::TryShared => keyed!(args; "SELECT pg_try_advisory_xact_lock_shared(",
-            "), set_config('client_connection_check_interval', '100ms', true)"; "$1", "$2"),
+            "), set_config('client_connection_check_interval', '100ms', true), \
+             set_config('distlock.xact_lock', 'held', true)"; "$1", "$2"),
         Mode::Try | Mode::Wait(_) => keyed!(args; "SELECT pg_try_advisory_xact_lock(",
-            "), set_config('client_connection_check_interval', '100ms', true)"; "$1", "$2"),
+            "), set_config('client_connection_check_interval', '100ms', true), \
+             set_config('distlock.xact_lock', 'held', true)"; "$1", "$2"),
     };
     let row = bind_key(sqlx::query(try_sql), args)
         .fetch_one(&mut *conn)

@@ -163,7 +163,7 @@ fn holder_suffix(pid: Option<i32>, application: Option<&str>) -> String {
 }
 
 /// SQLSTATE of "out of shared memory", raised when the lock table is full.
-const OUT_OF_SHARED_MEMORY: &str = "53200";
+pub(crate) const OUT_OF_SHARED_MEMORY: &str = "53200";
 /// SQLSTATE of "lock_not_available", raised when `lock_timeout` expires.
 pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
 

@@ -28,6 +28,11 @@ pub enum LossReason {
     /// statements, the signature of a transaction-pooling proxy that kept
     /// the same backend. The text is the server's error.
     SessionShared(String),
+    /// A lock statement on a connection shared by many locks (multiplexed
+    /// mode) failed after it may have taken its lock, so the session may
+    /// hold a lock no guard owns. The session was closed, which frees it,
+    /// and with it every lock on that connection. The text is the error.
+    SessionAbandoned(String),
     /// The lease's time to live ran out or its key now holds another owner's
     /// token (lease-based backends such as Redis).
     Expired,
@@ -53,6 +58,11 @@ impl fmt::Display for LossReason {
             Self::SessionShared(msg) => write!(
                 f,
                 "the server session is shared with other clients (transaction-pooling proxy?): {msg}"
+            ),
+            Self::SessionAbandoned(msg) => write!(
+                f,
+                "a lock statement on the shared connection failed after it may have taken \
+                 its lock, so the session was closed: {msg}"
             ),
             Self::Expired => f.write_str("the lease expired or was taken over"),
             Self::KeeperStopped => f.write_str("the task keeping the lock stopped"),

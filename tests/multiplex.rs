@@ -631,3 +631,41 @@ async fn a_cancelled_wait_is_abandoned_on_the_server_promptly(pool: PgPool) {
     lock.release().await.unwrap();
     close(obs).await;
 }
+
+/// A multiplexed try whose token write fails after the grant must not leave
+/// the key held by the shared session with no guard owning it.
+#[sqlx::test(migrations = false)]
+async fn a_fenced_try_whose_token_write_fails_leaves_no_lock_on_the_shared_session(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    // Shared connections are opened from the pool's connect options, so
+    // they inherit this lock_timeout, which ends the blocked token write.
+    let pool = PgPoolOptions::new()
+        .connect_with(connect.clone().options([("lock_timeout", "300ms")]))
+        .await
+        .unwrap();
+    distlock::migrate(&pool).await.unwrap();
+    let locker = PgLocker::builder(pool.clone())
+        .fencing(true)
+        .multiplex(1)
+        .build();
+    let mut obs = observer(&connect).await;
+    let raw = Raw::text("mux:leak");
+    let first = locker.try_lock("mux:leak").await.unwrap().expect("free");
+    first.release().await.unwrap();
+    let blocker = block_fencing_counters(&pool).await;
+    let outcome = locker.try_lock("mux:leak").await;
+    assert!(outcome.is_err(), "no token, no lock: {outcome:?}");
+    close(blocker).await;
+    // Nobody may hold it: not a pooled connection, not a shared session.
+    eventually(
+        "no advisory lock left",
+        Duration::from_secs(2),
+        async || granted_count(&mut obs).await == 0,
+    )
+    .await;
+    assert!(raw_can_take(&mut obs, &raw).await);
+    let again = locker.try_lock("mux:leak").await.unwrap();
+    assert!(again.is_some(), "the key stayed on the shared session");
+}

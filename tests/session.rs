@@ -590,3 +590,92 @@ async fn release_returns_the_connection_to_the_pool(
     assert_eq!(pid2, pid);
     pool.close().await;
 }
+
+/// After a failed acquisition no lock may be left on a connection that
+/// nobody tracks: the key must be free once the failure is reported.
+#[sqlx::test(migrations = false)]
+async fn a_token_write_timing_out_after_the_grant_leaves_no_lock_in_the_pool(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    // A pool that keeps idle connections, as production pools do (the test
+    // harness's own pool closes them after a second, which would hide a
+    // leak).
+    let pool = PgPoolOptions::new()
+        .idle_timeout(None)
+        .connect_with(connect.clone())
+        .await
+        .unwrap();
+    distlock::migrate(&pool).await.unwrap();
+    let locker = PgLocker::builder(pool.clone()).fencing(true).build();
+    let mut obs = observer_for(&pool).await;
+    let raw = Raw::text("session:leak");
+    // The counter row exists, so the token write is an UPDATE of it.
+    let first = locker
+        .try_lock("session:leak")
+        .await
+        .unwrap()
+        .expect("free");
+    first.release().await.unwrap();
+    // Someone holds the key, so lock() waits on the server ...
+    assert!(raw_try_lock(&mut obs, &raw).await);
+    let waiter = tokio::spawn({
+        let locker = locker.clone();
+        async move {
+            locker
+                .lock("session:leak", Duration::from_millis(1500))
+                .await
+        }
+    });
+    wait_for_waiters(&mut obs, 1, Duration::from_secs(5)).await;
+    // ... and is granted while the counters are blocked: its token write
+    // waits until the statement's lock_timeout ends it.
+    let blocker = block_fencing_counters(&pool).await;
+    assert!(raw_unlock(&mut obs, &raw).await);
+    let outcome = bounded("lock() returns", Duration::from_secs(10), waiter)
+        .await
+        .unwrap();
+    assert!(outcome.is_err(), "no token, no lock: {outcome:?}");
+    close(blocker).await;
+    // Nobody may hold it: not a pooled connection, not a shared session.
+    eventually(
+        "no advisory lock left",
+        Duration::from_secs(2),
+        async || granted_count(&mut obs).await == 0,
+    )
+    .await;
+    assert!(raw_can_take(&mut obs, &raw).await);
+    let again = locker.try_lock("session:leak").await.unwrap();
+    assert!(again.is_some(), "the key leaked into the pool");
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_fenced_try_whose_token_write_fails_leaves_no_lock_in_the_pool(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    // The pool's own lock_timeout ends the token write of a try.
+    let pool = PgPoolOptions::new()
+        .idle_timeout(None)
+        .connect_with(connect.clone().options([("lock_timeout", "300ms")]))
+        .await
+        .unwrap();
+    distlock::migrate(&pool).await.unwrap();
+    let locker = PgLocker::builder(pool.clone()).fencing(true).build();
+    let mut obs = observer(&connect).await;
+    let raw = Raw::text("session:leak-try");
+    let first = locker.try_lock("session:leak-try").await.unwrap();
+    first.expect("free").release().await.unwrap();
+    let blocker = block_fencing_counters(&pool).await;
+    let outcome = locker.try_lock("session:leak-try").await;
+    assert!(outcome.is_err(), "no token, no lock: {outcome:?}");
+    close(blocker).await;
+    // Nobody may hold it: not a pooled connection, not a shared session.
+    eventually(
+        "no advisory lock left",
+        Duration::from_secs(2),
+        async || granted_count(&mut obs).await == 0,
+    )
+    .await;
+    assert!(raw_can_take(&mut obs, &raw).await);
+}

@@ -310,7 +310,12 @@ impl PgLocker {
     /// (`pg_advisory_lock` under a statement-local `lock_timeout`), so the
     /// lock passes to this waiter the moment its holder releases it; nothing
     /// polls. Costs 1 round trip when the lock is free, 2 when it has to wait,
-    /// plus 1 to name the holder on timeout. A `timeout` of zero is a single
+    /// plus 1 to name the holder on timeout. A wait that times out closes its
+    /// connection instead of pooling it: PostgreSQL may grant the lock at the
+    /// instant `lock_timeout` fires (or the fencing token's write may time out
+    /// after the grant), and a session lock outlives the error of the
+    /// statement that took it. The holder is then looked up on another pooled
+    /// connection. A `timeout` of zero is a single
     /// try. If the server does not answer within `timeout` plus the heartbeat
     /// deadline (a stalled network), the attempt is abandoned and reported as
     /// a timeout.
@@ -363,9 +368,16 @@ impl PgLocker {
                 crate::metrics::acquired("postgres", &key, started.elapsed());
                 Ok(SessionLock::start(conn, key, pid, token, self))
             }
+            // Busy and out of time after the try: nothing was granted.
             Ok(Ok(None)) => Err(self.timeout_error(&key, started, Some(conn)).await),
+            // The wait statement failed, and it may have been granted first:
+            // the token write can time out after the grant, and PostgreSQL
+            // can grant the lock at the instant lock_timeout fires and still
+            // fail the statement. Session locks outlive the statement's
+            // error, so the connection is closed, never pooled.
             Ok(Err(err)) if is_lock_timeout(&err) => {
-                Err(self.timeout_error(&key, started, Some(conn)).await)
+                drop(conn);
+                Err(self.timeout_error(&key, started, None).await)
             }
             Ok(Err(err)) => {
                 tracing::Span::current().record("outcome", "error");
@@ -421,11 +433,10 @@ impl PgLocker {
     ) -> Error {
         tracing::Span::current().record("outcome", "timeout");
         crate::metrics::timeout("postgres", key, started.elapsed());
-        let conn = conn.or_else(|| {
-            self.pool()
-                .try_acquire()
-                .map(|pooled| HeldConn::new(pooled, true))
-        });
+        let conn = match conn {
+            Some(conn) => Some(conn),
+            None => lookup_conn(self.pool(), self.config().heartbeat_timeout).await,
+        };
         let holder = match conn {
             Some(conn) => self.first_holder(conn, key).await,
             None => None,
@@ -452,11 +463,20 @@ impl PgLocker {
     }
 }
 
+/// A connection to look up a lock's holder on, from the pool within
+/// `deadline` (the waiting connection itself may have had to be closed).
+pub(super) async fn lookup_conn(pool: &sqlx::PgPool, deadline: Duration) -> Option<HeldConn> {
+    match tokio::time::timeout(deadline, pool.acquire()).await {
+        Ok(Ok(pooled)) => Some(HeldConn::new(pooled, true)),
+        _ => None,
+    }
+}
+
 /// Maps an error of a session lock statement: a server session shared with
 /// other clients (see `pooler::shared_session`) is reported as
 /// [`Error::PoolerDetected`] (pids unknown, so 0), not as a driver error.
-/// The statement failed before locking anything, and the connection is
-/// closed by the caller.
+/// Whatever the statement may have taken dies with its connection, which
+/// the caller closes.
 fn session_locking_error(err: sqlx::Error, key: &LockKey) -> Error {
     if super::pooler::shared_session(&err) {
         return Error::PoolerDetected {

@@ -250,3 +250,17 @@ pub async fn bounded<F: Future>(what: &str, limit: Duration, fut: F) -> F::Outpu
 pub async fn close(conn: PgConnection) {
     let _ = conn.close().await;
 }
+
+/// A transaction on its own connection that keeps every existing fencing
+/// counter from being written (until the connection is dropped or the
+/// transaction ends), so a token write waits, and times out, *after* its
+/// lock was granted. Row locks, not a table lock: a table lock would be
+/// waited for when the statement is planned, before anything is granted.
+pub async fn block_fencing_counters(pool: &PgPool) -> PgConnection {
+    let mut conn = observer_for(pool).await;
+    sqlx::raw_sql("BEGIN; SELECT * FROM distlock.fencing_tokens FOR UPDATE")
+        .execute(&mut conn)
+        .await
+        .expect("block the fencing counters");
+    conn
+}

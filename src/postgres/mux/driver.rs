@@ -222,9 +222,21 @@ impl Driver {
                 let _ = reply.send(Err(TryError::Failed(refused)));
                 return Err(LossReason::SessionShared(err.to_string()));
             }
-            Ok(Err(err)) => {
+            // A full lock table is raised by the lock function itself, so an
+            // unfenced try that hit it took nothing; the session stays.
+            Ok(Err(err)) if fencing.is_none() && is_lock_table_full(&err) => {
                 let _ = reply.send(Err(TryError::Failed(locking_error(err, &key))));
                 return Ok(());
+            }
+            // Any other error may come after the grant (the token write
+            // timing out, a statement_timeout): session advisory locks
+            // survive the error of the statement that took them, so the
+            // session may now hold a lock no guard owns. Closing it is the
+            // one sure way to free it.
+            Ok(Err(err)) => {
+                let reason = LossReason::SessionAbandoned(err.to_string());
+                let _ = reply.send(Err(TryError::Failed(locking_error(err, &key))));
+                return Err(reason);
             }
             Ok(Ok(row)) => row,
         };
@@ -401,6 +413,12 @@ impl Driver {
     async fn close(self) {
         let _ = timeout(self.statement_timeout, self.conn.close()).await;
     }
+}
+
+/// Whether a failed statement is PostgreSQL's "out of shared memory" (the
+/// lock table is full).
+fn is_lock_table_full(err: &sqlx::Error) -> bool {
+    sqlstate(err).as_deref() == Some(crate::error::OUT_OF_SHARED_MEMORY)
 }
 
 /// Whether a failed statement means the session is gone or unusable, rather

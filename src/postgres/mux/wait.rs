@@ -61,8 +61,13 @@ impl Mux {
             let grace = deadline + self.config.heartbeat_timeout;
             match tokio::time::timeout_at(grace, wait).await {
                 Ok(Ok(_)) => waiter = Some(conn),
+                // PostgreSQL can grant the awaited lock at the instant its
+                // lock_timeout fires and still fail the statement, which then
+                // never reaches its unlock: the connection may hold the
+                // shared lock, so it is closed, not pooled.
                 Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
-                    return Err(self.timeout_error(&key, started, Some(conn)).await);
+                    drop(conn);
+                    return Err(self.timeout_error(&key, started, None).await);
                 }
                 Ok(Err(err)) => {
                     tracing::Span::current().record("outcome", "error");
@@ -123,11 +128,12 @@ impl Mux {
         // The look-up has a deadline of its own: a stalled network must not
         // hang the caller here either. Only a connection that answered goes
         // back to the pool.
-        let conn = conn.or_else(|| {
-            self.pool()
-                .try_acquire()
-                .map(|pooled| HeldConn::new(pooled, true))
-        });
+        let conn = match conn {
+            Some(conn) => Some(conn),
+            None => {
+                super::super::session::lookup_conn(self.pool(), self.config.heartbeat_timeout).await
+            }
+        };
         let holder = match conn {
             Some(mut conn) => {
                 let lookup = holders::first_holder(conn.conn(), key);

@@ -13,6 +13,7 @@
     clippy::unwrap_used
 )]
 
+mod deadline;
 mod error;
 pub mod fence;
 pub mod idempotency;

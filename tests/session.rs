@@ -679,3 +679,45 @@ async fn a_fenced_try_whose_token_write_fails_leaves_no_lock_in_the_pool(
     .await;
     assert!(raw_can_take(&mut obs, &raw).await);
 }
+
+/// A timeout too large for an `Instant` means "as long as the server
+/// allows", never a panic.
+#[sqlx::test(migrations = false)]
+async fn huge_timeouts_saturate_instead_of_panicking(pool: PgPool) {
+    let lockers = [
+        ("default", PgLocker::new(pool.clone())),
+        (
+            "multiplexed",
+            PgLocker::builder(pool.clone()).multiplex(1).build(),
+        ),
+    ];
+    let mut obs = observer_for(&pool).await;
+    let raw = Raw::text("session:forever");
+    for (mode, locker) in lockers {
+        for timeout in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
+            // Free: taken at once.
+            let lock = locker.lock("session:forever", timeout).await;
+            let lock = lock.unwrap_or_else(|e| panic!("{mode}: {e}"));
+            lock.release().await.unwrap();
+            // Busy: waits until the holder lets go.
+            assert!(raw_try_lock(&mut obs, &raw).await);
+            let waiter = tokio::spawn({
+                let locker = locker.clone();
+                async move { locker.lock("session:forever", timeout).await }
+            });
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert!(raw_unlock(&mut obs, &raw).await);
+            let lock = bounded("the waiter gets the lock", Duration::from_secs(10), waiter)
+                .await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{mode}: {e}"));
+            lock.release().await.unwrap();
+        }
+        // The job runner's waiting entry point too.
+        let lock = distlock::LockWaiter::new(&locker, "session:forever", Duration::MAX)
+            .lock()
+            .await
+            .unwrap_or_else(|e| panic!("{mode}: {e}"));
+        lock.release().await.unwrap();
+    }
+}

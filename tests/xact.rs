@@ -864,3 +864,31 @@ async fn a_committed_closure_leaves_its_connection_idle_and_the_work_visible(
     assert_eq!(rows, 3, "committed work is visible to other sessions");
     assert!(advisory_locks(&mut obs).await.is_empty());
 }
+
+#[sqlx::test(migrations = false)]
+async fn a_huge_wait_timeout_saturates_instead_of_panicking(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    let mut obs = observer_for(&pool).await;
+    let raw = Raw::text("xact:forever");
+    let free = locker
+        .with_advisory_lock_wait("xact:forever", Duration::MAX, async |_| Ok::<_, Error>(1))
+        .await
+        .unwrap();
+    assert_eq!(free, 1);
+    assert!(raw_try_lock(&mut obs, &raw).await);
+    let waiter = tokio::spawn({
+        let locker = locker.clone();
+        async move {
+            locker
+                .with_advisory_lock_wait("xact:forever", Duration::MAX, async |_| Ok::<_, Error>(2))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(raw_unlock(&mut obs, &raw).await);
+    let got = bounded("the waiter runs", Duration::from_secs(10), waiter)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, 2);
+}

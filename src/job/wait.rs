@@ -153,7 +153,7 @@ impl<'a> LockWaiter<'a> {
         let started = Instant::now();
         let attempt = locker.lock(key.clone(), timeout);
         tokio::pin!(attempt);
-        let mut next = tokio::time::Instant::now() + report_every;
+        let mut next = crate::deadline::from_now(report_every);
         let mut reported = false;
         loop {
             tokio::select! {
@@ -177,7 +177,7 @@ impl<'a> LockWaiter<'a> {
                             callback(&report);
                         }
                     }
-                    next = tokio::time::Instant::now() + report_every;
+                    next = crate::deadline::from_now(report_every);
                 }
             }
         }

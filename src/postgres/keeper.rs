@@ -96,7 +96,7 @@ impl Keeper {
     pub(crate) async fn run(mut self) {
         // `sleep_until` rather than `interval`: an interval's first tick fires
         // at once and would put a heartbeat in front of a quick release.
-        let mut next = Instant::now() + self.heartbeat;
+        let mut next = crate::deadline::from_now(self.heartbeat);
         let mut first = true;
         let held_since = Instant::now();
         loop {
@@ -113,7 +113,7 @@ impl Keeper {
                         Beat::Lost => return,
                     }
                     first = false;
-                    next = Instant::now() + self.heartbeat;
+                    next = crate::deadline::from_now(self.heartbeat);
                 }
             }
         }
@@ -147,7 +147,7 @@ impl Keeper {
         let Some(conn) = conn else {
             return;
         };
-        let deadline = Instant::now() + self.release_timeout;
+        let deadline = crate::deadline::from_now(self.release_timeout);
         let outcome = release(conn, &self.key, self.pid, deadline, self.release_timeout).await;
         match outcome {
             Ok(()) => {
@@ -181,7 +181,7 @@ pub(crate) async fn release_from_slot(
     pid: i32,
     budget: Duration,
 ) -> Result<(), Error> {
-    let deadline = Instant::now() + budget;
+    let deadline = crate::deadline::from_now(budget);
     let Ok(mut guard) = timeout_at(deadline, slot.conn.lock()).await else {
         // A heartbeat is stuck on a stalled network; it will time out and
         // close the connection, which frees the lock on the server.

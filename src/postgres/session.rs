@@ -310,7 +310,9 @@ impl PgLocker {
     /// (`pg_advisory_lock` under a statement-local `lock_timeout`), so the
     /// lock passes to this waiter the moment its holder releases it; nothing
     /// polls. Costs 1 round trip when the lock is free, 2 when it has to wait,
-    /// plus 1 to name the holder on timeout. A wait that times out closes its
+    /// plus 1 to name the holder on timeout. A `timeout` longer than the
+    /// server's `lock_timeout` can express (about 24.8 days), up to
+    /// `Duration::MAX`, means "as long as the server allows". A wait that times out closes its
     /// connection instead of pooling it: PostgreSQL may grant the lock at the
     /// instant `lock_timeout` fires (or the fencing token's write may time out
     /// after the grant), and a session lock outlives the error of the
@@ -343,7 +345,7 @@ impl PgLocker {
         }
         let args = key.args()?;
         let started = Instant::now();
-        let deadline = tokio::time::Instant::from_std(started + timeout);
+        let deadline = crate::deadline::after_std(started, timeout);
         // A zero timeout is a single try: it still needs a connection, so the
         // pool's own acquire timeout applies then.
         let pooled = if timeout.is_zero() {
@@ -359,7 +361,10 @@ impl PgLocker {
         let attempt = self.try_then_wait(&mut conn, &key, args, deadline, fencing.as_deref());
         // The server gives up at the deadline (lock_timeout); no answer a
         // heartbeat deadline later means the network is stalled.
-        let grace = deadline.max(tokio::time::Instant::now()) + self.config().heartbeat_timeout;
+        let grace = crate::deadline::after(
+            deadline.max(tokio::time::Instant::now()),
+            self.config().heartbeat_timeout,
+        );
         let outcome = tokio::time::timeout_at(grace, attempt).await;
         record_wait(started);
         match outcome {

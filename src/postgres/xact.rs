@@ -116,7 +116,9 @@ impl PgLocker {
     /// The wait happens on the server (`pg_advisory_xact_lock` under a
     /// transaction-local `lock_timeout`), so the lock passes to the waiter the
     /// moment its holder commits; nothing polls. The caller's own
-    /// `lock_timeout` is restored before `f` runs. Costs the same 3 round trips
+    /// `lock_timeout` is restored before `f` runs. A `timeout` longer than
+    /// `lock_timeout` can express (about 24.8 days), up to `Duration::MAX`,
+    /// means "as long as the server allows". Costs the same 3 round trips
     /// as the try variant when the lock is free, 4 when it has to wait.
     ///
     /// # Cancel safety
@@ -184,7 +186,7 @@ impl PgLocker {
         let args = key.args()?;
         let started = Instant::now();
         let deadline = match mode {
-            Mode::Wait(timeout) => Some(tokio::time::Instant::from_std(started + timeout)),
+            Mode::Wait(timeout) => Some(crate::deadline::after_std(started, timeout)),
             Mode::Try | Mode::TryShared => None,
         };
         let pooled = match deadline {
@@ -215,8 +217,10 @@ impl PgLocker {
             // not answer shortly after, the network is stalled: give up too,
             // and let the armed connection close.
             Some(deadline) => {
-                let grace =
-                    deadline.max(tokio::time::Instant::now()) + self.config().heartbeat_timeout;
+                let grace = crate::deadline::after(
+                    deadline.max(tokio::time::Instant::now()),
+                    self.config().heartbeat_timeout,
+                );
                 match tokio::time::timeout_at(grace, attempt).await {
                     Ok(result) => result,
                     Err(_) => {

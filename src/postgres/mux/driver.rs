@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgConnection};
 use sqlx::{ConnectOptions, Connection};
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio::time::{Instant, sleep_until, timeout};
+use tokio::time::{sleep_until, timeout};
 
 use super::super::keeper::FIRST_HEARTBEAT;
 use super::super::pooler::{PoolerCheck, loss_reason, shared_session};
@@ -144,7 +144,7 @@ struct Driver {
 
 impl Driver {
     async fn serve(mut self, mut requests: mpsc::UnboundedReceiver<Request>, every: Duration) {
-        let mut next = Instant::now() + every;
+        let mut next = crate::deadline::from_now(every);
         loop {
             // The heartbeat goes first when due, so a busy inbox cannot
             // starve it; between heartbeats each answered statement is proof
@@ -152,7 +152,7 @@ impl Driver {
             let step = tokio::select! {
                 biased;
                 () = sleep_until(next) => {
-                    next = Instant::now() + every;
+                    next = crate::deadline::from_now(every);
                     if self.locks.is_empty() { Ok(()) } else { self.heartbeat().await }
                 }
                 request = requests.recv() => match request {

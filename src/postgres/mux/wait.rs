@@ -21,7 +21,7 @@ impl Mux {
     pub(crate) async fn lock(&self, key: LockKey, timeout: Duration) -> Result<SessionLock, Error> {
         let args = key.args()?;
         let started = Instant::now();
-        let deadline = tokio::time::Instant::from_std(started + timeout);
+        let deadline = crate::deadline::after_std(started, timeout);
         if let Some(lock) = self.attempt(&key).await? {
             return Ok(self.acquired(lock, started));
         }
@@ -58,7 +58,7 @@ impl Mux {
             };
             let wait = sql::wait_until_free(args, remaining).execute(conn.conn());
             // A stalled network must not hang the caller past its deadline.
-            let grace = deadline + self.config.heartbeat_timeout;
+            let grace = crate::deadline::after(deadline, self.config.heartbeat_timeout);
             match tokio::time::timeout_at(grace, wait).await {
                 Ok(Ok(_)) => waiter = Some(conn),
                 // PostgreSQL can grant the awaited lock at the instant its

@@ -721,3 +721,120 @@ async fn huge_timeouts_saturate_instead_of_panicking(pool: PgPool) {
         lock.release().await.unwrap();
     }
 }
+
+/// The TCP keepalives that let the server free a cut-off holder's lock in
+/// about 25 s are set by the lock statement itself, not by a later
+/// heartbeat: a holder cut off right after the grant is covered too.
+#[sqlx::test(migrations = false)]
+async fn keepalives_are_set_from_the_grant_on(_opts: PgPoolOptions, connect: PgConnectOptions) {
+    // One connection, so the pool hands back the lock's connection.
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(connect.clone())
+        .await
+        .unwrap();
+    let settings = async |pool: &PgPool| -> (String, String, String, String) {
+        sqlx::query_as(
+            "SELECT current_setting('tcp_keepalives_idle'), \
+             current_setting('tcp_keepalives_interval'), \
+             current_setting('tcp_keepalives_count'), current_setting('tcp_user_timeout')",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    };
+    let expected = ("10".into(), "5".into(), "3".into(), "30000".into());
+    // No heartbeat runs while these locks are held.
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat(Duration::from_secs(10))
+        .build();
+    let lock = locker.try_lock("session:keepalive").await.unwrap().unwrap();
+    lock.release().await.unwrap();
+    assert_eq!(settings(&pool).await, expected, "after try_lock");
+    sqlx::query("RESET ALL").execute(&pool).await.unwrap();
+    let lock = locker
+        .lock("session:keepalive", Duration::from_secs(1))
+        .await
+        .unwrap();
+    lock.release().await.unwrap();
+    assert_eq!(settings(&pool).await, expected, "after lock");
+    sqlx::query("RESET ALL").execute(&pool).await.unwrap();
+    // Transaction-scoped: set for the transaction, seen inside the closure.
+    let inside = locker
+        .with_advisory_lock("session:keepalive", async |conn| {
+            let row: (String, String, String, String) = sqlx::query_as(
+                "SELECT current_setting('tcp_keepalives_idle'), \
+                 current_setting('tcp_keepalives_interval'), \
+                 current_setting('tcp_keepalives_count'), current_setting('tcp_user_timeout')",
+            )
+            .fetch_one(&mut *conn)
+            .await?;
+            Ok::<_, Error>(row)
+        })
+        .await
+        .unwrap();
+    assert_eq!(inside, Some(expected));
+}
+
+#[sqlx::test(migrations = false)]
+async fn heartbeat_settings_never_outlast_the_servers_keepalive_cutoff(pool: PgPool) {
+    // The server frees a cut-off holder's lock about 25 s after the last
+    // answered heartbeat; the holder must have given up before that.
+    for (every, deadline) in [
+        (Duration::from_secs(60), None),
+        (Duration::from_secs(5), Some(Duration::from_secs(60))),
+        (Duration::from_secs(20), Some(Duration::from_secs(20))),
+    ] {
+        let mut builder = PgLocker::builder(pool.clone()).heartbeat(every);
+        if let Some(deadline) = deadline {
+            builder = builder.heartbeat_timeout(deadline);
+        }
+        let locker = builder.build();
+        let detection = locker.heartbeat() + locker.heartbeat_timeout();
+        assert!(
+            detection <= Duration::from_secs(20),
+            "heartbeat {every:?} / deadline {deadline:?}: loss noticed only after {detection:?}"
+        );
+    }
+    let default = PgLocker::new(pool.clone());
+    assert_eq!(default.heartbeat(), Duration::from_secs(1));
+    assert_eq!(default.heartbeat_timeout(), Duration::from_secs(1));
+}
+
+/// Dropping a guard after its runtime shut down must not panic (sqlx's
+/// pooled connection spawns in `Drop` when the pool keeps
+/// `min_connections`), and the lock must still end with its session.
+#[sqlx::test(migrations = false)]
+async fn a_guard_dropped_after_its_runtime_shut_down_does_not_panic(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let mut obs = observer(&connect).await;
+    let inner = connect.clone();
+    let outcome = std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let lock = rt.block_on(async {
+            let pool = PgPoolOptions::new()
+                .min_connections(1)
+                .connect_with(inner)
+                .await
+                .unwrap();
+            PgLocker::new(pool)
+                .try_lock("session:shutdown")
+                .await
+                .unwrap()
+                .unwrap()
+        });
+        drop(rt);
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(lock)))
+    })
+    .join()
+    .unwrap();
+    assert!(outcome.is_ok(), "dropping the guard panicked");
+    eventually(
+        "the lock ends with its session",
+        Duration::from_secs(5),
+        async || granted_count(&mut obs).await == 0,
+    )
+    .await;
+}

@@ -55,9 +55,29 @@ impl HeldConn {
 
 impl Drop for HeldConn {
     fn drop(&mut self) {
-        if let Some(conn) = self.conn.take()
-            && self.armed
-        {
+        let Some(conn) = self.conn.take() else {
+            return;
+        };
+        if tokio::runtime::Handle::try_current().is_err() {
+            // The runtime is gone (a guard dropped after shutdown). sqlx's
+            // pooled connection spawns a task when it is dropped or detached
+            // from a pool that keeps `min_connections`, which would panic
+            // here; give it a throwaway runtime to spawn on (the task never
+            // runs), and close the socket whatever `armed` says: the pool
+            // cannot take it back without a runtime.
+            if let Ok(rt) = tokio::runtime::Builder::new_current_thread().build() {
+                let _entered = rt.enter();
+                drop(conn.detach());
+            } else {
+                // Building a runtime without drivers does not fail in
+                // practice. If it did, forgetting the connection is the one
+                // way not to panic; its socket then closes when the process
+                // exits, which at runtime shutdown is usually soon.
+                std::mem::forget(conn);
+            }
+            return;
+        }
+        if self.armed {
             // Detach frees the pool slot; dropping the raw connection closes
             // the socket without a graceful Terminate, which is what we want
             // for a session that may still hold a lock.

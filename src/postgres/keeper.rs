@@ -97,22 +97,19 @@ impl Keeper {
         // `sleep_until` rather than `interval`: an interval's first tick fires
         // at once and would put a heartbeat in front of a quick release.
         let mut next = crate::deadline::from_now(self.heartbeat);
-        let mut first = true;
         let held_since = Instant::now();
         loop {
             tokio::select! {
                 biased;
                 () = self.slot.dropped.notified() => return self.release_dropped(held_since).await,
                 () = sleep_until(next) => {
-                    let sql = if first { FIRST_HEARTBEAT } else { HEARTBEAT };
-                    match self.beat(sql).await {
+                    match self.beat(HEARTBEAT).await {
                         Beat::Alive => {}
                         Beat::Released => return,
                         // The loss stays readable through the guard's watch
                         // receiver after this task ends.
                         Beat::Lost => return,
                     }
-                    first = false;
                     next = crate::deadline::from_now(self.heartbeat);
                 }
             }
@@ -203,18 +200,14 @@ pub(crate) async fn release_from_slot(
 /// The heartbeat: which backend answers.
 const HEARTBEAT: &str = "SELECT pg_backend_pid()";
 
-/// The first heartbeat also asks the server to probe the client with TCP
-/// keepalives, so that if this holder is cut off by a partition the server
-/// ends the session (and frees the lock) after about 25 s of silence (idle
-/// 10 s + 3 probes 5 s apart), or 30 s of unacknowledged data, instead of the
-/// operating system's default of hours. It runs off the acquire/release path
-/// so that a short-lived lock costs no extra work; the settings are harmless
-/// for the connection's later users. On a Unix-domain socket they are ignored.
-pub(crate) const FIRST_HEARTBEAT: &str = "SELECT pg_backend_pid(), \
-     set_config('tcp_keepalives_idle', '10', false), \
-     set_config('tcp_keepalives_interval', '5', false), \
-     set_config('tcp_keepalives_count', '3', false), \
-     set_config('tcp_user_timeout', '30000', false)";
+/// A heartbeat that also sets the TCP keepalives (see
+/// [`keepalives`](super::sql::keepalives)), for a connection opened without a
+/// lock statement (a multiplexed connection). The settings are harmless for
+/// the connection's later users; on a Unix-domain socket they are ignored.
+pub(crate) const FIRST_HEARTBEAT: &str = concat!(
+    "SELECT pg_backend_pid(), ",
+    super::sql::keepalives!(session)
+);
 
 /// One heartbeat: the same backend must still answer, within the deadline.
 async fn heartbeat(

@@ -72,6 +72,31 @@ impl Default for Config {
     }
 }
 
+/// The longest `heartbeat + heartbeat_timeout`: 5 s short of the server's
+/// keepalive cut-off, so a cut-off holder has stopped trusting its lock
+/// before the server can grant it to anyone else.
+pub(crate) const MAX_DETECTION: Duration =
+    Duration::from_secs(super::sql::SERVER_CUTOFF.as_secs() - 5);
+
+impl Config {
+    fn clamp_to_server_cutoff(&mut self) {
+        let (every, deadline) = (self.heartbeat, self.heartbeat_timeout);
+        if every + deadline <= MAX_DETECTION {
+            return;
+        }
+        self.heartbeat = every.min(MAX_DETECTION / 2);
+        self.heartbeat_timeout = deadline.min(MAX_DETECTION - self.heartbeat);
+        tracing::warn!(
+            heartbeat = ?every,
+            heartbeat_timeout = ?deadline,
+            clamped_heartbeat = ?self.heartbeat,
+            clamped_heartbeat_timeout = ?self.heartbeat_timeout,
+            "distlock: heartbeat + heartbeat_timeout must stay below the server's keepalive \
+             cut-off (20 s); lowered"
+        );
+    }
+}
+
 impl PgLocker {
     /// A locker with default settings: heartbeat every second (deadline one
     /// second), release deadline five seconds, no fencing tokens.
@@ -91,6 +116,18 @@ impl PgLocker {
     /// The pool this locker takes connections from.
     pub fn pool(&self) -> &PgPool {
         &self.inner.pool
+    }
+
+    /// The interval between two heartbeats of a session lock, as the
+    /// builder settled it.
+    pub fn heartbeat(&self) -> Duration {
+        self.inner.config.heartbeat
+    }
+
+    /// How long a heartbeat may wait for its answer before the lock counts
+    /// as lost, as the builder settled it.
+    pub fn heartbeat_timeout(&self) -> Duration {
+        self.inner.config.heartbeat_timeout
     }
 
     pub(crate) fn config(&self) -> &Config {
@@ -194,7 +231,16 @@ impl PgLockerBuilder {
     }
 
     /// Builds the locker.
-    pub fn build(self) -> PgLocker {
+    ///
+    /// A holder must give up its lock before the server frees it: a holder
+    /// cut off by a partition notices at most `heartbeat + heartbeat_timeout`
+    /// after its last answered heartbeat, while the server ends its session
+    /// about 25 s after that (TCP keepalives, set by every lock statement).
+    /// Settings whose sum exceeds 20 s are therefore lowered (with a
+    /// warning): the heartbeat to at most 10 s, and its deadline to what is
+    /// left of the 20 s.
+    pub fn build(mut self) -> PgLocker {
+        self.config.clamp_to_server_cutoff();
         let mux = (self.config.multiplex > 0).then(|| {
             super::mux::Mux::new(
                 self.pool.clone(),

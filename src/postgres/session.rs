@@ -13,7 +13,7 @@ use super::conn::HeldConn;
 use super::holders;
 use super::keeper::{Keeper, ReleaseRequest, Slot, release_from_slot};
 use super::locker::PgLocker;
-use super::sql::{bind_key, keyed, millis_setting};
+use super::sql::{bind_key, keepalives, keyed, millis_setting};
 use crate::error::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
 use crate::key::KeyArgs;
 use crate::{Error, FencingToken, LockKey, LossReason};
@@ -505,19 +505,20 @@ fn is_lock_timeout(err: &Error) -> bool {
 /// taken (`$1` is the counter's name, the key binds after it).
 fn try_lock_query<'q>(args: KeyArgs<'q>, fencing: Option<&'q str>) -> PgQuery<'q> {
     let Some(counter) = fencing else {
-        let sql = keyed!(args; "SELECT pg_try_advisory_lock(", "), pg_backend_pid(), \
-             set_config('client_connection_check_interval', '100ms', false)"; "$1", "$2");
+        let sql = keyed!(args; "SELECT pg_try_advisory_lock(", concat!("), pg_backend_pid(), \
+             set_config('client_connection_check_interval', '100ms', false), ", keepalives!(session));
+             "$1", "$2");
         return bind_key(sqlx::query(sql), args);
     };
     let sql = keyed!(args;
         "WITH l AS (SELECT pg_try_advisory_lock(",
-        ") AS ok, pg_backend_pid() AS pid, \
-         set_config('client_connection_check_interval', '100ms', false)), \
+        concat!(") AS ok, pg_backend_pid() AS pid, \
+         set_config('client_connection_check_interval', '100ms', false), ", keepalives!(session), "), \
          t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
                SELECT $1, 1 FROM l WHERE l.ok \
                ON CONFLICT (lock_key) DO UPDATE SET token = f.token + 1, issued_at = now() \
                RETURNING f.token) \
-         SELECT l.ok, l.pid, (SELECT token FROM t) FROM l"; "$2", "$3");
+         SELECT l.ok, l.pid, (SELECT token FROM t) FROM l"); "$2", "$3");
     bind_key(sqlx::query(sql).bind(counter), args)
 }
 

@@ -9,7 +9,7 @@ use tracing::Instrument;
 
 use super::conn::HeldConn;
 use super::locker::PgLocker;
-use super::sql::{bind_key, keyed, millis_setting};
+use super::sql::{bind_key, keepalives, keyed, millis_setting};
 use crate::error::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
 use crate::key::KeyArgs;
 use crate::{Error, LockKey};
@@ -409,11 +409,11 @@ async fn lock_in_xact(
 ) -> Result<bool, sqlx::Error> {
     let try_sql = match mode {
         Mode::TryShared => keyed!(args; "SELECT pg_try_advisory_xact_lock_shared(",
-            "), set_config('client_connection_check_interval', '100ms', true), \
-             set_config('distlock.xact_lock', 'held', true)"; "$1", "$2"),
+            concat!("), set_config('client_connection_check_interval', '100ms', true), \
+             set_config('distlock.xact_lock', 'held', true), ", keepalives!(xact)); "$1", "$2"),
         Mode::Try | Mode::Wait(_) => keyed!(args; "SELECT pg_try_advisory_xact_lock(",
-            "), set_config('client_connection_check_interval', '100ms', true), \
-             set_config('distlock.xact_lock', 'held', true)"; "$1", "$2"),
+            concat!("), set_config('client_connection_check_interval', '100ms', true), \
+             set_config('distlock.xact_lock', 'held', true), ", keepalives!(xact)); "$1", "$2"),
     };
     let row = bind_key(sqlx::query(try_sql), args)
         .fetch_one(&mut *conn)

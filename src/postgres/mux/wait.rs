@@ -96,9 +96,12 @@ impl Mux {
             return Ok(None);
         };
         let mut conn = HeldConn::new(pooled?, true);
-        let set = sqlx::query("SELECT set_config('client_connection_check_interval', $1, false)")
-            .bind(CLIENT_CHECK_INTERVAL)
-            .execute(conn.conn());
+        let set = sqlx::query(concat!(
+            "SELECT set_config('client_connection_check_interval', $1, false), ",
+            super::super::sql::keepalives!(session)
+        ))
+        .bind(CLIENT_CHECK_INTERVAL)
+        .execute(conn.conn());
         match tokio::time::timeout_at(deadline, set).await {
             Ok(Ok(_)) => Ok(Some(conn)),
             Ok(Err(err)) => Err(err.into()),

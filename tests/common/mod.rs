@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod proxy;
+pub mod txpool;
 
 use std::future::Future;
 use std::time::{Duration, Instant};

@@ -15,7 +15,7 @@ use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 
 use super::conn::HeldConn;
 use super::locker::Config;
-use super::sql::{bind_key, keyed};
+use super::sql::{bind_key, keyed, session_marker};
 use crate::{Error, LockKey, LossReason};
 
 /// What a multiplexed lock's `release()` sends: where to put the outcome.
@@ -197,8 +197,9 @@ pub(crate) async fn release_from_slot(
     release(conn, key, pid, deadline, budget).await
 }
 
-/// The heartbeat: which backend answers.
-const HEARTBEAT: &str = "SELECT pg_backend_pid()";
+/// The heartbeat: which backend answers, and whether the session still
+/// counts this connection's one lock (see [`session_marker`]).
+const HEARTBEAT: &str = concat!("SELECT pg_backend_pid(), ", session_marker!(read));
 
 /// A heartbeat that also sets the TCP keepalives (see
 /// [`keepalives`](super::sql::keepalives)), for a connection opened without a
@@ -216,14 +217,20 @@ async fn heartbeat(
     pid: i32,
     deadline: Duration,
 ) -> Result<(), LossReason> {
-    let query = sqlx::query_scalar::<_, i32>(sql).fetch_one(conn.conn());
+    let query = sqlx::query_as::<_, (i32, Option<String>)>(sql).fetch_one(conn.conn());
     match timeout(deadline, query).await {
         Err(_) => Err(LossReason::HeartbeatTimedOut(deadline)),
         Ok(Err(err)) => Err(super::pooler::loss_reason(&err)),
-        Ok(Ok(actual)) if actual != pid => Err(LossReason::BackendChanged {
+        Ok(Ok((actual, _))) if actual != pid => Err(LossReason::BackendChanged {
             expected_pid: pid,
             actual_pid: actual,
         }),
+        // Someone reset or changed the session's lock count: the session
+        // is not this connection's alone (a pooler's reset query, or
+        // another client on the same server session).
+        Ok(Ok((_, marker))) if marker.as_deref() != Some("1") => Err(LossReason::SessionShared(
+            format!("the session's lock count is {marker:?}, expected this lock's 1"),
+        )),
         Ok(Ok(_)) => Ok(()),
     }
 }
@@ -239,7 +246,8 @@ async fn release(
     budget: Duration,
 ) -> Result<(), Error> {
     let args = key.args()?;
-    let sql = keyed!(args; "SELECT pg_advisory_unlock(", "), pg_backend_pid()"; "$1", "$2");
+    let sql = keyed!(args; "SELECT pg_advisory_unlock(",
+        concat!("), pg_backend_pid(), ", session_marker!(unmark)); "$1", "$2");
     let query = bind_key(sqlx::query(sql), args).fetch_one(conn.conn());
     let row = match timeout_at(deadline, query).await {
         Err(_) => {

@@ -13,7 +13,7 @@ use super::conn::HeldConn;
 use super::holders;
 use super::keeper::{Keeper, ReleaseRequest, Slot, release_from_slot};
 use super::locker::PgLocker;
-use super::sql::{bind_key, keepalives, keyed, millis_setting};
+use super::sql::{bind_key, keepalives, keyed, millis_setting, session_marker};
 use crate::error::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
 use crate::key::KeyArgs;
 use crate::{Error, FencingToken, LockKey, LossReason};
@@ -288,7 +288,8 @@ impl PgLocker {
             .fetch_one(conn.conn())
             .await
             .map_err(|err| session_locking_error(err, &key))?;
-        let (locked, pid): (bool, i32) = (row.try_get(0)?, row.try_get(1)?);
+        let pid: i32 = row.try_get(1)?;
+        let locked = taken(&row, 0, pid)?;
         record_wait(started);
         if !locked {
             tracing::Span::current().record("outcome", "busy");
@@ -412,18 +413,19 @@ impl PgLocker {
             .fetch_one(conn.conn())
             .await
             .map_err(|err| session_locking_error(err, key))?;
-        let (locked, pid): (bool, i32) = (row.try_get(0)?, row.try_get(1)?);
-        if locked {
+        let pid: i32 = row.try_get(1)?;
+        if taken(&row, 0, pid)? {
             return Ok(Some((pid, fencing_token(&row, 2, fencing.is_some())?)));
         }
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
         if remaining.is_zero() {
             return Ok(None);
         }
-        let locked = wait_for_lock(conn, args, remaining, fencing).await;
-        locked
-            .map(Some)
-            .map_err(|err| session_locking_error(err, key))
+        match wait_for_lock(conn, args, remaining, fencing).await {
+            Ok(locked) => Ok(Some(locked)),
+            Err(Error::Database(err)) => Err(session_locking_error(err, key)),
+            Err(err) => Err(err),
+        }
     }
 
     /// Builds [`Error::Timeout`], naming the holder if it can be seen
@@ -503,23 +505,43 @@ fn is_lock_timeout(err: &Error) -> bool {
 /// The try statement: lock attempt and backend pid in one round trip; with
 /// fencing, the token is issued by the same statement, only if the lock was
 /// taken (`$1` is the counter's name, the key binds after it).
+///
+/// The lock is attempted only on a session that holds no distlock lock yet
+/// (see [`session_marker`]); on any other the first column is NULL and
+/// nothing is taken. Columns: taken (NULL: refused), pid, token.
 fn try_lock_query<'q>(args: KeyArgs<'q>, fencing: Option<&'q str>) -> PgQuery<'q> {
     let Some(counter) = fencing else {
-        let sql = keyed!(args; "SELECT pg_try_advisory_lock(", concat!("), pg_backend_pid(), \
-             set_config('client_connection_check_interval', '100ms', false), ", keepalives!(session));
+        let sql = keyed!(args;
+            concat!("WITH l AS (SELECT ", session_marker!(unmarked),
+                " THEN pg_try_advisory_lock("),
+            concat!(") END AS ok, pg_backend_pid() AS pid, \
+             set_config('client_connection_check_interval', '100ms', false), ", keepalives!(session),
+             ") SELECT l.ok, l.pid, NULL::int8, ", session_marker!(mark), " FROM l");
              "$1", "$2");
         return bind_key(sqlx::query(sql), args);
     };
     let sql = keyed!(args;
-        "WITH l AS (SELECT pg_try_advisory_lock(",
-        concat!(") AS ok, pg_backend_pid() AS pid, \
+        concat!("WITH l AS (SELECT ", session_marker!(unmarked), " THEN pg_try_advisory_lock("),
+        concat!(") END AS ok, pg_backend_pid() AS pid, \
          set_config('client_connection_check_interval', '100ms', false), ", keepalives!(session), "), \
          t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
                SELECT $1, 1 FROM l WHERE l.ok \
                ON CONFLICT (lock_key) DO UPDATE SET token = f.token + 1, issued_at = now() \
                RETURNING f.token) \
-         SELECT l.ok, l.pid, (SELECT token FROM t) FROM l"); "$2", "$3");
+         SELECT l.ok, l.pid, (SELECT token FROM t), ", session_marker!(mark), " FROM l"); "$2", "$3");
     bind_key(sqlx::query(sql).bind(counter), args)
+}
+
+/// Reads a lock statement's "taken" column: NULL means the session already
+/// holds a distlock lock, so it is shared with another client.
+fn taken(row: &PgRow, column: usize, pid: i32) -> Result<bool, Error> {
+    match row.try_get::<Option<bool>, _>(column)? {
+        Some(locked) => Ok(locked),
+        None => Err(Error::PoolerDetected {
+            expected_pid: pid,
+            actual_pid: pid,
+        }),
+    }
 }
 
 /// Waits on the server for the session lock; returns the backend pid and,
@@ -529,35 +551,42 @@ async fn wait_for_lock(
     args: KeyArgs<'_>,
     timeout: Duration,
     fencing: Option<&str>,
-) -> Result<(i32, Option<FencingToken>), sqlx::Error> {
+) -> Result<(i32, Option<FencingToken>), Error> {
     // Outside a transaction block, `set_config(.., true)` lasts for this one
     // statement: the session's own lock_timeout is untouched afterwards. The
     // try before this statement set client_connection_check_interval, so the
-    // server abandons this wait soon after the client goes away.
+    // server abandons this wait soon after the client goes away. The session
+    // marker is checked again: another client sharing the session could have
+    // taken a lock since the try.
     let query = match fencing {
         None => sqlx::query(keyed!(args;
-            "SELECT pg_backend_pid(), set_config('lock_timeout', $1, true), pg_advisory_lock(",
-            ")"; "$2", "$3"))
+            concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), ",
+                session_marker!(unmarked), " THEN (SELECT true FROM pg_advisory_lock("),
+            concat!(")) END AS ok) SELECT l.pid, NULL::int8, l.ok, ", session_marker!(mark), " FROM l");
+            "$2", "$3"))
         .bind(millis_setting(timeout)),
         // The token's INSERT runs after the wait, and ON CONFLICT DO UPDATE
         // reads the newest committed counter, so tokens strictly increase.
         Some(counter) => sqlx::query(keyed!(args;
-            "WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), \
-             pg_advisory_lock(",
-            ")), t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
-               SELECT $2, 1 FROM l \
+            concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), ",
+                session_marker!(unmarked), " THEN (SELECT true FROM pg_advisory_lock("),
+            concat!(")) END AS ok), t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
+               SELECT $2, 1 FROM l WHERE l.ok \
                ON CONFLICT (lock_key) DO UPDATE SET token = f.token + 1, issued_at = now() \
                RETURNING f.token) \
-             SELECT l.pid, (SELECT token FROM t) FROM l"; "$3", "$4"))
+             SELECT l.pid, (SELECT token FROM t), l.ok, ", session_marker!(mark), " FROM l");
+             "$3", "$4"))
         .bind(millis_setting(timeout))
         .bind(counter),
     };
     let row = bind_key(query, args).fetch_one(conn.conn()).await?;
     let pid = row.try_get(0)?;
-    let token = fencing_token(&row, 1, fencing.is_some()).map_err(|err| match err {
-        Error::Database(err) => err,
-        other => sqlx::Error::Protocol(other.to_string()),
-    })?;
+    if !taken(&row, 2, pid)? {
+        return Err(Error::Database(sqlx::Error::Protocol(
+            "pg_advisory_lock returned without the lock".into(),
+        )));
+    }
+    let token = fencing_token(&row, 1, fencing.is_some())?;
     Ok((pid, token))
 }
 

@@ -47,6 +47,39 @@ macro_rules! keepalives {
 }
 pub(crate) use keepalives;
 
+/// The session marker: how many distlock session locks the server session
+/// holds, in the session setting `distlock.locks` ('' or '0' when none).
+///
+/// Advisory locks are re-entrant, so on a server session that a
+/// transaction-pooling proxy shares between clients (PgBouncer with one
+/// server connection, which renames prepared statements and so shows none
+/// of the other signals), a second client's lock attempt would be granted
+/// to the backend that already holds the key: two holders. Every lock
+/// statement therefore attempts the lock only if the marker is what this
+/// connection expects, and counts the lock in the marker when it is taken;
+/// every unlock counts it out. A marker someone else set means the session
+/// is shared, and the attempt takes nothing (the statement's "taken" column
+/// is NULL). Costs nothing extra: it rides in the lock statement.
+///
+/// `unmarked` opens a `CASE WHEN <no lock held> THEN ...`, which the
+/// statement closes after the lock call; `mark` counts the taken lock in
+/// (column `l.ok` of the statement's CTE `l`).
+macro_rules! session_marker {
+    (unmarked) => {
+        "CASE WHEN coalesce(current_setting('distlock.locks', true), '') IN ('', '0')"
+    };
+    (mark) => {
+        "CASE WHEN l.ok THEN set_config('distlock.locks', '1', false) END"
+    };
+    (unmark) => {
+        "set_config('distlock.locks', '0', false)"
+    };
+    (read) => {
+        "current_setting('distlock.locks', true)"
+    };
+}
+pub(crate) use session_marker;
+
 /// How long after the last answered heartbeat the server ends a cut-off
 /// holder's session at the earliest ([`keepalives`]: 10 s idle + 3 × 5 s).
 pub(crate) const SERVER_CUTOFF: std::time::Duration = std::time::Duration::from_secs(25);

@@ -201,7 +201,8 @@ impl Driver {
                 return Ok(());
             }
         };
-        let query = sql::try_lock(args, fencing.as_deref()).fetch_one(&mut self.conn);
+        let query =
+            sql::try_lock(args, fencing.as_deref(), self.locks.len()).fetch_one(&mut self.conn);
         let row = match timeout(self.statement_timeout, query).await {
             Err(_) => {
                 let _ = reply.send(Err(TryError::Gone));
@@ -258,7 +259,18 @@ impl Driver {
                 actual_pid: row.pid,
             });
         }
-        if !row.locked {
+        let Some(locked) = row.locked else {
+            // The session holds locks this driver did not take: another
+            // client shares it (a transaction pooler). Nothing was taken.
+            let _ = reply.send(Err(TryError::Failed(Error::PoolerDetected {
+                expected_pid: self.pid,
+                actual_pid: row.pid,
+            })));
+            return Err(LossReason::SessionShared(
+                "the session holds advisory locks this connection did not take".into(),
+            ));
+        };
+        if !locked {
             let _ = reply.send(Ok(None));
             return Ok(());
         }
@@ -266,7 +278,8 @@ impl Driver {
             // Re-entrant grant of a lock this session already holds under
             // another name: take the extra level back and report busy.
             let _ = reply.send(Ok(None));
-            return self.unlock_level(row.key).await.map(|_| ());
+            let held = self.locks.len();
+            return self.unlock_level(row.key, held).await.map(|_| ());
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -307,7 +320,7 @@ impl Driver {
         };
         self.by_key.remove(&held.key);
         self.by_server.remove(&held.server);
-        let outcome = self.unlock_level(held.server).await;
+        let outcome = self.unlock_level(held.server, self.locks.len()).await;
         let (result, step) = match outcome {
             Ok(true) => {
                 crate::metrics::released("postgres", &held.key, held.since.elapsed());
@@ -357,8 +370,8 @@ impl Driver {
     /// Runs one `pg_advisory_unlock`; any failure leaves the lock's state on
     /// the session unknown, so it costs the whole connection (closing it is
     /// what frees the lock for sure).
-    async fn unlock_level(&mut self, key: ServerKey) -> Result<bool, LossReason> {
-        let query = sql::unlock(key).fetch_one(&mut self.conn);
+    async fn unlock_level(&mut self, key: ServerKey, held: usize) -> Result<bool, LossReason> {
+        let query = sql::unlock(key, held).fetch_one(&mut self.conn);
         let row = match timeout(self.statement_timeout, query).await {
             Err(_) => return Err(LossReason::HeartbeatTimedOut(self.statement_timeout)),
             Ok(Err(err)) => return Err(loss_reason(&err)),
@@ -378,14 +391,21 @@ impl Driver {
 
     /// The same backend must still answer, within the deadline.
     async fn heartbeat(&mut self) -> Result<(), LossReason> {
-        let query = sqlx::query_scalar::<_, i32>(sql::HEARTBEAT).fetch_one(&mut self.conn);
+        let query =
+            sqlx::query_as::<_, (i32, Option<String>)>(sql::HEARTBEAT).fetch_one(&mut self.conn);
+        let expected = self.locks.len().to_string();
         match timeout(self.statement_timeout, query).await {
             Err(_) => Err(LossReason::HeartbeatTimedOut(self.statement_timeout)),
             Ok(Err(err)) => Err(loss_reason(&err)),
-            Ok(Ok(pid)) if pid != self.pid => Err(LossReason::BackendChanged {
+            Ok(Ok((pid, _))) if pid != self.pid => Err(LossReason::BackendChanged {
                 expected_pid: self.pid,
                 actual_pid: pid,
             }),
+            Ok(Ok((_, marker))) if marker.as_deref() != Some(expected.as_str()) => {
+                Err(LossReason::SessionShared(format!(
+                    "the session's lock count is {marker:?}, this connection holds {expected}"
+                )))
+            }
             Ok(Ok(_)) => Ok(()),
         }
     }

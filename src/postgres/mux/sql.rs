@@ -37,7 +37,9 @@ impl ServerKey {
 /// What one try statement answered.
 #[derive(Debug)]
 pub(super) struct TryRow {
-    pub(super) locked: bool,
+    /// `None`: not attempted, the session holds locks this connection does
+    /// not know of (shared with another client).
+    pub(super) locked: Option<bool>,
     pub(super) pid: i32,
     pub(super) key: ServerKey,
     pub(super) token: Option<FencingToken>,
@@ -46,55 +48,106 @@ pub(super) struct TryRow {
 /// The token half of the fencing try statement, shared by every key shape:
 /// a token only when the lock was taken, as in the dedicated-connection mode.
 macro_rules! fencing_tail {
-    () => {
-        "t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
-         SELECT $1, 1 FROM l WHERE l.ok \
-         ON CONFLICT (lock_key) DO UPDATE SET token = f.token + 1, issued_at = now() \
-         RETURNING f.token) \
-         SELECT l.ok, l.pid, l.k, (SELECT token FROM t) FROM l"
+    ($next:literal) => {
+        concat!(
+            "t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
+             SELECT $1, 1 FROM l WHERE l.ok \
+             ON CONFLICT (lock_key) DO UPDATE SET token = f.token + 1, issued_at = now() \
+             RETURNING f.token) \
+             SELECT l.ok, l.pid, l.k, (SELECT token FROM t), \
+             CASE WHEN l.ok THEN set_config('distlock.locks', ",
+            $next,
+            ", false) END FROM l"
+        )
+    };
+}
+
+/// The session-marker test (see `session_marker` in the parent's `sql`):
+/// the lock is attempted only if the session holds exactly the locks this
+/// connection's driver counts (`$n`, as text).
+macro_rules! counted {
+    ($n:literal) => {
+        concat!(
+            "CASE WHEN coalesce(nullif(current_setting('distlock.locks', true), ''), '0') = ",
+            $n,
+            " THEN "
+        )
     };
 }
 
 /// The try statement: lock attempt, backend pid and resolved key in one round
 /// trip; with fencing, the token is issued by the same statement when the
-/// lock was taken (`$1` is the counter's name, the key binds after it).
-pub(super) fn try_lock<'q>(args: KeyArgs<'q>, fencing: Option<&'q str>) -> PgQuery<'q> {
-    // Columns: locked, pid, resolved key (int8, or int4 for the pair's second
-    // half), token. The subquery computes `hashtext` once for both uses.
+/// lock was taken (`$1` is the counter's name, the key binds after it). The
+/// driver's count of held locks and the count after a grant bind last: the
+/// lock is attempted only if the session's marker matches the count, so a
+/// server session shared with another client takes nothing (NULL "taken").
+pub(super) fn try_lock<'q>(
+    args: KeyArgs<'q>,
+    fencing: Option<&'q str>,
+    held: usize,
+) -> PgQuery<'q> {
+    // Columns: taken (NULL: refused), pid, resolved key (int8, or int4 for
+    // the pair's second half), token, marker. The subquery computes
+    // `hashtext` once for both uses.
     let Some(counter) = fencing else {
         let sql = match args {
-            KeyArgs::Text(_) => {
-                "SELECT pg_try_advisory_lock(k), pg_backend_pid(), k \
-                 FROM (SELECT hashtext($1)::int8 AS k) s"
-            }
-            KeyArgs::BigInt(_) => {
-                "SELECT pg_try_advisory_lock($1::int8), pg_backend_pid(), $1::int8"
-            }
-            KeyArgs::Pair(..) => {
-                "SELECT pg_try_advisory_lock($1::int4, k), pg_backend_pid(), k \
-                 FROM (SELECT hashtext($2) AS k) s"
-            }
+            KeyArgs::Text(_) => concat!(
+                "WITH l AS (SELECT ",
+                counted!("$2"),
+                "pg_try_advisory_lock(k) END AS ok, \
+                 pg_backend_pid() AS pid, k FROM (SELECT hashtext($1)::int8 AS k) s) \
+                 SELECT l.ok, l.pid, l.k, NULL::int8, \
+                 CASE WHEN l.ok THEN set_config('distlock.locks', $3, false) END FROM l"
+            ),
+            KeyArgs::BigInt(_) => concat!(
+                "WITH l AS (SELECT ",
+                counted!("$2"),
+                "pg_try_advisory_lock($1::int8) END AS ok, \
+                 pg_backend_pid() AS pid, $1::int8 AS k) \
+                 SELECT l.ok, l.pid, l.k, NULL::int8, \
+                 CASE WHEN l.ok THEN set_config('distlock.locks', $3, false) END FROM l"
+            ),
+            KeyArgs::Pair(..) => concat!(
+                "WITH l AS (SELECT ",
+                counted!("$3"),
+                "pg_try_advisory_lock($1::int4, k) END AS ok, \
+                 pg_backend_pid() AS pid, k FROM (SELECT hashtext($2) AS k) s) \
+                 SELECT l.ok, l.pid, l.k, NULL::int8, \
+                 CASE WHEN l.ok THEN set_config('distlock.locks', $4, false) END FROM l"
+            ),
         };
-        return bind_key(sqlx::query(sql), args);
+        return bind_counts(bind_key(sqlx::query(sql), args), held);
     };
     let sql = match args {
         KeyArgs::Text(_) => concat!(
-            "WITH l AS (SELECT pg_try_advisory_lock(k) AS ok, pg_backend_pid() AS pid, k \
-             FROM (SELECT hashtext($2)::int8 AS k) s), ",
-            fencing_tail!()
+            "WITH l AS (SELECT ",
+            counted!("$3"),
+            "pg_try_advisory_lock(k) END AS ok, \
+             pg_backend_pid() AS pid, k FROM (SELECT hashtext($2)::int8 AS k) s), ",
+            fencing_tail!("$4")
         ),
         KeyArgs::BigInt(_) => concat!(
-            "WITH l AS (SELECT pg_try_advisory_lock($2::int8) AS ok, pg_backend_pid() AS pid, \
-             $2::int8 AS k), ",
-            fencing_tail!()
+            "WITH l AS (SELECT ",
+            counted!("$3"),
+            "pg_try_advisory_lock($2::int8) END AS ok, \
+             pg_backend_pid() AS pid, $2::int8 AS k), ",
+            fencing_tail!("$4")
         ),
         KeyArgs::Pair(..) => concat!(
-            "WITH l AS (SELECT pg_try_advisory_lock($2::int4, k) AS ok, pg_backend_pid() AS pid, k \
-             FROM (SELECT hashtext($3) AS k) s), ",
-            fencing_tail!()
+            "WITH l AS (SELECT ",
+            counted!("$4"),
+            "pg_try_advisory_lock($2::int4, k) END AS ok, \
+             pg_backend_pid() AS pid, k FROM (SELECT hashtext($3) AS k) s), ",
+            fencing_tail!("$5")
         ),
     };
-    bind_key(sqlx::query(sql).bind(counter), args)
+    bind_counts(bind_key(sqlx::query(sql).bind(counter), args), held)
+}
+
+/// Binds the driver's count of held locks, and that count plus the lock
+/// being tried, as the session marker's text.
+fn bind_counts(query: PgQuery<'_>, held: usize) -> PgQuery<'_> {
+    query.bind(held.to_string()).bind((held + 1).to_string())
 }
 
 /// Decodes a try statement's row for a key of shape `args`.
@@ -107,8 +160,8 @@ pub(super) fn decode_try(
         KeyArgs::Text(_) | KeyArgs::BigInt(_) => ServerKey::BigInt(row.try_get(2)?),
         KeyArgs::Pair(ns, _) => ServerKey::Pair(ns, row.try_get(2)?),
     };
-    let locked: bool = row.try_get(0)?;
-    let token = if fencing && locked {
+    let locked: Option<bool> = row.try_get(0)?;
+    let token = if fencing && locked == Some(true) {
         match row.try_get::<Option<i64>, _>(3)? {
             Some(token) => Some(FencingToken::new(token)),
             None => {
@@ -128,19 +181,25 @@ pub(super) fn decode_try(
     })
 }
 
-/// Unlocks one level of a resolved key; returns whether it was held, and the
-/// backend pid (checked like every answer on a shared connection).
-pub(super) fn unlock(key: ServerKey) -> PgQuery<'static> {
-    match key {
-        ServerKey::BigInt(k) => {
-            sqlx::query("SELECT pg_advisory_unlock($1::int8), pg_backend_pid()").bind(k)
-        }
-        ServerKey::Pair(a, b) => {
-            sqlx::query("SELECT pg_advisory_unlock($1::int4, $2::int4), pg_backend_pid()")
-                .bind(a)
-                .bind(b)
-        }
-    }
+/// Unlocks one level of a resolved key and sets the session marker to
+/// `held`, the driver's count of locks still held; returns whether it was
+/// held, and the backend pid (checked like every answer on a shared
+/// connection).
+pub(super) fn unlock(key: ServerKey, held: usize) -> PgQuery<'static> {
+    let query = match key {
+        ServerKey::BigInt(k) => sqlx::query(
+            "SELECT pg_advisory_unlock($1::int8), pg_backend_pid(), \
+             set_config('distlock.locks', $2, false)",
+        )
+        .bind(k),
+        ServerKey::Pair(a, b) => sqlx::query(
+            "SELECT pg_advisory_unlock($1::int4, $2::int4), pg_backend_pid(), \
+             set_config('distlock.locks', $3, false)",
+        )
+        .bind(a)
+        .bind(b),
+    };
+    query.bind(held.to_string())
 }
 
 /// The wake-up wait run on a temporary pooled connection: waits (under a
@@ -168,5 +227,6 @@ pub(super) fn wait_until_free<'q>(args: KeyArgs<'q>, timeout: std::time::Duratio
     bind_key(sqlx::query(sql).bind(millis_setting(timeout)), args)
 }
 
-/// The heartbeat: which backend answers.
-pub(super) const HEARTBEAT: &str = "SELECT pg_backend_pid()";
+/// The heartbeat: which backend answers, and the session's lock count.
+pub(super) const HEARTBEAT: &str =
+    "SELECT pg_backend_pid(), current_setting('distlock.locks', true)";

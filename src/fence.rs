@@ -6,7 +6,7 @@
 //! than its lock lives keeps running code that believes it holds the lock,
 //! while the server has already freed it and handed it to someone else. With
 //! `PgLocker::builder(pool).fencing(true)`, every session-lock acquisition
-//! gets a token one higher than the last for its key (issued in the same
+//! gets a token higher than the last of its server lock (issued in the same
 //! statement as the lock, so it costs no extra round trip). The protected
 //! resource remembers the highest token it has accepted and rejects older
 //! ones ([`check`]): the paused holder's late write fails instead of
@@ -18,7 +18,11 @@ use sqlx::PgConnection;
 
 use crate::Error;
 
-/// A fencing token: strictly increasing per key across all holders.
+/// A fencing token: strictly increasing per server lock across all holders.
+///
+/// Counted per lock as PostgreSQL sees it (the bigint, or the `(int, int)`
+/// pair), so every spelling of one lock (`LockKey::from("x")`,
+/// `LockKey::id(hashtext('x'))`) shares one sequence.
 ///
 /// Present it with every write to the protected resource; the resource keeps
 /// the highest token it has seen and rejects older ones.

@@ -164,16 +164,6 @@ impl LockKey {
         })
     }
 
-    /// The row of `distlock.fencing_tokens` that counts this key's tokens:
-    /// the name (the decimal number for [`LockKey::id`], `"ns:name"` for
-    /// [`LockKey::namespaced`]).
-    pub fn fencing_name(&self) -> String {
-        match &self.repr {
-            Repr::Namespaced(ns, name) => format!("{ns}:{name}"),
-            _ => self.to_string(),
-        }
-    }
-
     /// The validated arguments to bind for this key.
     pub(crate) fn args(&self) -> Result<KeyArgs<'_>, Error> {
         self.validate()?;

@@ -42,18 +42,94 @@ async fn tokens_strictly_increase_per_key(pool: PgPool) {
 }
 
 #[sqlx::test(migrations = false)]
-async fn each_key_form_has_its_own_counter(pool: PgPool) {
+async fn each_server_lock_has_its_own_counter(pool: PgPool) {
     let locker = fenced(&pool).await;
-    assert_eq!(token_of(&locker, LockKey::id(7)).await, 1);
+    // Three different server locks, although all are spelt "42": one
+    // counter each.
+    assert_eq!(token_of(&locker, LockKey::id(42)).await, 1);
+    assert_eq!(token_of(&locker, LockKey::from("42")).await, 1);
+    assert_eq!(token_of(&locker, LockKey::hashed64("42")).await, 1);
+    assert_eq!(token_of(&locker, LockKey::id(42)).await, 2);
     assert_eq!(token_of(&locker, LockKey::namespaced(3, "x")).await, 1);
-    assert_eq!(token_of(&locker, LockKey::hashed64("y")).await, 1);
-    assert_eq!(token_of(&locker, LockKey::id(7)).await, 2);
-    let names: Vec<String> =
-        sqlx::query_scalar("SELECT lock_key FROM distlock.fencing_tokens ORDER BY lock_key")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
-    assert_eq!(names, ["3:x", "7", "y"]);
+    assert_eq!(token_of(&locker, LockKey::namespaced(4, "x")).await, 1);
+    assert_eq!(token_of(&locker, LockKey::namespaced(3, "x")).await, 2);
+}
+
+/// `from("x")` and `id(hashtext('x'))` are one PostgreSQL lock, so they
+/// share one counter: two holders of that lock never get equal tokens,
+/// whichever spelling each used.
+#[sqlx::test(migrations = false)]
+async fn spellings_of_one_server_lock_share_its_counter(pool: PgPool) {
+    let locker = fenced(&pool).await;
+    let hashed: i32 = sqlx::query_scalar("SELECT hashtext('fence:x')")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let spellings = [LockKey::from("fence:x"), LockKey::id(i64::from(hashed))];
+    let mut last = 0;
+    for round in 0..3 {
+        for key in &spellings {
+            let token = token_of(&locker, key.clone()).await;
+            assert!(token > last, "round {round}, {key:?}: {token} after {last}");
+            last = token;
+        }
+    }
+    // The multiplexed mode and the waiting path count on the same counter.
+    let mux = PgLocker::builder(pool.clone())
+        .fencing(true)
+        .multiplex(1)
+        .build();
+    let token = token_of(&mux, spellings[1].clone()).await;
+    assert!(token > last);
+    let lock = locker
+        .lock(spellings[0].clone(), Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(lock.fencing_token().unwrap().value() > token);
+    lock.release().await.unwrap();
+}
+
+/// A deployment upgrading from the name-keyed counters must never see a
+/// token at or below one issued before: not at the upgrade, and not from a
+/// process of the old version still issuing tokens during a rolling upgrade.
+#[sqlx::test(migrations = false)]
+async fn upgrading_from_name_keyed_counters_never_reissues_a_token(pool: PgPool) {
+    // The first version of the schema, as an old deployment has it.
+    let first = std::env::temp_dir().join(format!("distlock-mig-{}", std::process::id()));
+    std::fs::create_dir_all(&first).unwrap();
+    std::fs::copy(
+        "migrations/20261130000001_distlock_core.sql",
+        first.join("20261130000001_distlock_core.sql"),
+    )
+    .unwrap();
+    let mut old = sqlx::migrate::Migrator::new(first.as_path()).await.unwrap();
+    old.dangerous_set_table_name("distlock._sqlx_migrations");
+    sqlx::query("CREATE SCHEMA distlock")
+        .execute(&pool)
+        .await
+        .unwrap();
+    old.run(&pool).await.unwrap();
+    std::fs::remove_dir_all(&first).unwrap();
+    // Tokens the old version issued, by name.
+    sqlx::query("INSERT INTO distlock.fencing_tokens (lock_key, token) VALUES ('fence:up', 40), ('other', 90)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let locker = fenced(&pool).await; // applies the rest
+    let first_new = token_of(&locker, "fence:up").await;
+    assert!(first_new > 90, "first token after the upgrade: {first_new}");
+    // An old-version process, still running, issues a higher token by name.
+    sqlx::query("UPDATE distlock.fencing_tokens SET token = 500 WHERE lock_key = 'fence:up'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let next = token_of(&locker, "fence:up").await;
+    assert!(next > 500, "token after an old process issued 500: {next}");
+    let fresh = token_of(&locker, "fence:never-used").await;
+    assert!(
+        fresh > 500,
+        "a new counter starts above every old token: {fresh}"
+    );
 }
 
 #[sqlx::test(migrations = false)]

@@ -46,6 +46,8 @@ async fn migrate_is_idempotent_and_keeps_its_own_table(pool: PgPool) {
         [
             "_sqlx_migrations",
             "fence_seen",
+            "fencing_counters",
+            "fencing_floor",
             "fencing_tokens",
             "idempotency_keys",
             "job_runs"

@@ -280,11 +280,11 @@ impl PgLocker {
             return mux.try_lock(key).await;
         }
         let args = key.args()?;
-        let fencing = self.config().fencing.then(|| key.fencing_name());
+        let fencing = self.config().fencing;
         let started = Instant::now();
         let mut conn = HeldConn::new(self.pool().acquire().await?, true);
         self.inner.pooler.ensure_session(conn.conn()).await?;
-        let row = try_lock_query(args, fencing.as_deref())
+        let row = try_lock_query(args, fencing)
             .fetch_one(conn.conn())
             .await
             .map_err(|err| session_locking_error(err, &key))?;
@@ -297,7 +297,7 @@ impl PgLocker {
             conn.into_pool();
             return Ok(None);
         }
-        let token = fencing_token(&row, 2, fencing.is_some())?;
+        let token = fencing_token(&row, 2, fencing)?;
         tracing::Span::current().record("outcome", "acquired");
         crate::metrics::acquired("postgres", &key, started.elapsed());
         Ok(Some(SessionLock::start(conn, key, pid, token, self)))
@@ -358,8 +358,8 @@ impl PgLocker {
             return Err(self.timeout_error(&key, started, None).await);
         };
         let mut conn = HeldConn::new(pooled?, true);
-        let fencing = self.config().fencing.then(|| key.fencing_name());
-        let attempt = self.try_then_wait(&mut conn, &key, args, deadline, fencing.as_deref());
+        let fencing = self.config().fencing;
+        let attempt = self.try_then_wait(&mut conn, &key, args, deadline, fencing);
         // The server gives up at the deadline (lock_timeout); no answer a
         // heartbeat deadline later means the network is stalled.
         let grace = crate::deadline::after(
@@ -406,7 +406,7 @@ impl PgLocker {
         key: &LockKey,
         args: KeyArgs<'_>,
         deadline: tokio::time::Instant,
-        fencing: Option<&str>,
+        fencing: bool,
     ) -> Result<Option<(i32, Option<FencingToken>)>, Error> {
         self.inner.pooler.ensure_session(conn.conn()).await?;
         let row = try_lock_query(args, fencing)
@@ -415,7 +415,7 @@ impl PgLocker {
             .map_err(|err| session_locking_error(err, key))?;
         let pid: i32 = row.try_get(1)?;
         if taken(&row, 0, pid)? {
-            return Ok(Some((pid, fencing_token(&row, 2, fencing.is_some())?)));
+            return Ok(Some((pid, fencing_token(&row, 2, fencing)?)));
         }
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
         if remaining.is_zero() {
@@ -504,32 +504,29 @@ fn is_lock_timeout(err: &Error) -> bool {
 
 /// The try statement: lock attempt and backend pid in one round trip; with
 /// fencing, the token is issued by the same statement, only if the lock was
-/// taken (`$1` is the counter's name, the key binds after it).
+/// taken (`distlock.issue_token`, one counter per server lock).
 ///
 /// The lock is attempted only on a session that holds no distlock lock yet
 /// (see [`session_marker`]); on any other the first column is NULL and
-/// nothing is taken. Columns: taken (NULL: refused), pid, token.
-fn try_lock_query<'q>(args: KeyArgs<'q>, fencing: Option<&'q str>) -> PgQuery<'q> {
-    let Some(counter) = fencing else {
-        let sql = keyed!(args;
-            concat!("WITH l AS (SELECT ", session_marker!(unmarked),
-                " THEN pg_try_advisory_lock("),
+/// nothing is taken. Columns: taken (NULL: refused), pid, token, marker.
+fn try_lock_query(args: KeyArgs<'_>, fencing: bool) -> PgQuery<'_> {
+    let sql = if fencing {
+        keyed!(args;
+            concat!("WITH l AS (SELECT ", session_marker!(unmarked), " THEN pg_try_advisory_lock("),
+            concat!(") END AS ok, pg_backend_pid() AS pid, \
+             set_config('client_connection_check_interval', '100ms', false), ", keepalives!(session),
+             ") SELECT l.ok, l.pid, CASE WHEN l.ok THEN distlock.issue_token("),
+            concat!(") END, ", session_marker!(mark), " FROM l");
+            "$1", "$2")
+    } else {
+        keyed!(args;
+            concat!("WITH l AS (SELECT ", session_marker!(unmarked), " THEN pg_try_advisory_lock("),
             concat!(") END AS ok, pg_backend_pid() AS pid, \
              set_config('client_connection_check_interval', '100ms', false), ", keepalives!(session),
              ") SELECT l.ok, l.pid, NULL::int8, ", session_marker!(mark), " FROM l");
-             "$1", "$2");
-        return bind_key(sqlx::query(sql), args);
+            "$1", "$2")
     };
-    let sql = keyed!(args;
-        concat!("WITH l AS (SELECT ", session_marker!(unmarked), " THEN pg_try_advisory_lock("),
-        concat!(") END AS ok, pg_backend_pid() AS pid, \
-         set_config('client_connection_check_interval', '100ms', false), ", keepalives!(session), "), \
-         t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
-               SELECT $1, 1 FROM l WHERE l.ok \
-               ON CONFLICT (lock_key) DO UPDATE SET token = f.token + 1, issued_at = now() \
-               RETURNING f.token) \
-         SELECT l.ok, l.pid, (SELECT token FROM t), ", session_marker!(mark), " FROM l"); "$2", "$3");
-    bind_key(sqlx::query(sql).bind(counter), args)
+    bind_key(sqlx::query(sql), args)
 }
 
 /// Reads a lock statement's "taken" column: NULL means the session already
@@ -550,7 +547,7 @@ async fn wait_for_lock(
     conn: &mut HeldConn,
     args: KeyArgs<'_>,
     timeout: Duration,
-    fencing: Option<&str>,
+    fencing: bool,
 ) -> Result<(i32, Option<FencingToken>), Error> {
     // Outside a transaction block, `set_config(.., true)` lasts for this one
     // statement: the session's own lock_timeout is untouched afterwards. The
@@ -558,27 +555,23 @@ async fn wait_for_lock(
     // server abandons this wait soon after the client goes away. The session
     // marker is checked again: another client sharing the session could have
     // taken a lock since the try.
-    let query = match fencing {
-        None => sqlx::query(keyed!(args;
+    // With fencing, the token is issued after the wait, while the lock is
+    // held, and under the same statement-local lock_timeout.
+    let sql = if fencing {
+        keyed!(args;
+            concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), ",
+                session_marker!(unmarked), " THEN (SELECT true FROM pg_advisory_lock("),
+            concat!(")) END AS ok) SELECT l.pid, CASE WHEN l.ok THEN distlock.issue_token("),
+            concat!(") END, l.ok, ", session_marker!(mark), " FROM l");
+            "$2", "$3")
+    } else {
+        keyed!(args;
             concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), ",
                 session_marker!(unmarked), " THEN (SELECT true FROM pg_advisory_lock("),
             concat!(")) END AS ok) SELECT l.pid, NULL::int8, l.ok, ", session_marker!(mark), " FROM l");
-            "$2", "$3"))
-        .bind(millis_setting(timeout)),
-        // The token's INSERT runs after the wait, and ON CONFLICT DO UPDATE
-        // reads the newest committed counter, so tokens strictly increase.
-        Some(counter) => sqlx::query(keyed!(args;
-            concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), ",
-                session_marker!(unmarked), " THEN (SELECT true FROM pg_advisory_lock("),
-            concat!(")) END AS ok), t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
-               SELECT $2, 1 FROM l WHERE l.ok \
-               ON CONFLICT (lock_key) DO UPDATE SET token = f.token + 1, issued_at = now() \
-               RETURNING f.token) \
-             SELECT l.pid, (SELECT token FROM t), l.ok, ", session_marker!(mark), " FROM l");
-             "$3", "$4"))
-        .bind(millis_setting(timeout))
-        .bind(counter),
+            "$2", "$3")
     };
+    let query = sqlx::query(sql).bind(millis_setting(timeout));
     let row = bind_key(query, args).fetch_one(conn.conn()).await?;
     let pid = row.try_get(0)?;
     if !taken(&row, 2, pid)? {
@@ -586,7 +579,7 @@ async fn wait_for_lock(
             "pg_advisory_lock returned without the lock".into(),
         )));
     }
-    let token = fencing_token(&row, 1, fencing.is_some())?;
+    let token = fencing_token(&row, 1, fencing)?;
     Ok((pid, token))
 }
 

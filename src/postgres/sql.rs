@@ -21,6 +21,40 @@ macro_rules! keyed {
             }
         }
     };
+    // The key twice: `$pre KEY $mid KEY $post`.
+    ($args:expr; $pre:expr, $mid:expr, $post:expr; $a:literal, $b:literal) => {
+        match $args {
+            $crate::key::KeyArgs::Text(_) => {
+                concat!(
+                    $pre,
+                    "hashtext(",
+                    $a,
+                    ")",
+                    $mid,
+                    "hashtext(",
+                    $a,
+                    ")",
+                    $post
+                )
+            }
+            $crate::key::KeyArgs::BigInt(_) => {
+                concat!($pre, $a, "::int8", $mid, $a, "::int8", $post)
+            }
+            $crate::key::KeyArgs::Pair(..) => concat!(
+                $pre,
+                $a,
+                "::int4, hashtext(",
+                $b,
+                ")",
+                $mid,
+                $a,
+                "::int4, hashtext(",
+                $b,
+                ")",
+                $post
+            ),
+        }
+    };
 }
 pub(crate) use keyed;
 

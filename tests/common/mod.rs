@@ -259,7 +259,7 @@ pub async fn close(conn: PgConnection) {
 /// waited for when the statement is planned, before anything is granted.
 pub async fn block_fencing_counters(pool: &PgPool) -> PgConnection {
     let mut conn = observer_for(pool).await;
-    sqlx::raw_sql("BEGIN; SELECT * FROM distlock.fencing_tokens FOR UPDATE")
+    sqlx::raw_sql("BEGIN; SELECT * FROM distlock.fencing_counters FOR UPDATE")
         .execute(&mut conn)
         .await
         .expect("block the fencing counters");

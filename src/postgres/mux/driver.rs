@@ -182,7 +182,7 @@ impl Driver {
     async fn try_lock(
         &mut self,
         key: LockKey,
-        fencing: Option<String>,
+        fencing: bool,
         reply: oneshot::Sender<TryOutcome>,
     ) -> Result<(), LossReason> {
         if reply.is_closed() {
@@ -201,8 +201,7 @@ impl Driver {
                 return Ok(());
             }
         };
-        let query =
-            sql::try_lock(args, fencing.as_deref(), self.locks.len()).fetch_one(&mut self.conn);
+        let query = sql::try_lock(args, fencing, self.locks.len()).fetch_one(&mut self.conn);
         let row = match timeout(self.statement_timeout, query).await {
             Err(_) => {
                 let _ = reply.send(Err(TryError::Gone));
@@ -225,7 +224,7 @@ impl Driver {
             }
             // A full lock table is raised by the lock function itself, so an
             // unfenced try that hit it took nothing; the session stays.
-            Ok(Err(err)) if fencing.is_none() && is_lock_table_full(&err) => {
+            Ok(Err(err)) if !fencing && is_lock_table_full(&err) => {
                 let _ = reply.send(Err(TryError::Failed(locking_error(err, &key))));
                 return Ok(());
             }
@@ -241,7 +240,7 @@ impl Driver {
             }
             Ok(Ok(row)) => row,
         };
-        let row = match sql::decode_try(&row, args, fencing.is_some()) {
+        let row = match sql::decode_try(&row, args, fencing) {
             Ok(row) => row,
             Err(err) => {
                 // We cannot tell what the statement did: give the session up.

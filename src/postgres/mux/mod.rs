@@ -108,12 +108,12 @@ impl Mux {
     /// when the shared one fails under it. Records nothing.
     async fn attempt(&self, key: &LockKey) -> Result<Option<SessionLock>, Error> {
         key.validate()?;
-        let fencing = self.config.fencing.then(|| key.fencing_name());
+        let fencing = self.config.fencing;
         for _ in 0..ATTEMPTS {
             let (reply, answer) = oneshot::channel();
             let request = Request::Try {
                 key: key.clone(),
-                fencing: fencing.clone(),
+                fencing,
                 reply,
             };
             if self.inbox(key).send(request).is_err() {

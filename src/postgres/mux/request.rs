@@ -15,8 +15,8 @@ pub(super) enum Request {
     /// Try to take `key` on the shared connection.
     Try {
         key: LockKey,
-        /// The fencing counter's name, when fencing is on.
-        fencing: Option<String>,
+        /// Whether to issue a fencing token with the lock.
+        fencing: bool,
         reply: oneshot::Sender<TryOutcome>,
     },
     /// Unlock the lock `id` (a released or dropped guard, or a grant whose

@@ -45,23 +45,6 @@ pub(super) struct TryRow {
     pub(super) token: Option<FencingToken>,
 }
 
-/// The token half of the fencing try statement, shared by every key shape:
-/// a token only when the lock was taken, as in the dedicated-connection mode.
-macro_rules! fencing_tail {
-    ($next:literal) => {
-        concat!(
-            "t AS (INSERT INTO distlock.fencing_tokens AS f (lock_key, token) \
-             SELECT $1, 1 FROM l WHERE l.ok \
-             ON CONFLICT (lock_key) DO UPDATE SET token = f.token + 1, issued_at = now() \
-             RETURNING f.token) \
-             SELECT l.ok, l.pid, l.k, (SELECT token FROM t), \
-             CASE WHEN l.ok THEN set_config('distlock.locks', ",
-            $next,
-            ", false) END FROM l"
-        )
-    };
-}
-
 /// The session-marker test (see `session_marker` in the parent's `sql`):
 /// the lock is attempted only if the session holds exactly the locks this
 /// connection's driver counts (`$n`, as text).
@@ -75,73 +58,82 @@ macro_rules! counted {
     };
 }
 
+/// The try statement for one key shape: `$lock` is the lock call on `k`
+/// (and `$1` for the pair), `$from` computes `k`, `$token` the token column,
+/// `$n`/`$next` the placeholders of the marker's counts.
+macro_rules! try_sql {
+    ($lock:literal, $from:literal, $token:literal, $n:literal, $next:literal) => {
+        concat!(
+            "WITH l AS (SELECT ",
+            counted!($n),
+            $lock,
+            " END AS ok, pg_backend_pid() AS pid, k ",
+            $from,
+            ") SELECT l.ok, l.pid, l.k, ",
+            $token,
+            ", CASE WHEN l.ok THEN set_config('distlock.locks', ",
+            $next,
+            ", false) END FROM l"
+        )
+    };
+}
+
 /// The try statement: lock attempt, backend pid and resolved key in one round
 /// trip; with fencing, the token is issued by the same statement when the
-/// lock was taken (`$1` is the counter's name, the key binds after it). The
-/// driver's count of held locks and the count after a grant bind last: the
-/// lock is attempted only if the session's marker matches the count, so a
-/// server session shared with another client takes nothing (NULL "taken").
-pub(super) fn try_lock<'q>(
-    args: KeyArgs<'q>,
-    fencing: Option<&'q str>,
-    held: usize,
-) -> PgQuery<'q> {
+/// lock was taken (`distlock.issue_token`, one counter per server lock). The
+/// driver's count of held locks and the count after a grant bind after the
+/// key: the lock is attempted only if the session's marker matches the
+/// count, so a server session shared with another client takes nothing
+/// (NULL "taken").
+pub(super) fn try_lock(args: KeyArgs<'_>, fencing: bool, held: usize) -> PgQuery<'_> {
     // Columns: taken (NULL: refused), pid, resolved key (int8, or int4 for
     // the pair's second half), token, marker. The subquery computes
-    // `hashtext` once for both uses.
-    let Some(counter) = fencing else {
-        let sql = match args {
-            KeyArgs::Text(_) => concat!(
-                "WITH l AS (SELECT ",
-                counted!("$2"),
-                "pg_try_advisory_lock(k) END AS ok, \
-                 pg_backend_pid() AS pid, k FROM (SELECT hashtext($1)::int8 AS k) s) \
-                 SELECT l.ok, l.pid, l.k, NULL::int8, \
-                 CASE WHEN l.ok THEN set_config('distlock.locks', $3, false) END FROM l"
-            ),
-            KeyArgs::BigInt(_) => concat!(
-                "WITH l AS (SELECT ",
-                counted!("$2"),
-                "pg_try_advisory_lock($1::int8) END AS ok, \
-                 pg_backend_pid() AS pid, $1::int8 AS k) \
-                 SELECT l.ok, l.pid, l.k, NULL::int8, \
-                 CASE WHEN l.ok THEN set_config('distlock.locks', $3, false) END FROM l"
-            ),
-            KeyArgs::Pair(..) => concat!(
-                "WITH l AS (SELECT ",
-                counted!("$3"),
-                "pg_try_advisory_lock($1::int4, k) END AS ok, \
-                 pg_backend_pid() AS pid, k FROM (SELECT hashtext($2) AS k) s) \
-                 SELECT l.ok, l.pid, l.k, NULL::int8, \
-                 CASE WHEN l.ok THEN set_config('distlock.locks', $4, false) END FROM l"
-            ),
-        };
-        return bind_counts(bind_key(sqlx::query(sql), args), held);
-    };
-    let sql = match args {
-        KeyArgs::Text(_) => concat!(
-            "WITH l AS (SELECT ",
-            counted!("$3"),
-            "pg_try_advisory_lock(k) END AS ok, \
-             pg_backend_pid() AS pid, k FROM (SELECT hashtext($2)::int8 AS k) s), ",
-            fencing_tail!("$4")
+    // `hashtext` once for every use.
+    let sql = match (args, fencing) {
+        (KeyArgs::Text(_), false) => try_sql!(
+            "pg_try_advisory_lock(k)",
+            "FROM (SELECT hashtext($1)::int8 AS k) s",
+            "NULL::int8",
+            "$2",
+            "$3"
         ),
-        KeyArgs::BigInt(_) => concat!(
-            "WITH l AS (SELECT ",
-            counted!("$3"),
-            "pg_try_advisory_lock($2::int8) END AS ok, \
-             pg_backend_pid() AS pid, $2::int8 AS k), ",
-            fencing_tail!("$4")
+        (KeyArgs::Text(_), true) => try_sql!(
+            "pg_try_advisory_lock(k)",
+            "FROM (SELECT hashtext($1)::int8 AS k) s",
+            "CASE WHEN l.ok THEN distlock.issue_token(l.k) END",
+            "$2",
+            "$3"
         ),
-        KeyArgs::Pair(..) => concat!(
-            "WITH l AS (SELECT ",
-            counted!("$4"),
-            "pg_try_advisory_lock($2::int4, k) END AS ok, \
-             pg_backend_pid() AS pid, k FROM (SELECT hashtext($3) AS k) s), ",
-            fencing_tail!("$5")
+        (KeyArgs::BigInt(_), false) => try_sql!(
+            "pg_try_advisory_lock(k)",
+            "FROM (SELECT $1::int8 AS k) s",
+            "NULL::int8",
+            "$2",
+            "$3"
+        ),
+        (KeyArgs::BigInt(_), true) => try_sql!(
+            "pg_try_advisory_lock(k)",
+            "FROM (SELECT $1::int8 AS k) s",
+            "CASE WHEN l.ok THEN distlock.issue_token(l.k) END",
+            "$2",
+            "$3"
+        ),
+        (KeyArgs::Pair(..), false) => try_sql!(
+            "pg_try_advisory_lock($1::int4, k)",
+            "FROM (SELECT hashtext($2) AS k) s",
+            "NULL::int8",
+            "$3",
+            "$4"
+        ),
+        (KeyArgs::Pair(..), true) => try_sql!(
+            "pg_try_advisory_lock($1::int4, k)",
+            "FROM (SELECT hashtext($2) AS k) s",
+            "CASE WHEN l.ok THEN distlock.issue_token($1::int4, l.k) END",
+            "$3",
+            "$4"
         ),
     };
-    bind_counts(bind_key(sqlx::query(sql).bind(counter), args), held)
+    bind_counts(bind_key(sqlx::query(sql), args), held)
 }
 
 /// Binds the driver's count of held locks, and that count plus the lock

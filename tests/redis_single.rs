@@ -368,3 +368,87 @@ async fn connect_fails_when_no_server_answers() {
     let err = RedisLocker::connect("not a url").await;
     assert!(matches!(err, Err(Error::Redis(_))), "{err:?}");
 }
+
+#[tokio::test]
+async fn lock_keeps_waiting_while_the_server_restarts() -> anyhow::Result<()> {
+    let mut server = RedisServer::start().await;
+    let locker = locker(&server).await;
+    server.kill();
+
+    let started = Instant::now();
+    let waiter = {
+        let locker = locker.clone();
+        tokio::spawn(async move { locker.lock("jobs:restart", Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the wait ended while the server was down: {:?}",
+        waiter.await
+    );
+    server.spawn().await;
+    let lease = waiter.await??;
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(lease.fencing_token().is_some());
+    assert!(server.get("jobs:restart").await.is_some());
+    lease.release().await?;
+    assert_eq!(server.get("jobs:restart").await, None);
+    Ok(())
+}
+
+#[tokio::test]
+async fn lock_keeps_waiting_through_command_timeouts_and_owns_a_late_set() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server)
+        .await
+        .with_command_timeout(Duration::from_millis(100));
+    // Writes wait 500 ms: the first tries time out, their SETs land later.
+    let _: String = server.run(&["CLIENT", "PAUSE", "500", "WRITE"]).await;
+
+    let started = Instant::now();
+    let lease = locker.lock("jobs:paused", Duration::from_secs(5)).await?;
+    assert!(started.elapsed() >= Duration::from_millis(400));
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(!lease.is_lost());
+    let pttl: i64 = server.run(&["PTTL", "jobs:paused"]).await;
+    assert!(pttl > 0, "the key is held with a TTL: {pttl}");
+    lease.release().await?;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        server.get("jobs:paused").await,
+        None,
+        "no try left a key behind"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn lock_fails_at_once_on_a_permanent_error() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let _: String = server
+        .run(&[
+            "ACL", "SETUSER", "noeval", "on", ">secret", "~*", "+@all", "-eval",
+        ])
+        .await;
+    init_tracing();
+    let url = format!("redis://noeval:secret@127.0.0.1:{}", server.port());
+    let locker = RedisLocker::connect(&url).await?;
+
+    let started = Instant::now();
+    let err = locker
+        .lock("jobs:denied", Duration::from_secs(5))
+        .await
+        .expect_err("EVAL is not allowed");
+    assert!(matches!(err, Error::Redis(_)), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    Ok(())
+}

@@ -125,7 +125,11 @@
 //! background. Dropping an acquiring future deletes whatever it may have set.
 //! Every command has a deadline; an extension that fails or finds the key
 //! gone or taken fires [`lost`][`RedisLease::lost`] at once on a single
-//! instance, while Redlock retries until the validity runs out. Spans
+//! instance, while Redlock retries until the validity runs out. A waiting
+//! `lock` treats a failure that passes (a connection refused or reset, a
+//! reply that misses its deadline, `LOADING`, a failover) like a busy lock
+//! and tries again until its deadline; a permanent error (a wrong type,
+//! failed authentication, a missing ACL permission) ends it at once. Spans
 //! `distlock.acquire` and `distlock.release` (at `DEBUG`) carry the key, the
 //! backend (`redis`, `redlock`), the wait or hold time and the outcome.
 //!

@@ -9,7 +9,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, Cmd, FromRedisValue, RedisError};
+use redis::{Client, Cmd, ErrorKind, FromRedisValue, RedisError, ServerErrorKind};
 use tokio::time::{Instant, timeout_at};
 
 use crate::Error;
@@ -104,6 +104,32 @@ pub(crate) fn timed_out(after: Duration) -> RedisError {
     .into()
 }
 
+/// Whether a command that failed with `err` may succeed if sent again: the
+/// connection failed, was refused or reset, or got no reply in time; or the
+/// server is starting (`LOADING`), busy with a script (`BUSY`), or in the
+/// middle of a failover (`READONLY`, `MASTERDOWN`, `TRYAGAIN`,
+/// `CLUSTERDOWN`, `NOREPLICAS`).
+///
+/// Everything else is permanent: a wrong type, a script error, failed
+/// authentication or a missing permission, a server out of memory or unable
+/// to persist (`OOM`, `MISCONF`). Trying again would only hide it until the
+/// deadline.
+pub(crate) fn is_transient(err: &RedisError) -> bool {
+    match err.kind() {
+        ErrorKind::Io | ErrorKind::Parse => true,
+        ErrorKind::Server(kind) => matches!(
+            kind,
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+        ),
+        ErrorKind::Extension => matches!(err.code(), Some("BUSY" | "NOREPLICAS")),
+        _ => false,
+    }
+}
+
 /// Runs `futures` concurrently on the calling task and returns their outputs
 /// in order. Talking to every node at once keeps a Redlock round as slow as
 /// its slowest node, not as the sum of all of them.
@@ -124,4 +150,38 @@ pub(crate) async fn join_all<F: Future>(futures: impl IntoIterator<Item = F>) ->
     })
     .await;
     outputs.into_iter().flatten().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_failures_and_restarts_are_transient_the_rest_is_not() {
+        let io = |kind| RedisError::from(std::io::Error::new(kind, "x"));
+        for err in [
+            io(std::io::ErrorKind::ConnectionRefused),
+            io(std::io::ErrorKind::ConnectionReset),
+            io(std::io::ErrorKind::BrokenPipe),
+            timed_out(Duration::from_millis(1)),
+            RedisError::from((ErrorKind::Server(ServerErrorKind::BusyLoading), "loading")),
+            RedisError::from((ErrorKind::Server(ServerErrorKind::ReadOnly), "replica")),
+            RedisError::from((ErrorKind::Server(ServerErrorKind::MasterDown), "down")),
+            redis::make_extension_error("BUSY".into(), None),
+        ] {
+            assert!(is_transient(&err), "{err}");
+        }
+        for err in [
+            RedisError::from((ErrorKind::Server(ServerErrorKind::ResponseError), "wrong")),
+            RedisError::from((ErrorKind::Server(ServerErrorKind::NoPerm), "denied")),
+            RedisError::from((ErrorKind::Server(ServerErrorKind::NoScript), "gone")),
+            RedisError::from((ErrorKind::AuthenticationFailed, "wrong password")),
+            RedisError::from((ErrorKind::UnexpectedReturnType, "not an integer")),
+            redis::make_extension_error("WRONGTYPE".into(), None),
+            redis::make_extension_error("WRONGPASS".into(), None),
+            redis::make_extension_error("OOM".into(), None),
+        ] {
+            assert!(!is_transient(&err), "{err}");
+        }
+    }
 }

@@ -13,7 +13,7 @@ use tracing::Instrument;
 
 use super::backoff::jittered;
 use super::claim::Claim;
-use super::node::{Node, join_all};
+use super::node::{self, Node, join_all};
 use super::setup::{self, SetupReport};
 use super::watchdog::{Backend, Extension, Handle, InFlight};
 use super::{DEFAULT_TTL, scripts, span};
@@ -220,9 +220,14 @@ impl Redlock {
         let span = span::acquire(&key, Quorum::NAME, "try");
         let started = Instant::now();
         let claim = Claim::new(key.clone(), self.config.ttl);
-        let result = async { self.attempt(&Arc::new(claim?)).await }
-            .instrument(span.clone())
-            .await;
+        let result = async {
+            let claim = Arc::new(claim?);
+            self.attempt(&claim)
+                .await
+                .map_err(|unreachable| Error::Redis(unreachable.error))
+        }
+        .instrument(span.clone())
+        .await;
         span::finish(&span, &key, Quorum::NAME, started, &result, Option::is_some);
         result
     }
@@ -231,9 +236,14 @@ impl Redlock {
     /// the retry delay plus a random jitter) until `timeout` has passed or
     /// the retry count is used up; then fails with [`Error::Timeout`].
     ///
-    /// Fails at once, like [`try_lock`](Self::try_lock), when failing nodes
-    /// alone leave no quorum. Every attempt uses the same token, so a `SET`
-    /// that landed late still belongs to this call.
+    /// Nodes that fail for a passing reason (down, refusing or resetting
+    /// connections, no reply within the node timeout, still loading their
+    /// data) do not end the wait: an attempt they leave without a quorum is
+    /// retried like a busy one, so the wait survives nodes restarting before
+    /// the deadline. It fails at once with [`Error::Redis`] only when nodes
+    /// failing with a permanent error (failed authentication, a missing ACL
+    /// permission, …) alone leave no quorum. Every attempt uses the same
+    /// token, so a `SET` that landed late still belongs to this call.
     ///
     /// # Cancel safety
     ///
@@ -263,12 +273,26 @@ impl Redlock {
         let claim = Arc::new(Claim::new(key, self.config.ttl)?);
         let deadline = Claim::deadline(started, timeout);
         let mut retries = 0_u32;
+        let mut failed = None;
         loop {
-            if let Some(lease) = self.attempt(&claim).await? {
-                return Ok(lease);
+            match self.attempt(&claim).await {
+                Ok(Some(lease)) => return Ok(lease),
+                Ok(None) => {}
+                Err(unreachable) if unreachable.transient => {
+                    tracing::debug!(error = %unreachable.error, "distlock: Redlock attempt failed; trying again until the deadline");
+                    failed = Some(unreachable.error);
+                }
+                Err(unreachable) => return Err(Error::Redis(unreachable.error)),
             }
             let now = Instant::now();
             if now >= deadline || retries >= self.config.retry_count {
+                if let Some(err) = failed {
+                    tracing::warn!(
+                        key = %claim.key,
+                        error = %err,
+                        "distlock: Redlock wait timed out; attempts were failing"
+                    );
+                }
                 return Err(claim.timed_out(started));
             }
             retries += 1;
@@ -279,7 +303,7 @@ impl Redlock {
 
     /// One round of the algorithm: `SET NX PX` everywhere, count, and on
     /// failure delete everywhere before reporting it.
-    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedlockLease>, Error> {
+    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedlockLease>, Unreachable> {
         let quorum = self.backend(claim);
         let in_flight = InFlight::new(&quorum, claim);
         let started = Instant::now();
@@ -296,8 +320,13 @@ impl Redlock {
             tracing::trace!(error = %err, "cleanup after a failed Redlock attempt");
         }
         in_flight.disarm();
-        if tally.failed.len() > self.nodes.len() - quorum.needed() {
-            return Err(Error::Redis(tally.unreachable(quorum.needed())));
+        let spare = self.nodes.len() - quorum.needed();
+        if tally.failed.len() > spare {
+            let transient = tally.lasting() <= spare;
+            return Err(Unreachable {
+                error: tally.unreachable(quorum.needed()),
+                transient,
+            });
         }
         if tally.granted >= quorum.needed() {
             tracing::warn!(
@@ -334,7 +363,25 @@ struct Tally {
     failed: Vec<(String, RedisError)>,
 }
 
+/// An attempt that too many failing nodes left without a quorum.
+#[derive(Debug)]
+struct Unreachable {
+    /// Names every failing node and its error.
+    error: RedisError,
+    /// Whether the nodes that failed for good (see [`node::is_transient`])
+    /// still leave room for a quorum once the others recover.
+    transient: bool,
+}
+
 impl Tally {
+    /// How many nodes failed with an error that trying again cannot fix.
+    fn lasting(&self) -> usize {
+        self.failed
+            .iter()
+            .filter(|(_, err)| !node::is_transient(err))
+            .count()
+    }
+
     /// Why a quorum could not be reached with this many failing nodes.
     fn unreachable(self, needed: usize) -> RedisError {
         let count = self.failed.len();

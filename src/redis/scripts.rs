@@ -8,15 +8,17 @@ use redis::Cmd;
 
 use super::claim::Claim;
 
-/// Takes the lock; with a second key, also issues the next fencing token in
-/// the same atomic step, so a token always belongs to exactly one holder.
-/// Returns -1 when the lock is held, else the token (0 without fencing).
+/// Takes the lock if it is free or already holds our token (an earlier try
+/// of the same wait whose reply was lost); with a second key, also issues
+/// the next fencing token in the same atomic step, so a token always belongs
+/// to exactly one holder. Returns -1 when another holder has the lock (or
+/// the key is not a string), else the token (0 without fencing).
 const ACQUIRE: &str = "\
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  if KEYS[2] then return redis.call('INCR', KEYS[2]) end
-  return 0
-end
-return -1";
+local held = redis.pcall('GET', KEYS[1])
+if held and held ~= ARGV[1] then return -1 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if KEYS[2] then return redis.call('INCR', KEYS[2]) end
+return 0";
 
 /// Deletes the key only while it still holds our token: after an expiry the
 /// key may belong to the next owner, whose lock must survive.

@@ -5,12 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use redis::RedisError;
 use tokio::time::{Instant, sleep};
 use tracing::Instrument;
 
 use super::backoff::Backoff;
 use super::claim::Claim;
-use super::node::Node;
+use super::node::{self, Node};
 use super::setup::{self, SetupReport};
 use super::watchdog::{Backend, Extension, Handle, InFlight};
 use super::{DEFAULT_TTL, scripts, span};
@@ -159,9 +160,16 @@ impl RedisLocker {
         let span = span::acquire(&key, Single::NAME, "try");
         let started = Instant::now();
         let claim = Claim::new(key.clone(), self.config.ttl);
-        let result = async { self.attempt(&Arc::new(claim?)).await }
-            .instrument(span.clone())
-            .await;
+        let result = async {
+            let claim = Arc::new(claim?);
+            // On error the SET may still have landed: `in_flight` cleans up.
+            let in_flight = InFlight::new(&self.backend(), &claim);
+            let lease = self.attempt(&claim).await?;
+            in_flight.disarm();
+            Ok(lease)
+        }
+        .instrument(span.clone())
+        .await;
         span::finish(&span, &key, Single::NAME, started, &result, Option::is_some);
         result
     }
@@ -171,8 +179,18 @@ impl RedisLocker {
     /// cannot name the holder: Redis does not know it). A `timeout` of zero
     /// is a single try.
     ///
+    /// A try that fails for a passing reason (connection refused or reset,
+    /// no reply within the command deadline, a server still loading its data
+    /// or in a failover: `LOADING`, `BUSY`, `READONLY`, `MASTERDOWN`, …) is
+    /// retried like a busy one, so a wait survives a server restart that ends
+    /// before the deadline. A permanent error (a wrong type, a script error,
+    /// failed authentication, a missing ACL permission, `OOM`) ends the wait
+    /// at once with [`Error::Redis`]. A try that starts just before the
+    /// deadline may end up to one command deadline after it.
+    ///
     /// Costs 1 round trip per try. Every try uses the same token, so a `SET`
-    /// whose reply was lost still belongs to this call.
+    /// whose reply was lost still belongs to this call: the next try finds
+    /// the key holding its token and takes it over.
     ///
     /// # Cancel safety
     ///
@@ -202,34 +220,56 @@ impl RedisLocker {
         let claim = Arc::new(Claim::new(key, self.config.ttl)?);
         let deadline = Claim::deadline(started, timeout);
         let mut backoff = Backoff::new(FIRST_BACKOFF, MAX_BACKOFF);
+        // One guard for the whole wait, not one per try: a try that failed may
+        // still set the key, and the next try (same token) takes that over. A
+        // cleanup per failed try could instead delete the key after a later
+        // try had taken it. Whatever is still ours when the wait ends without
+        // a lease (error, timeout, cancellation) is deleted in the background.
+        let in_flight = InFlight::new(&self.backend(), &claim);
+        let mut failed = None;
         loop {
-            if let Some(lease) = self.attempt(&claim).await? {
-                return Ok(lease);
+            match self.attempt(&claim).await {
+                Ok(Some(lease)) => {
+                    in_flight.disarm();
+                    return Ok(lease);
+                }
+                Ok(None) => {}
+                Err(err) if node::is_transient(&err) => {
+                    tracing::debug!(error = %err, "distlock: Redis try failed; trying again until the deadline");
+                    failed = Some(err);
+                }
+                Err(err) => return Err(Error::Redis(err)),
             }
             let now = Instant::now();
             if now >= deadline {
+                match failed {
+                    // Every reply was a definite "held": nothing of ours is set.
+                    None => in_flight.disarm(),
+                    Some(err) => tracing::warn!(
+                        key = %claim.key,
+                        error = %err,
+                        "distlock: Redis wait timed out; tries were failing"
+                    ),
+                }
                 return Err(claim.timed_out(started));
             }
             sleep(backoff.next_delay().min(deadline - now)).await;
         }
     }
 
-    /// One `SET NX PX` (with `INCR` of the fence counter) under the command
-    /// deadline, capped so that a reply always arrives while the TTL lasts.
-    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedisLease>, Error> {
-        let backend = self.backend();
-        let in_flight = InFlight::new(&backend, claim);
+    /// One `SET PX` if free (with `INCR` of the fence counter) under the
+    /// command deadline, capped so that a reply always arrives while the TTL
+    /// lasts. On error the `SET` may still have landed: the caller cleans up.
+    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedisLease>, RedisError> {
         let started = Instant::now();
         let within = self.config.command_timeout.min(claim.window());
         let cmd = scripts::acquire(claim, self.config.fencing);
-        // On error the SET may still have landed: `in_flight` cleans up.
         let reply: i64 = self.node.query(&cmd, within).await?;
-        in_flight.disarm();
         if reply < 0 {
             return Ok(None);
         }
         Ok(Some(RedisLease {
-            handle: Handle::spawn(backend, Arc::clone(claim), started),
+            handle: Handle::spawn(self.backend(), Arc::clone(claim), started),
             token: (reply > 0).then(|| FencingToken::new(reply)),
         }))
     }

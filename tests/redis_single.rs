@@ -452,3 +452,75 @@ async fn lock_fails_at_once_on_a_permanent_error() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// The token of a fresh lease on `key` from `locker`, released at once.
+async fn next_token(locker: &RedisLocker, key: &str) -> anyhow::Result<i64> {
+    let lease = locker.try_lock(key).await?.expect("free lock");
+    let token = lease.fencing_token().expect("fencing is on").value();
+    lease.release().await?;
+    Ok(token)
+}
+
+#[tokio::test]
+async fn fencing_counters_cannot_collide_with_lock_names() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server).await;
+    let mut tokens = Vec::new();
+    for _ in 0..3 {
+        tokens.push(next_token(&locker, "x").await?);
+    }
+
+    // A lock named like the key that used to count `x`'s tokens is a lock
+    // of its own: free, with its own tokens, and `x` keeps counting.
+    let colliding = locker
+        .try_lock("distlock:fencing:x")
+        .await?
+        .expect("a free lock, not x's counter");
+    assert_eq!(colliding.fencing_token().map(|t| t.value()), Some(1));
+    tokens.push(next_token(&locker, "x").await?);
+    colliding.release().await?;
+    tokens.push(next_token(&locker, "x").await?);
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "x's tokens: {tokens:?}"
+    );
+    assert_eq!(
+        server.get("distlock:fencing\0x").await.as_deref(),
+        Some("5"),
+        "the counter's key has a NUL byte, which no lock name can have"
+    );
+
+    // The other way round: while the lock named like `y`'s old counter is
+    // held (its key holds a random token), `y` still gets tokens.
+    let colliding = locker
+        .try_lock("distlock:fencing:y")
+        .await?
+        .expect("free lock");
+    assert_eq!(next_token(&locker, "y").await?, 1);
+    assert_eq!(next_token(&locker, "y").await?, 2);
+    colliding.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn fencing_counters_continue_above_the_old_counter_key() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server).await;
+    // A deployment whose tokens for `m` were counted in the old key.
+    let _: String = server.run(&["SET", "distlock:fencing:m", "41"]).await;
+    assert_eq!(next_token(&locker, "m").await?, 42);
+    assert_eq!(next_token(&locker, "m").await?, 43);
+    assert_eq!(
+        server.get("distlock:fencing:m").await.as_deref(),
+        Some("41"),
+        "the old key is left alone: it may be another lock's"
+    );
+
+    // A lock's token that happens to be all digits is no counter.
+    let digits = "12345678901234567890123456789012";
+    let _: String = server
+        .run(&["SET", "distlock:fencing:n", digits, "PX", "10000"])
+        .await;
+    assert_eq!(next_token(&locker, "n").await?, 1);
+    Ok(())
+}

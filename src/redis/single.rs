@@ -112,8 +112,9 @@ impl RedisLocker {
     }
 
     /// Issues fencing tokens (default `true`). Each lock name then keeps a
-    /// counter key `distlock:fencing:<name>` that never expires (so tokens
-    /// never repeat); turn this off to keep no state beyond held leases.
+    /// counter key (`distlock:fencing`, a NUL byte, the name; see the
+    /// [module docs](super#keys)) that never expires (so tokens never
+    /// repeat); turn this off to keep no state beyond held leases.
     #[must_use]
     pub fn with_fencing(mut self, fencing: bool) -> Self {
         self.config.fencing = fencing;

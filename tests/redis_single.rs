@@ -524,3 +524,26 @@ async fn fencing_counters_continue_above_the_old_counter_key() -> anyhow::Result
     assert_eq!(next_token(&locker, "n").await?, 1);
     Ok(())
 }
+
+#[tokio::test]
+async fn huge_durations_mean_as_long_as_possible_and_never_panic() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server).await.with_command_timeout(Duration::MAX);
+    assert_eq!(locker.check_setup().await.reachable(), 1);
+
+    let lease = locker.lock("jobs:huge", Duration::MAX).await?;
+    assert!(lease.fencing_token().is_some());
+    lease.release().await?;
+    let lease = locker.try_lock("jobs:huge").await?.expect("free lock");
+    lease.release().await?;
+
+    for ttl in [Duration::MAX, Duration::from_secs(u64::MAX)] {
+        let err = locker
+            .clone()
+            .with_ttl(ttl)
+            .lock("jobs:huge", Duration::MAX)
+            .await;
+        assert!(matches!(err, Err(Error::InvalidConfig(_))), "{err:?}");
+    }
+    Ok(())
+}

@@ -492,3 +492,37 @@ async fn lock_fails_at_once_when_a_majority_refuses_for_good() -> anyhow::Result
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn huge_durations_mean_as_long_as_possible_and_never_panic() -> anyhow::Result<()> {
+    let servers = servers(3).await;
+    let redlock = redlock(&servers)
+        .await
+        .with_node_timeout(Duration::MAX)
+        .with_retry_delay(Duration::MAX)
+        .with_retry_jitter(Duration::MAX);
+    assert_eq!(redlock.check_setup().await.reachable(), 3);
+
+    let lease = redlock.lock("jobs:huge", Duration::MAX).await?;
+    // Held: the next attempt comes after the (huge) retry delay, cut short
+    // by the deadline.
+    let started = Instant::now();
+    let err = redlock
+        .lock("jobs:huge", Duration::from_millis(200))
+        .await
+        .expect_err("held");
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    lease.release().await?;
+
+    let err = redlock
+        .with_ttl(Duration::MAX)
+        .lock("jobs:huge", Duration::MAX)
+        .await;
+    assert!(matches!(err, Err(Error::InvalidConfig(_))), "{err:?}");
+    Ok(())
+}

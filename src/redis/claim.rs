@@ -97,14 +97,6 @@ impl Claim {
         }
     }
 
-    /// When a wait of `timeout` that began at `started` ends; a timeout too
-    /// large for the clock (such as `Duration::MAX`) waits about a year.
-    pub(crate) fn deadline(started: Instant, timeout: Duration) -> Instant {
-        started
-            .checked_add(timeout)
-            .unwrap_or_else(|| started + MAX_TTL * 12)
-    }
-
     /// [`Error::Timeout`] for a wait that began at `started`.
     pub(crate) fn timed_out(&self, started: Instant) -> Error {
         Error::Timeout {

@@ -65,7 +65,7 @@ impl Node {
         cmd: &Cmd,
         within: Duration,
     ) -> Result<T, RedisError> {
-        let deadline = Instant::now() + within;
+        let deadline = deadline(Instant::now(), within);
         let first = timeout_at(deadline, self.send(cmd)).await;
         match first {
             Ok(Err(err)) if err.is_connection_refusal() => timeout_at(deadline, self.send(cmd))
@@ -93,6 +93,19 @@ fn config() -> ConnectionManagerConfig {
 fn label(client: &Client) -> Arc<str> {
     let info = client.get_connection_info();
     Arc::from(format!("{}/{}", info.addr(), info.redis_settings().db()))
+}
+
+/// `start + after`, or, when that is beyond what the clock can express (such
+/// as `Duration::MAX`), the latest instant it can (within a factor of two):
+/// as long as possible, without overflowing.
+pub(crate) fn deadline(start: Instant, after: Duration) -> Instant {
+    let mut after = after;
+    loop {
+        if let Some(deadline) = start.checked_add(after) {
+            return deadline;
+        }
+        after /= 2;
+    }
 }
 
 /// The error of a command that got no reply in time.
@@ -155,6 +168,16 @@ pub(crate) async fn join_all<F: Future>(futures: impl IntoIterator<Item = F>) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn deadlines_saturate() {
+        let now = Instant::now();
+        let second = Duration::from_secs(1);
+        assert_eq!(deadline(now, second), now + second);
+        let far = deadline(now, Duration::MAX);
+        assert!(far > now + Duration::from_secs(100 * 365 * 24 * 3600));
+        assert!(deadline(now, Duration::from_secs(u64::MAX / 2)) > now + second);
+    }
 
     #[test]
     fn connection_failures_and_restarts_are_transient_the_rest_is_not() {

@@ -138,7 +138,9 @@ impl Redlock {
         Ok(redlock)
     }
 
-    /// Sets the leases' time to live (default 30 s, from 100 ms to 30 days).
+    /// Sets the leases' time to live (default 30 s, from 100 ms to 30 days;
+    /// outside that range, such as `Duration::MAX`, every acquisition fails
+    /// with [`Error::InvalidConfig`]).
     #[must_use]
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.config.ttl = ttl;
@@ -146,8 +148,8 @@ impl Redlock {
     }
 
     /// Sets the deadline of one node's reply (default 50 ms; never more than
-    /// the TTL less the drift margin). It bounds how much of the validity a
-    /// dead or slow node can eat.
+    /// the TTL less the drift margin, so `Duration::MAX` means exactly that).
+    /// It bounds how much of the validity a dead or slow node can eat.
     #[must_use]
     pub fn with_node_timeout(mut self, timeout: Duration) -> Self {
         self.config.node_timeout = timeout;
@@ -163,6 +165,8 @@ impl Redlock {
     }
 
     /// Sets the fixed part of the delay between two attempts (default 50 ms).
+    /// The delay never outlasts the wait's deadline; a duration too long for
+    /// the clock (such as `Duration::MAX`) saturates.
     #[must_use]
     pub fn with_retry_delay(mut self, delay: Duration) -> Self {
         self.config.retry_delay = delay;
@@ -234,7 +238,9 @@ impl Redlock {
 
     /// Takes the lease `key`, trying again after each failed attempt (after
     /// the retry delay plus a random jitter) until `timeout` has passed or
-    /// the retry count is used up; then fails with [`Error::Timeout`].
+    /// the retry count is used up; then fails with [`Error::Timeout`]. A
+    /// `timeout` too long for the clock (such as `Duration::MAX`) means as
+    /// long as possible.
     ///
     /// Nodes that fail for a passing reason (down, refusing or resetting
     /// connections, no reply within the node timeout, still loading their
@@ -271,7 +277,7 @@ impl Redlock {
         timeout: Duration,
     ) -> Result<RedlockLease, Error> {
         let claim = Arc::new(Claim::new(key, self.config.ttl)?);
-        let deadline = Claim::deadline(started, timeout);
+        let deadline = node::deadline(started, timeout);
         let mut retries = 0_u32;
         let mut failed = None;
         loop {

@@ -102,9 +102,11 @@ impl RedisLocker {
         Ok(locker)
     }
 
-    /// Sets the leases' time to live (default 30 s, from 100 ms to 30 days). A
-    /// holder that dies without releasing blocks others for at most this
-    /// long; the watchdog extends every TTL/3.
+    /// Sets the leases' time to live (default 30 s, from 100 ms to 30 days;
+    /// outside that range, such as `Duration::MAX`, every acquisition fails
+    /// with [`Error::InvalidConfig`]). A holder that dies without releasing
+    /// blocks others for at most this long; the watchdog extends every
+    /// TTL/3.
     #[must_use]
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.config.ttl = ttl;
@@ -122,7 +124,10 @@ impl RedisLocker {
     }
 
     /// Sets the deadline of one command to the server (default 2 s). An
-    /// extension that gets no reply in time counts as loss.
+    /// extension that gets no reply in time counts as loss. A duration too
+    /// long for the clock (such as `Duration::MAX`) means as long as
+    /// possible; an acquisition still waits for its reply at most the TTL
+    /// less the drift margin.
     #[must_use]
     pub fn with_command_timeout(mut self, timeout: Duration) -> Self {
         self.config.command_timeout = timeout;
@@ -178,7 +183,8 @@ impl RedisLocker {
     /// Takes the lease `key`, trying again with jittered exponential backoff
     /// until `timeout` has passed; then fails with [`Error::Timeout`] (which
     /// cannot name the holder: Redis does not know it). A `timeout` of zero
-    /// is a single try.
+    /// is a single try; one too long for the clock (such as `Duration::MAX`)
+    /// means as long as possible.
     ///
     /// A try that fails for a passing reason (connection refused or reset,
     /// no reply within the command deadline, a server still loading its data
@@ -219,7 +225,7 @@ impl RedisLocker {
         timeout: Duration,
     ) -> Result<RedisLease, Error> {
         let claim = Arc::new(Claim::new(key, self.config.ttl)?);
-        let deadline = Claim::deadline(started, timeout);
+        let deadline = node::deadline(started, timeout);
         let mut backoff = Backoff::new(FIRST_BACKOFF, MAX_BACKOFF);
         // One guard for the whole wait, not one per try: a try that failed may
         // still set the key, and the next try (same token) takes that over. A

@@ -547,3 +547,69 @@ async fn huge_durations_mean_as_long_as_possible_and_never_panic() -> anyhow::Re
     }
     Ok(())
 }
+
+/// Runs `acquire` against `url` on a runtime of its own and drops that
+/// runtime as soon as it returns, as a process that exits on the error
+/// would: background tasks spawned by the acquisition never run.
+async fn in_a_runtime_that_stops_at_once<F, Fut>(url: String, acquire: F) -> anyhow::Result<Error>
+where
+    F: FnOnce(RedisLocker) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Option<Error>>,
+{
+    tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let err = runtime.block_on(async {
+            let locker = RedisLocker::connect(&url).await?;
+            anyhow::Ok(acquire(locker).await)
+        });
+        drop(runtime);
+        err?.ok_or_else(|| anyhow::anyhow!("the acquisition succeeded"))
+    })
+    .await?
+}
+
+#[tokio::test]
+async fn an_acquisition_failing_in_the_script_never_sets_the_key() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    // Both counters are lists, so the acquire script's INCR fails.
+    for key in [
+        "distlock:fencing\0jobs:broken-try",
+        "distlock:fencing\0jobs:broken-wait",
+    ] {
+        let _: i64 = server.run(&["RPUSH", key, "not a number"]).await;
+    }
+
+    let err = in_a_runtime_that_stops_at_once(server.url(), |locker| async move {
+        locker.try_lock("jobs:broken-try").await.err()
+    })
+    .await?;
+    assert!(matches!(err, Error::Redis(_)), "{err}");
+    assert_eq!(
+        server.get("jobs:broken-try").await,
+        None,
+        "a failed try_lock left the key held with no lease to release it"
+    );
+
+    let started = Instant::now();
+    let err = in_a_runtime_that_stops_at_once(server.url(), |locker| async move {
+        locker
+            .lock("jobs:broken-wait", Duration::from_secs(5))
+            .await
+            .err()
+    })
+    .await?;
+    assert!(matches!(err, Error::Redis(_)), "a permanent error: {err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        server.get("jobs:broken-wait").await,
+        None,
+        "a failed lock left the key held with no lease to release it"
+    );
+    Ok(())
+}

@@ -18,19 +18,26 @@ use super::claim::Claim;
 /// counter of earlier versions (key 3) if that holds a plain count; a lock's
 /// random token (32 characters) never passes for one. Counting happens in
 /// Redis (`SET`, `INCR`), not in Lua's floating point.
+///
+/// The lock's key is written last: Redis does not undo a script's writes
+/// when a later command in it fails, so a failing `INCR` (a counter that is
+/// not a number) must come before the `SET`, or the key would stay held with
+/// no lease to release it.
 const ACQUIRE: &str = "\
 local held = redis.pcall('GET', KEYS[1])
 if held and held ~= ARGV[1] then return -1 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if not KEYS[2] then return 0 end
-local token = redis.call('INCR', KEYS[2])
-if token == 1 then
-  local old = redis.pcall('GET', KEYS[3])
-  if type(old) == 'string' and #old <= 18 and string.match(old, '^[1-9]%d*$') then
-    redis.call('SET', KEYS[2], old)
-    token = redis.call('INCR', KEYS[2])
+local token = 0
+if KEYS[2] then
+  token = redis.call('INCR', KEYS[2])
+  if token == 1 then
+    local old = redis.pcall('GET', KEYS[3])
+    if type(old) == 'string' and #old <= 18 and string.match(old, '^[1-9]%d*$') then
+      redis.call('SET', KEYS[2], old)
+      token = redis.call('INCR', KEYS[2])
+    end
   end
 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return token";
 
 /// Deletes the key only while it still holds our token: after an expiry the

@@ -368,3 +368,248 @@ async fn connect_fails_when_no_server_answers() {
     let err = RedisLocker::connect("not a url").await;
     assert!(matches!(err, Err(Error::Redis(_))), "{err:?}");
 }
+
+#[tokio::test]
+async fn lock_keeps_waiting_while_the_server_restarts() -> anyhow::Result<()> {
+    let mut server = RedisServer::start().await;
+    let locker = locker(&server).await;
+    server.kill();
+
+    let started = Instant::now();
+    let waiter = {
+        let locker = locker.clone();
+        tokio::spawn(async move { locker.lock("jobs:restart", Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the wait ended while the server was down: {:?}",
+        waiter.await
+    );
+    server.spawn().await;
+    let lease = waiter.await??;
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(lease.fencing_token().is_some());
+    assert!(server.get("jobs:restart").await.is_some());
+    lease.release().await?;
+    assert_eq!(server.get("jobs:restart").await, None);
+    Ok(())
+}
+
+#[tokio::test]
+async fn lock_keeps_waiting_through_command_timeouts_and_owns_a_late_set() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server)
+        .await
+        .with_command_timeout(Duration::from_millis(100));
+    // Writes wait 500 ms: the first tries time out, their SETs land later.
+    let _: String = server.run(&["CLIENT", "PAUSE", "500", "WRITE"]).await;
+
+    let started = Instant::now();
+    let lease = locker.lock("jobs:paused", Duration::from_secs(5)).await?;
+    assert!(started.elapsed() >= Duration::from_millis(400));
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(!lease.is_lost());
+    let pttl: i64 = server.run(&["PTTL", "jobs:paused"]).await;
+    assert!(pttl > 0, "the key is held with a TTL: {pttl}");
+    lease.release().await?;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        server.get("jobs:paused").await,
+        None,
+        "no try left a key behind"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn lock_fails_at_once_on_a_permanent_error() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let _: String = server
+        .run(&[
+            "ACL", "SETUSER", "noeval", "on", ">secret", "~*", "+@all", "-eval",
+        ])
+        .await;
+    init_tracing();
+    let url = format!("redis://noeval:secret@127.0.0.1:{}", server.port());
+    let locker = RedisLocker::connect(&url).await?;
+
+    let started = Instant::now();
+    let err = locker
+        .lock("jobs:denied", Duration::from_secs(5))
+        .await
+        .expect_err("EVAL is not allowed");
+    assert!(matches!(err, Error::Redis(_)), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    Ok(())
+}
+
+/// The token of a fresh lease on `key` from `locker`, released at once.
+async fn next_token(locker: &RedisLocker, key: &str) -> anyhow::Result<i64> {
+    let lease = locker.try_lock(key).await?.expect("free lock");
+    let token = lease.fencing_token().expect("fencing is on").value();
+    lease.release().await?;
+    Ok(token)
+}
+
+#[tokio::test]
+async fn fencing_counters_cannot_collide_with_lock_names() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server).await;
+    let mut tokens = Vec::new();
+    for _ in 0..3 {
+        tokens.push(next_token(&locker, "x").await?);
+    }
+
+    // A lock named like the key that used to count `x`'s tokens is a lock
+    // of its own: free, with its own tokens, and `x` keeps counting.
+    let colliding = locker
+        .try_lock("distlock:fencing:x")
+        .await?
+        .expect("a free lock, not x's counter");
+    assert_eq!(colliding.fencing_token().map(|t| t.value()), Some(1));
+    tokens.push(next_token(&locker, "x").await?);
+    colliding.release().await?;
+    tokens.push(next_token(&locker, "x").await?);
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "x's tokens: {tokens:?}"
+    );
+    assert_eq!(
+        server.get("distlock:fencing\0x").await.as_deref(),
+        Some("5"),
+        "the counter's key has a NUL byte, which no lock name can have"
+    );
+
+    // The other way round: while the lock named like `y`'s old counter is
+    // held (its key holds a random token), `y` still gets tokens.
+    let colliding = locker
+        .try_lock("distlock:fencing:y")
+        .await?
+        .expect("free lock");
+    assert_eq!(next_token(&locker, "y").await?, 1);
+    assert_eq!(next_token(&locker, "y").await?, 2);
+    colliding.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn fencing_counters_continue_above_the_old_counter_key() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server).await;
+    // A deployment whose tokens for `m` were counted in the old key.
+    let _: String = server.run(&["SET", "distlock:fencing:m", "41"]).await;
+    assert_eq!(next_token(&locker, "m").await?, 42);
+    assert_eq!(next_token(&locker, "m").await?, 43);
+    assert_eq!(
+        server.get("distlock:fencing:m").await.as_deref(),
+        Some("41"),
+        "the old key is left alone: it may be another lock's"
+    );
+
+    // A lock's token that happens to be all digits is no counter.
+    let digits = "12345678901234567890123456789012";
+    let _: String = server
+        .run(&["SET", "distlock:fencing:n", digits, "PX", "10000"])
+        .await;
+    assert_eq!(next_token(&locker, "n").await?, 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn huge_durations_mean_as_long_as_possible_and_never_panic() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker(&server).await.with_command_timeout(Duration::MAX);
+    assert_eq!(locker.check_setup().await.reachable(), 1);
+
+    let lease = locker.lock("jobs:huge", Duration::MAX).await?;
+    assert!(lease.fencing_token().is_some());
+    lease.release().await?;
+    let lease = locker.try_lock("jobs:huge").await?.expect("free lock");
+    lease.release().await?;
+
+    for ttl in [Duration::MAX, Duration::from_secs(u64::MAX)] {
+        let err = locker
+            .clone()
+            .with_ttl(ttl)
+            .lock("jobs:huge", Duration::MAX)
+            .await;
+        assert!(matches!(err, Err(Error::InvalidConfig(_))), "{err:?}");
+    }
+    Ok(())
+}
+
+/// Runs `acquire` against `url` on a runtime of its own and drops that
+/// runtime as soon as it returns, as a process that exits on the error
+/// would: background tasks spawned by the acquisition never run.
+async fn in_a_runtime_that_stops_at_once<F, Fut>(url: String, acquire: F) -> anyhow::Result<Error>
+where
+    F: FnOnce(RedisLocker) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Option<Error>>,
+{
+    tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let err = runtime.block_on(async {
+            let locker = RedisLocker::connect(&url).await?;
+            anyhow::Ok(acquire(locker).await)
+        });
+        drop(runtime);
+        err?.ok_or_else(|| anyhow::anyhow!("the acquisition succeeded"))
+    })
+    .await?
+}
+
+#[tokio::test]
+async fn an_acquisition_failing_in_the_script_never_sets_the_key() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    // Both counters are lists, so the acquire script's INCR fails.
+    for key in [
+        "distlock:fencing\0jobs:broken-try",
+        "distlock:fencing\0jobs:broken-wait",
+    ] {
+        let _: i64 = server.run(&["RPUSH", key, "not a number"]).await;
+    }
+
+    let err = in_a_runtime_that_stops_at_once(server.url(), |locker| async move {
+        locker.try_lock("jobs:broken-try").await.err()
+    })
+    .await?;
+    assert!(matches!(err, Error::Redis(_)), "{err}");
+    assert_eq!(
+        server.get("jobs:broken-try").await,
+        None,
+        "a failed try_lock left the key held with no lease to release it"
+    );
+
+    let started = Instant::now();
+    let err = in_a_runtime_that_stops_at_once(server.url(), |locker| async move {
+        locker
+            .lock("jobs:broken-wait", Duration::from_secs(5))
+            .await
+            .err()
+    })
+    .await?;
+    assert!(matches!(err, Error::Redis(_)), "a permanent error: {err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        server.get("jobs:broken-wait").await,
+        None,
+        "a failed lock left the key held with no lease to release it"
+    );
+    Ok(())
+}

@@ -90,11 +90,14 @@ async fn refuses_with_three_of_five_nodes_down() -> anyhow::Result<()> {
         .await
         .expect_err("no quorum");
     assert!(matches!(err, Error::Redis(_)), "{err}");
+    // Nodes that are down may come back: a wait keeps trying until its end.
+    let started = Instant::now();
     let err = redlock
         .lock("jobs:majority-down", Duration::from_millis(200))
         .await
         .expect_err("no quorum");
-    assert!(matches!(err, Error::Redis(_)), "{err}");
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(started.elapsed() >= Duration::from_millis(200));
     // The failed attempts cleaned up the two nodes that granted them.
     assert_eq!(servers[1].get("jobs:majority-down").await, None);
     assert_eq!(servers[3].get("jobs:majority-down").await, None);
@@ -426,5 +429,100 @@ async fn works_through_the_backend_agnostic_traits() -> anyhow::Result<()> {
     lease.release().await?;
     let lease = locker.lock(LockKey::id(7), Duration::MAX).await?;
     lease.release().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn lock_keeps_waiting_while_a_majority_restarts() -> anyhow::Result<()> {
+    let mut servers = servers(3).await;
+    let redlock = redlock(&servers).await;
+    servers[0].kill();
+    servers[1].kill();
+
+    let started = Instant::now();
+    let waiter = {
+        let redlock = redlock.clone();
+        tokio::spawn(async move { redlock.lock("jobs:restart", Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the wait ended while a majority was down: {:?}",
+        waiter.await
+    );
+    servers[0].spawn().await;
+    servers[1].spawn().await;
+    let lease = waiter.await??;
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let held = values(&servers, "jobs:restart").await;
+    assert!(held.iter().filter(|v| v.is_some()).count() >= 2, "{held:?}");
+    lease.release().await?;
+    assert_eq!(values(&servers, "jobs:restart").await, vec![None; 3]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn lock_fails_at_once_when_a_majority_refuses_for_good() -> anyhow::Result<()> {
+    let servers = servers(3).await;
+    for server in &servers {
+        let _: String = server
+            .run(&[
+                "ACL", "SETUSER", "noset", "on", ">secret", "~*", "+@all", "-set",
+            ])
+            .await;
+    }
+    init_tracing();
+    let urls: Vec<String> = servers
+        .iter()
+        .map(|s| format!("redis://noset:secret@127.0.0.1:{}", s.port()))
+        .collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let redlock = Redlock::connect(&urls).await?;
+
+    let started = Instant::now();
+    let err = redlock
+        .lock("jobs:denied", Duration::from_secs(5))
+        .await
+        .expect_err("SET is not allowed");
+    assert!(matches!(err, Error::Redis(_)), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn huge_durations_mean_as_long_as_possible_and_never_panic() -> anyhow::Result<()> {
+    let servers = servers(3).await;
+    let redlock = redlock(&servers)
+        .await
+        .with_node_timeout(Duration::MAX)
+        .with_retry_delay(Duration::MAX)
+        .with_retry_jitter(Duration::MAX);
+    assert_eq!(redlock.check_setup().await.reachable(), 3);
+
+    let lease = redlock.lock("jobs:huge", Duration::MAX).await?;
+    // Held: the next attempt comes after the (huge) retry delay, cut short
+    // by the deadline.
+    let started = Instant::now();
+    let err = redlock
+        .lock("jobs:huge", Duration::from_millis(200))
+        .await
+        .expect_err("held");
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    lease.release().await?;
+
+    let err = redlock
+        .with_ttl(Duration::MAX)
+        .lock("jobs:huge", Duration::MAX)
+        .await;
+    assert!(matches!(err, Err(Error::InvalidConfig(_))), "{err:?}");
     Ok(())
 }

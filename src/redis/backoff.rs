@@ -23,20 +23,29 @@ impl Backoff {
 
     pub(crate) fn next_delay(&mut self) -> Duration {
         let ceiling = self.next;
-        self.next = (ceiling * 2).min(self.max);
+        self.next = ceiling.saturating_mul(2).min(self.max);
         jittered(ceiling / 2, ceiling / 2)
     }
 }
 
-/// `base` plus a uniformly random part of `jitter`.
+/// `base` plus a uniformly random part of `jitter`, saturating at
+/// `Duration::MAX`.
 pub(crate) fn jittered(base: Duration, jitter: Duration) -> Duration {
     let nanos = u64::try_from(jitter.as_nanos()).unwrap_or(u64::MAX);
-    base + Duration::from_nanos(rand::rng().random_range(0..=nanos))
+    base.saturating_add(Duration::from_nanos(rand::rng().random_range(0..=nanos)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn huge_delays_saturate() {
+        assert_eq!(jittered(Duration::MAX, Duration::MAX), Duration::MAX);
+        let mut backoff = Backoff::new(Duration::MAX, Duration::MAX);
+        assert!(backoff.next_delay() >= Duration::MAX / 2);
+        assert!(backoff.next_delay() >= Duration::MAX / 2);
+    }
 
     #[test]
     fn delays_stay_within_their_bounds_and_grow_to_the_cap() {

@@ -15,8 +15,15 @@ pub(crate) const MIN_TTL: Duration = Duration::from_millis(100);
 /// and a holder that dies blocks others for a whole TTL.
 pub(crate) const MAX_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 
-/// Prefix of the companion key that counts a lock's fencing tokens.
-pub(crate) const FENCE_PREFIX: &str = "distlock:fencing:";
+/// Prefix of the companion key that counts a lock's fencing tokens. The NUL
+/// byte keeps counters apart from locks: no lock name can contain one
+/// ([`LockKey::validate`]), so no lock's key is ever a counter's.
+pub(crate) const FENCE_PREFIX: &str = "distlock:fencing\0";
+
+/// Prefix of the counter key of earlier versions, which a lock named
+/// `distlock:fencing:<name>` collided with. Read once per name, so that the
+/// new counter continues above it.
+pub(crate) const LEGACY_FENCE_PREFIX: &str = "distlock:fencing:";
 
 /// One lease's identity on the server(s), shared by the acquiring call, the
 /// watchdog and the cancellation guard.
@@ -60,9 +67,15 @@ impl Claim {
         self.ttl.saturating_sub(drift(self.ttl))
     }
 
-    /// The companion key whose `INCR` issues this lock's fencing tokens.
+    /// The companion key whose `INCR` issues this lock's fencing tokens:
+    /// `distlock:fencing`, a NUL byte, the name.
     pub(crate) fn fence_key(&self) -> String {
         format!("{FENCE_PREFIX}{}", self.name)
+    }
+
+    /// Where earlier versions counted this lock's tokens.
+    pub(crate) fn legacy_fence_key(&self) -> String {
+        format!("{LEGACY_FENCE_PREFIX}{}", self.name)
     }
 
     /// The error of a release that found another token (or none).
@@ -82,14 +95,6 @@ impl Claim {
         } else {
             Error::Redis(err)
         }
-    }
-
-    /// When a wait of `timeout` that began at `started` ends; a timeout too
-    /// large for the clock (such as `Duration::MAX`) waits about a year.
-    pub(crate) fn deadline(started: Instant, timeout: Duration) -> Instant {
-        started
-            .checked_add(timeout)
-            .unwrap_or_else(|| started + MAX_TTL * 12)
     }
 
     /// [`Error::Timeout`] for a wait that began at `started`.
@@ -153,6 +158,18 @@ mod tests {
             redis_key(&LockKey::from("")),
             Err(Error::InvalidKey { .. })
         ));
+    }
+
+    #[test]
+    fn no_lock_name_is_a_fence_counter() -> Result<(), Error> {
+        let claim = Claim::new(LockKey::from("x"), MIN_TTL)?;
+        assert_eq!(claim.fence_key(), "distlock:fencing\0x");
+        assert!(matches!(
+            redis_key(&LockKey::from(claim.fence_key().as_str())),
+            Err(Error::InvalidKey { .. })
+        ));
+        assert_eq!(claim.legacy_fence_key(), "distlock:fencing:x");
+        Ok(())
     }
 
     #[test]

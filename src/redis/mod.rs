@@ -19,7 +19,10 @@
 //! `LockKey::hashed64("x")` the key `x`. [`LockKey::namespaced`](crate::LockKey::namespaced)
 //! keys are refused with [`Error::InvalidKey`](crate::Error::InvalidKey): put
 //! the namespace into the name. With fencing on, [`RedisLocker`] also keeps a
-//! counter key `distlock:fencing:<name>` per lock name.
+//! counter key per lock name: `distlock:fencing`, a NUL byte, then the name
+//! (`"distlock:fencing\x00jobs:nightly"` in `redis-cli`). Lock names cannot
+//! contain NUL, so no lock's key is ever a counter's, whatever its name: a
+//! lock may be called `distlock:fencing:jobs:nightly`.
 //!
 //! # PostgreSQL, Redis or Redlock?
 //!
@@ -49,13 +52,24 @@
 //!
 //! # Fencing tokens
 //!
-//! [`RedisLocker`] issues one with every lease: the acquire script runs
-//! `INCR distlock:fencing:<name>` in the same atomic step as the `SET`, so a
-//! token belongs to exactly one holder and each is greater than every earlier
-//! one. The counter is only as durable as the server's data: a restart
-//! without persistence (AOF with `appendfsync always`) or a failover to a
-//! replica that had not yet received the last `INCR` can hand out a token
-//! again.
+//! [`RedisLocker`] issues one with every lease: the acquire script `INCR`s
+//! the lock's counter key (see [Keys](#keys)) in the same atomic step as the
+//! `SET`, so a token belongs to exactly one holder and each is greater than
+//! every earlier one. The counter is only as durable as the server's data: a
+//! restart without persistence (AOF with `appendfsync always`) or a failover
+//! to a replica that had not yet received the last `INCR` can hand out a
+//! token again.
+//!
+//! Earlier versions counted in `distlock:fencing:<name>`, a key that the lock
+//! named `distlock:fencing:<name>` shared (that lock then never came free,
+//! and the first lock's acquisitions failed while it was held). An existing
+//! deployment needs no migration step: the first token a name gets from the
+//! new counter continues above the old counter if that key holds a count, so
+//! tokens keep increasing across the upgrade. The old key is only read, never
+//! changed or deleted (it may be a lock now); delete the old counters by hand
+//! once every client is upgraded. Upgrade all clients that lock the same
+//! names together: an older client still counting in the old key issues
+//! tokens that are not ordered with the new ones.
 //!
 //! A [`Redlock`] lease has none ([`RedlockLease::fencing_token`] is `None`).
 //! Counters on the nodes would not be sound:
@@ -125,7 +139,11 @@
 //! background. Dropping an acquiring future deletes whatever it may have set.
 //! Every command has a deadline; an extension that fails or finds the key
 //! gone or taken fires [`lost`][`RedisLease::lost`] at once on a single
-//! instance, while Redlock retries until the validity runs out. Spans
+//! instance, while Redlock retries until the validity runs out. A waiting
+//! `lock` treats a failure that passes (a connection refused or reset, a
+//! reply that misses its deadline, `LOADING`, a failover) like a busy lock
+//! and tries again until its deadline; a permanent error (a wrong type,
+//! failed authentication, a missing ACL permission) ends it at once. Spans
 //! `distlock.acquire` and `distlock.release` (at `DEBUG`) carry the key, the
 //! backend (`redis`, `redlock`), the wait or hold time and the outcome.
 //!

@@ -9,7 +9,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, Cmd, FromRedisValue, RedisError};
+use redis::{Client, Cmd, ErrorKind, FromRedisValue, RedisError, ServerErrorKind};
 use tokio::time::{Instant, timeout_at};
 
 use crate::Error;
@@ -65,7 +65,7 @@ impl Node {
         cmd: &Cmd,
         within: Duration,
     ) -> Result<T, RedisError> {
-        let deadline = Instant::now() + within;
+        let deadline = deadline(Instant::now(), within);
         let first = timeout_at(deadline, self.send(cmd)).await;
         match first {
             Ok(Err(err)) if err.is_connection_refusal() => timeout_at(deadline, self.send(cmd))
@@ -95,6 +95,19 @@ fn label(client: &Client) -> Arc<str> {
     Arc::from(format!("{}/{}", info.addr(), info.redis_settings().db()))
 }
 
+/// `start + after`, or, when that is beyond what the clock can express (such
+/// as `Duration::MAX`), the latest instant it can (within a factor of two):
+/// as long as possible, without overflowing.
+pub(crate) fn deadline(start: Instant, after: Duration) -> Instant {
+    let mut after = after;
+    loop {
+        if let Some(deadline) = start.checked_add(after) {
+            return deadline;
+        }
+        after /= 2;
+    }
+}
+
 /// The error of a command that got no reply in time.
 pub(crate) fn timed_out(after: Duration) -> RedisError {
     std::io::Error::new(
@@ -102,6 +115,32 @@ pub(crate) fn timed_out(after: Duration) -> RedisError {
         format!("no reply from Redis within {after:?}"),
     )
     .into()
+}
+
+/// Whether a command that failed with `err` may succeed if sent again: the
+/// connection failed, was refused or reset, or got no reply in time; or the
+/// server is starting (`LOADING`), busy with a script (`BUSY`), or in the
+/// middle of a failover (`READONLY`, `MASTERDOWN`, `TRYAGAIN`,
+/// `CLUSTERDOWN`, `NOREPLICAS`).
+///
+/// Everything else is permanent: a wrong type, a script error, failed
+/// authentication or a missing permission, a server out of memory or unable
+/// to persist (`OOM`, `MISCONF`). Trying again would only hide it until the
+/// deadline.
+pub(crate) fn is_transient(err: &RedisError) -> bool {
+    match err.kind() {
+        ErrorKind::Io | ErrorKind::Parse => true,
+        ErrorKind::Server(kind) => matches!(
+            kind,
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+        ),
+        ErrorKind::Extension => matches!(err.code(), Some("BUSY" | "NOREPLICAS")),
+        _ => false,
+    }
 }
 
 /// Runs `futures` concurrently on the calling task and returns their outputs
@@ -124,4 +163,48 @@ pub(crate) async fn join_all<F: Future>(futures: impl IntoIterator<Item = F>) ->
     })
     .await;
     outputs.into_iter().flatten().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deadlines_saturate() {
+        let now = Instant::now();
+        let second = Duration::from_secs(1);
+        assert_eq!(deadline(now, second), now + second);
+        let far = deadline(now, Duration::MAX);
+        assert!(far > now + Duration::from_secs(100 * 365 * 24 * 3600));
+        assert!(deadline(now, Duration::from_secs(u64::MAX / 2)) > now + second);
+    }
+
+    #[test]
+    fn connection_failures_and_restarts_are_transient_the_rest_is_not() {
+        let io = |kind| RedisError::from(std::io::Error::new(kind, "x"));
+        for err in [
+            io(std::io::ErrorKind::ConnectionRefused),
+            io(std::io::ErrorKind::ConnectionReset),
+            io(std::io::ErrorKind::BrokenPipe),
+            timed_out(Duration::from_millis(1)),
+            RedisError::from((ErrorKind::Server(ServerErrorKind::BusyLoading), "loading")),
+            RedisError::from((ErrorKind::Server(ServerErrorKind::ReadOnly), "replica")),
+            RedisError::from((ErrorKind::Server(ServerErrorKind::MasterDown), "down")),
+            redis::make_extension_error("BUSY".into(), None),
+        ] {
+            assert!(is_transient(&err), "{err}");
+        }
+        for err in [
+            RedisError::from((ErrorKind::Server(ServerErrorKind::ResponseError), "wrong")),
+            RedisError::from((ErrorKind::Server(ServerErrorKind::NoPerm), "denied")),
+            RedisError::from((ErrorKind::Server(ServerErrorKind::NoScript), "gone")),
+            RedisError::from((ErrorKind::AuthenticationFailed, "wrong password")),
+            RedisError::from((ErrorKind::UnexpectedReturnType, "not an integer")),
+            redis::make_extension_error("WRONGTYPE".into(), None),
+            redis::make_extension_error("WRONGPASS".into(), None),
+            redis::make_extension_error("OOM".into(), None),
+        ] {
+            assert!(!is_transient(&err), "{err}");
+        }
+    }
 }

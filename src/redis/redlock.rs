@@ -13,7 +13,7 @@ use tracing::Instrument;
 
 use super::backoff::jittered;
 use super::claim::Claim;
-use super::node::{Node, join_all};
+use super::node::{self, Node, join_all};
 use super::setup::{self, SetupReport};
 use super::watchdog::{Backend, Extension, Handle, InFlight};
 use super::{DEFAULT_TTL, scripts, span};
@@ -138,7 +138,9 @@ impl Redlock {
         Ok(redlock)
     }
 
-    /// Sets the leases' time to live (default 30 s, from 100 ms to 30 days).
+    /// Sets the leases' time to live (default 30 s, from 100 ms to 30 days;
+    /// outside that range, such as `Duration::MAX`, every acquisition fails
+    /// with [`Error::InvalidConfig`]).
     #[must_use]
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.config.ttl = ttl;
@@ -146,8 +148,8 @@ impl Redlock {
     }
 
     /// Sets the deadline of one node's reply (default 50 ms; never more than
-    /// the TTL less the drift margin). It bounds how much of the validity a
-    /// dead or slow node can eat.
+    /// the TTL less the drift margin, so `Duration::MAX` means exactly that).
+    /// It bounds how much of the validity a dead or slow node can eat.
     #[must_use]
     pub fn with_node_timeout(mut self, timeout: Duration) -> Self {
         self.config.node_timeout = timeout;
@@ -163,6 +165,8 @@ impl Redlock {
     }
 
     /// Sets the fixed part of the delay between two attempts (default 50 ms).
+    /// The delay never outlasts the wait's deadline; a duration too long for
+    /// the clock (such as `Duration::MAX`) saturates.
     #[must_use]
     pub fn with_retry_delay(mut self, delay: Duration) -> Self {
         self.config.retry_delay = delay;
@@ -220,20 +224,32 @@ impl Redlock {
         let span = span::acquire(&key, Quorum::NAME, "try");
         let started = Instant::now();
         let claim = Claim::new(key.clone(), self.config.ttl);
-        let result = async { self.attempt(&Arc::new(claim?)).await }
-            .instrument(span.clone())
-            .await;
+        let result = async {
+            let claim = Arc::new(claim?);
+            self.attempt(&claim)
+                .await
+                .map_err(|unreachable| Error::Redis(unreachable.error))
+        }
+        .instrument(span.clone())
+        .await;
         span::finish(&span, &key, Quorum::NAME, started, &result, Option::is_some);
         result
     }
 
     /// Takes the lease `key`, trying again after each failed attempt (after
     /// the retry delay plus a random jitter) until `timeout` has passed or
-    /// the retry count is used up; then fails with [`Error::Timeout`].
+    /// the retry count is used up; then fails with [`Error::Timeout`]. A
+    /// `timeout` too long for the clock (such as `Duration::MAX`) means as
+    /// long as possible.
     ///
-    /// Fails at once, like [`try_lock`](Self::try_lock), when failing nodes
-    /// alone leave no quorum. Every attempt uses the same token, so a `SET`
-    /// that landed late still belongs to this call.
+    /// Nodes that fail for a passing reason (down, refusing or resetting
+    /// connections, no reply within the node timeout, still loading their
+    /// data) do not end the wait: an attempt they leave without a quorum is
+    /// retried like a busy one, so the wait survives nodes restarting before
+    /// the deadline. It fails at once with [`Error::Redis`] only when nodes
+    /// failing with a permanent error (failed authentication, a missing ACL
+    /// permission, …) alone leave no quorum. Every attempt uses the same
+    /// token, so a `SET` that landed late still belongs to this call.
     ///
     /// # Cancel safety
     ///
@@ -261,14 +277,28 @@ impl Redlock {
         timeout: Duration,
     ) -> Result<RedlockLease, Error> {
         let claim = Arc::new(Claim::new(key, self.config.ttl)?);
-        let deadline = Claim::deadline(started, timeout);
+        let deadline = node::deadline(started, timeout);
         let mut retries = 0_u32;
+        let mut failed = None;
         loop {
-            if let Some(lease) = self.attempt(&claim).await? {
-                return Ok(lease);
+            match self.attempt(&claim).await {
+                Ok(Some(lease)) => return Ok(lease),
+                Ok(None) => {}
+                Err(unreachable) if unreachable.transient => {
+                    tracing::debug!(error = %unreachable.error, "distlock: Redlock attempt failed; trying again until the deadline");
+                    failed = Some(unreachable.error);
+                }
+                Err(unreachable) => return Err(Error::Redis(unreachable.error)),
             }
             let now = Instant::now();
             if now >= deadline || retries >= self.config.retry_count {
+                if let Some(err) = failed {
+                    tracing::warn!(
+                        key = %claim.key,
+                        error = %err,
+                        "distlock: Redlock wait timed out; attempts were failing"
+                    );
+                }
                 return Err(claim.timed_out(started));
             }
             retries += 1;
@@ -279,7 +309,7 @@ impl Redlock {
 
     /// One round of the algorithm: `SET NX PX` everywhere, count, and on
     /// failure delete everywhere before reporting it.
-    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedlockLease>, Error> {
+    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedlockLease>, Unreachable> {
         let quorum = self.backend(claim);
         let in_flight = InFlight::new(&quorum, claim);
         let started = Instant::now();
@@ -296,8 +326,13 @@ impl Redlock {
             tracing::trace!(error = %err, "cleanup after a failed Redlock attempt");
         }
         in_flight.disarm();
-        if tally.failed.len() > self.nodes.len() - quorum.needed() {
-            return Err(Error::Redis(tally.unreachable(quorum.needed())));
+        let spare = self.nodes.len() - quorum.needed();
+        if tally.failed.len() > spare {
+            let transient = tally.lasting() <= spare;
+            return Err(Unreachable {
+                error: tally.unreachable(quorum.needed()),
+                transient,
+            });
         }
         if tally.granted >= quorum.needed() {
             tracing::warn!(
@@ -334,7 +369,25 @@ struct Tally {
     failed: Vec<(String, RedisError)>,
 }
 
+/// An attempt that too many failing nodes left without a quorum.
+#[derive(Debug)]
+struct Unreachable {
+    /// Names every failing node and its error.
+    error: RedisError,
+    /// Whether the nodes that failed for good (see [`node::is_transient`])
+    /// still leave room for a quorum once the others recover.
+    transient: bool,
+}
+
 impl Tally {
+    /// How many nodes failed with an error that trying again cannot fix.
+    fn lasting(&self) -> usize {
+        self.failed
+            .iter()
+            .filter(|(_, err)| !node::is_transient(err))
+            .count()
+    }
+
     /// Why a quorum could not be reached with this many failing nodes.
     fn unreachable(self, needed: usize) -> RedisError {
         let count = self.failed.len();

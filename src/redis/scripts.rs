@@ -8,15 +8,37 @@ use redis::Cmd;
 
 use super::claim::Claim;
 
-/// Takes the lock; with a second key, also issues the next fencing token in
-/// the same atomic step, so a token always belongs to exactly one holder.
-/// Returns -1 when the lock is held, else the token (0 without fencing).
+/// Takes the lock if it is free or already holds our token (an earlier try
+/// of the same wait whose reply was lost); with fencing (keys 2 and 3), also
+/// issues the next fencing token in the same atomic step, so a token always
+/// belongs to exactly one holder. Returns -1 when another holder has the
+/// lock (or the key is not a string), else the token (0 without fencing).
+///
+/// The first token ever counted in the counter (key 2) continues above the
+/// counter of earlier versions (key 3) if that holds a plain count; a lock's
+/// random token (32 characters) never passes for one. Counting happens in
+/// Redis (`SET`, `INCR`), not in Lua's floating point.
+///
+/// The lock's key is written last: Redis does not undo a script's writes
+/// when a later command in it fails, so a failing `INCR` (a counter that is
+/// not a number) must come before the `SET`, or the key would stay held with
+/// no lease to release it.
 const ACQUIRE: &str = "\
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  if KEYS[2] then return redis.call('INCR', KEYS[2]) end
-  return 0
+local held = redis.pcall('GET', KEYS[1])
+if held and held ~= ARGV[1] then return -1 end
+local token = 0
+if KEYS[2] then
+  token = redis.call('INCR', KEYS[2])
+  if token == 1 then
+    local old = redis.pcall('GET', KEYS[3])
+    if type(old) == 'string' and #old <= 18 and string.match(old, '^[1-9]%d*$') then
+      redis.call('SET', KEYS[2], old)
+      token = redis.call('INCR', KEYS[2])
+    end
+  end
 end
-return -1";
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return token";
 
 /// Deletes the key only while it still holds our token: after an expiry the
 /// key may belong to the next owner, whose lock must survive.
@@ -29,12 +51,16 @@ const EXTEND: &str = "\
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0";
 
-/// The single-instance acquire script (1 if `fencing`, else 0 extra keys).
+/// The single-instance acquire script (with the two counter keys if
+/// `fencing`).
 pub(crate) fn acquire(claim: &Claim, fencing: bool) -> Cmd {
     let mut cmd = redis::cmd("EVAL");
     cmd.arg(ACQUIRE);
     if fencing {
-        cmd.arg(2).arg(&claim.name).arg(claim.fence_key());
+        cmd.arg(3)
+            .arg(&claim.name)
+            .arg(claim.fence_key())
+            .arg(claim.legacy_fence_key());
     } else {
         cmd.arg(1).arg(&claim.name);
     }

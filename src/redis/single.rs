@@ -5,12 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use redis::RedisError;
 use tokio::time::{Instant, sleep};
 use tracing::Instrument;
 
 use super::backoff::Backoff;
 use super::claim::Claim;
-use super::node::Node;
+use super::node::{self, Node};
 use super::setup::{self, SetupReport};
 use super::watchdog::{Backend, Extension, Handle, InFlight};
 use super::{DEFAULT_TTL, scripts, span};
@@ -101,9 +102,11 @@ impl RedisLocker {
         Ok(locker)
     }
 
-    /// Sets the leases' time to live (default 30 s, from 100 ms to 30 days). A
-    /// holder that dies without releasing blocks others for at most this
-    /// long; the watchdog extends every TTL/3.
+    /// Sets the leases' time to live (default 30 s, from 100 ms to 30 days;
+    /// outside that range, such as `Duration::MAX`, every acquisition fails
+    /// with [`Error::InvalidConfig`]). A holder that dies without releasing
+    /// blocks others for at most this long; the watchdog extends every
+    /// TTL/3.
     #[must_use]
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.config.ttl = ttl;
@@ -111,8 +114,9 @@ impl RedisLocker {
     }
 
     /// Issues fencing tokens (default `true`). Each lock name then keeps a
-    /// counter key `distlock:fencing:<name>` that never expires (so tokens
-    /// never repeat); turn this off to keep no state beyond held leases.
+    /// counter key (`distlock:fencing`, a NUL byte, the name; see the
+    /// [module docs](super#keys)) that never expires (so tokens never
+    /// repeat); turn this off to keep no state beyond held leases.
     #[must_use]
     pub fn with_fencing(mut self, fencing: bool) -> Self {
         self.config.fencing = fencing;
@@ -120,7 +124,10 @@ impl RedisLocker {
     }
 
     /// Sets the deadline of one command to the server (default 2 s). An
-    /// extension that gets no reply in time counts as loss.
+    /// extension that gets no reply in time counts as loss. A duration too
+    /// long for the clock (such as `Duration::MAX`) means as long as
+    /// possible; an acquisition still waits for its reply at most the TTL
+    /// less the drift margin.
     #[must_use]
     pub fn with_command_timeout(mut self, timeout: Duration) -> Self {
         self.config.command_timeout = timeout;
@@ -159,9 +166,16 @@ impl RedisLocker {
         let span = span::acquire(&key, Single::NAME, "try");
         let started = Instant::now();
         let claim = Claim::new(key.clone(), self.config.ttl);
-        let result = async { self.attempt(&Arc::new(claim?)).await }
-            .instrument(span.clone())
-            .await;
+        let result = async {
+            let claim = Arc::new(claim?);
+            // On error the SET may still have landed: `in_flight` cleans up.
+            let in_flight = InFlight::new(&self.backend(), &claim);
+            let lease = self.attempt(&claim).await?;
+            in_flight.disarm();
+            Ok(lease)
+        }
+        .instrument(span.clone())
+        .await;
         span::finish(&span, &key, Single::NAME, started, &result, Option::is_some);
         result
     }
@@ -169,10 +183,21 @@ impl RedisLocker {
     /// Takes the lease `key`, trying again with jittered exponential backoff
     /// until `timeout` has passed; then fails with [`Error::Timeout`] (which
     /// cannot name the holder: Redis does not know it). A `timeout` of zero
-    /// is a single try.
+    /// is a single try; one too long for the clock (such as `Duration::MAX`)
+    /// means as long as possible.
+    ///
+    /// A try that fails for a passing reason (connection refused or reset,
+    /// no reply within the command deadline, a server still loading its data
+    /// or in a failover: `LOADING`, `BUSY`, `READONLY`, `MASTERDOWN`, …) is
+    /// retried like a busy one, so a wait survives a server restart that ends
+    /// before the deadline. A permanent error (a wrong type, a script error,
+    /// failed authentication, a missing ACL permission, `OOM`) ends the wait
+    /// at once with [`Error::Redis`]. A try that starts just before the
+    /// deadline may end up to one command deadline after it.
     ///
     /// Costs 1 round trip per try. Every try uses the same token, so a `SET`
-    /// whose reply was lost still belongs to this call.
+    /// whose reply was lost still belongs to this call: the next try finds
+    /// the key holding its token and takes it over.
     ///
     /// # Cancel safety
     ///
@@ -200,36 +225,58 @@ impl RedisLocker {
         timeout: Duration,
     ) -> Result<RedisLease, Error> {
         let claim = Arc::new(Claim::new(key, self.config.ttl)?);
-        let deadline = Claim::deadline(started, timeout);
+        let deadline = node::deadline(started, timeout);
         let mut backoff = Backoff::new(FIRST_BACKOFF, MAX_BACKOFF);
+        // One guard for the whole wait, not one per try: a try that failed may
+        // still set the key, and the next try (same token) takes that over. A
+        // cleanup per failed try could instead delete the key after a later
+        // try had taken it. Whatever is still ours when the wait ends without
+        // a lease (error, timeout, cancellation) is deleted in the background.
+        let in_flight = InFlight::new(&self.backend(), &claim);
+        let mut failed = None;
         loop {
-            if let Some(lease) = self.attempt(&claim).await? {
-                return Ok(lease);
+            match self.attempt(&claim).await {
+                Ok(Some(lease)) => {
+                    in_flight.disarm();
+                    return Ok(lease);
+                }
+                Ok(None) => {}
+                Err(err) if node::is_transient(&err) => {
+                    tracing::debug!(error = %err, "distlock: Redis try failed; trying again until the deadline");
+                    failed = Some(err);
+                }
+                Err(err) => return Err(Error::Redis(err)),
             }
             let now = Instant::now();
             if now >= deadline {
+                match failed {
+                    // Every reply was a definite "held": nothing of ours is set.
+                    None => in_flight.disarm(),
+                    Some(err) => tracing::warn!(
+                        key = %claim.key,
+                        error = %err,
+                        "distlock: Redis wait timed out; tries were failing"
+                    ),
+                }
                 return Err(claim.timed_out(started));
             }
             sleep(backoff.next_delay().min(deadline - now)).await;
         }
     }
 
-    /// One `SET NX PX` (with `INCR` of the fence counter) under the command
-    /// deadline, capped so that a reply always arrives while the TTL lasts.
-    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedisLease>, Error> {
-        let backend = self.backend();
-        let in_flight = InFlight::new(&backend, claim);
+    /// One `SET PX` if free (with `INCR` of the fence counter) under the
+    /// command deadline, capped so that a reply always arrives while the TTL
+    /// lasts. On error the `SET` may still have landed: the caller cleans up.
+    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedisLease>, RedisError> {
         let started = Instant::now();
         let within = self.config.command_timeout.min(claim.window());
         let cmd = scripts::acquire(claim, self.config.fencing);
-        // On error the SET may still have landed: `in_flight` cleans up.
         let reply: i64 = self.node.query(&cmd, within).await?;
-        in_flight.disarm();
         if reply < 0 {
             return Ok(None);
         }
         Ok(Some(RedisLease {
-            handle: Handle::spawn(backend, Arc::clone(claim), started),
+            handle: Handle::spawn(self.backend(), Arc::clone(claim), started),
             token: (reply > 0).then(|| FencingToken::new(reply)),
         }))
     }

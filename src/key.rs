@@ -74,9 +74,6 @@ pub(crate) enum KeyArgs<'a> {
     Pair(i32, &'a str),
 }
 
-/// The HKDF `info` string sqlx uses in `PgAdvisoryLock::new`; never change it.
-const HKDF_INFO: &[u8] = b"SQLx (Rust) Postgres advisory lock";
-
 impl LockKey {
     /// A raw `bigint` key, used as is.
     ///
@@ -114,7 +111,7 @@ impl LockKey {
     /// ```
     pub fn hashed64(name: &str) -> Self {
         Self {
-            repr: Repr::Hashed64(Arc::from(name), hkdf_i64(name)),
+            repr: Repr::Hashed64(Arc::from(name), sqlx_key(name)),
         }
     }
 
@@ -175,15 +172,16 @@ impl LockKey {
     }
 }
 
-fn hkdf_i64(name: &str) -> i64 {
-    let hkdf = hkdf::Hkdf::<sha2::Sha256>::new(None, name.as_bytes());
-    let mut okm = [0u8; 8];
-    // HKDF-Expand only fails when asked for more than 255 hash lengths; 8
-    // bytes is always valid, so the error branch cannot happen.
-    if hkdf.expand(HKDF_INFO, &mut okm).is_err() {
-        unreachable!("HKDF-SHA256 can always expand to 8 bytes");
-    }
-    i64::from_le_bytes(okm)
+/// sqlx's derivation for `PgAdvisoryLock::new(name)` (HKDF-SHA256 of the
+/// name, 8 bytes, little-endian), taken from sqlx itself so the two cannot
+/// drift apart; the golden-value test below pins it. `new` always derives a
+/// bigint key (`as_bigint` is `Some`); 0 would only be reached if a later
+/// sqlx changed that, which the golden-value test would catch first.
+fn sqlx_key(name: &str) -> i64 {
+    sqlx::postgres::PgAdvisoryLock::new(name)
+        .key()
+        .as_bigint()
+        .unwrap_or_default()
 }
 
 impl From<&str> for LockKey {

@@ -103,6 +103,57 @@ async fn wait_for_file(path: &Path) -> String {
     }
 }
 
+/// Whether process `pid` is running (a zombie waiting to be reaped is not).
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
+/// Kills the processes a test started indirectly (a grandchild that outlived
+/// distlock) when the test ends, passed or failed.
+struct KillOnDrop(Vec<i32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            if alive(pid) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+}
+
+/// Reads a pid written by the command into `path`.
+async fn read_pid(path: &Path) -> i32 {
+    wait_for_file(path)
+        .await
+        .trim()
+        .parse()
+        .expect("a pid in the file")
+}
+
+/// Terminates the server session holding `key`, as an administrator would.
+async fn terminate_holder(pool: &PgPool, key: &str) {
+    let holder = wait_until_held(pool, key).await;
+    let mut obs = observer_for(pool).await;
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(holder)
+        .fetch_one(&mut obs)
+        .await
+        .expect("terminate");
+    assert!(terminated);
+    close(obs).await;
+}
+
 #[sqlx::test(migrations = false)]
 async fn of_two_concurrent_runs_one_runs_and_the_other_skips(pool: PgPool) {
     let url = url_of(&pool);
@@ -441,4 +492,159 @@ async fn run_works_with_redlock_over_three_nodes() {
     }
     let urls: Vec<String> = servers.iter().map(|s| s.url()).collect();
     redis_runs_one_and_skips_one(&urls).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_lost_lock_stops_the_commands_whole_process_group(pool: PgPool) {
+    let url = url_of(&pool);
+    let dir = scratch("lost-group");
+    let pid_file = dir.join("pid");
+    let pid_arg = pid_file.to_string_lossy().into_owned();
+    // The shell waits for a grandchild; SIGTERM to the shell alone would
+    // leave `sleep` running without the lock.
+    let run = distlock(
+        &url,
+        &[
+            "run",
+            "lost-group",
+            "--heartbeat",
+            "200ms",
+            "--grace",
+            "2s",
+            "--",
+            "sh",
+            "-c",
+            "sleep 300 > /dev/null 2>&1 & echo $! > \"$0\"; wait",
+            &pid_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    let grandchild = read_pid(&pid_file).await;
+    let _cleanup = KillOnDrop(vec![grandchild]);
+    terminate_holder(&pool, "lost-group").await;
+
+    let out = finish(run, "run whose lock is lost").await;
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", text(&out));
+    assert!(
+        !alive(grandchild),
+        "the command's grandchild (pid {grandchild}) still runs after distlock exited:\n{}",
+        text(&out)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_forwarded_signal_reaches_the_commands_whole_process_group(pool: PgPool) {
+    let url = url_of(&pool);
+    let dir = scratch("signal-group");
+    let pid_file = dir.join("pid");
+    let pid_arg = pid_file.to_string_lossy().into_owned();
+    let run = distlock(
+        &url,
+        &[
+            "run",
+            "signal-group",
+            "--",
+            "sh",
+            "-c",
+            "trap 'exit 7' TERM; sleep 300 > /dev/null 2>&1 & echo $! > \"$0\"; wait",
+            &pid_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    let grandchild = read_pid(&pid_file).await;
+    let _cleanup = KillOnDrop(vec![grandchild]);
+    let pid = run.id().expect("pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid fits")),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("signal distlock");
+    let out = finish(run, "signalled run").await;
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out));
+    assert!(
+        !alive(grandchild),
+        "the command's grandchild (pid {grandchild}) did not get the signal:\n{}",
+        text(&out)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[sqlx::test(migrations = false)]
+async fn processes_the_command_left_behind_are_stopped_before_the_release(pool: PgPool) {
+    let url = url_of(&pool);
+    let dir = scratch("leftover");
+    let pid_file = dir.join("pid");
+    let pid_arg = pid_file.to_string_lossy().into_owned();
+    // The command exits at once, leaving a background process in its group.
+    let run = distlock(
+        &url,
+        &[
+            "run",
+            "leftover",
+            "--grace",
+            "2s",
+            "--",
+            "sh",
+            "-c",
+            "sleep 300 > /dev/null 2>&1 & echo $! > \"$0\"",
+            &pid_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    let out = finish(run, "run leaving a process behind").await;
+    let grandchild = read_pid(&pid_file).await;
+    let _cleanup = KillOnDrop(vec![grandchild]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        !alive(grandchild),
+        "a process the command left (pid {grandchild}) runs on after the lock was released:\n{}",
+        text(&out)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_interactive_command_can_read_the_terminal(pool: PgPool) {
+    // The command runs in a process group of its own; on a terminal, that
+    // group must get the foreground, or reading the terminal stops it
+    // (SIGTTIN). `script` runs distlock on a pseudo-terminal.
+    if std::process::Command::new("script")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: script(1) is not installed");
+        return;
+    }
+    let url = url_of(&pool);
+    let inner = format!(
+        "{} run tty -- sh -c 'read line; echo got:$line; exit 3'",
+        env!("CARGO_BIN_EXE_distlock")
+    );
+    let mut script = Command::new("script");
+    script
+        .args(["-qec", &inner, "/dev/null"])
+        .env("DATABASE_URL", &url)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = script.spawn().expect("spawn script");
+    let mut stdin = child.stdin.take().expect("stdin");
+    tokio::io::AsyncWriteExt::write_all(&mut stdin, b"hello\n")
+        .await
+        .expect("type a line");
+    let out = finish(child, "interactive run").await;
+    drop(stdin);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("got:hello"),
+        "{}",
+        text(&out)
+    );
 }

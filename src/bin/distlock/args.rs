@@ -22,6 +22,10 @@ pub(crate) enum Command {
     /// Exits with the command's exit code when it ran, 75 when the lock is
     /// held elsewhere, 124 when --wait ran out, 76 when the lock was lost
     /// while the command ran (the command is stopped). See --help for all codes.
+    ///
+    /// The command runs in a process group of its own: forwarded signals
+    /// (SIGINT, SIGTERM, SIGHUP) and stops reach everything it started, and
+    /// nothing of it is left running when the lock is released.
     Run(RunArgs),
     /// List the sessions holding or awaiting advisory locks in the database.
     Holders(HoldersArgs),
@@ -52,7 +56,8 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub(crate) wait: Option<Duration>,
 
-    /// After the lock is lost: how long the command may take to exit after
+    /// After the lock is lost (or when the command exits leaving processes
+    /// in its process group): how long the group may take to exit after
     /// SIGTERM before it gets SIGKILL.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub(crate) grace: Duration,

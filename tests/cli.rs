@@ -115,6 +115,18 @@ fn alive(pid: i32) -> bool {
     }
 }
 
+/// Waits up to `limit` for process `pid` to be gone; `true` if it is.
+async fn gone_within(pid: i32, limit: Duration) -> bool {
+    let start = Instant::now();
+    while alive(pid) {
+        if start.elapsed() > limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
+}
+
 /// Kills the processes a test started indirectly (a grandchild that outlived
 /// distlock) when the test ends, passed or failed.
 struct KillOnDrop(Vec<i32>);
@@ -647,4 +659,37 @@ async fn an_interactive_command_can_read_the_terminal(pool: PgPool) {
         "{}",
         text(&out)
     );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_killed_distlock_takes_the_command_with_it(pool: PgPool) {
+    let url = url_of(&pool);
+    let dir = scratch("pdeathsig");
+    let pid_file = dir.join("pid");
+    let pid_arg = pid_file.to_string_lossy().into_owned();
+    let mut run = distlock(
+        &url,
+        &[
+            "run",
+            "pdeathsig",
+            "--",
+            "sh",
+            "-c",
+            "echo $$ > \"$0\"; exec sleep 300",
+            &pid_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    let command = read_pid(&pid_file).await;
+    let _cleanup = KillOnDrop(vec![command]);
+    wait_until_held(&pool, "pdeathsig").await;
+    // SIGKILL: distlock cannot stop the command itself.
+    run.start_kill().expect("kill -9 distlock");
+    let _ = run.wait().await;
+    assert!(
+        gone_within(command, Duration::from_secs(5)).await,
+        "the command (pid {command}) runs on after distlock was killed"
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -151,11 +151,31 @@ impl Terminal {
 
 /// Sets `command` up to start in a process group of its own (whose id is
 /// its pid) and, if distlock has the terminal's foreground, to take it.
+///
+/// On Linux the command also gets SIGKILL when distlock dies (the parent-death
+/// signal), so a distlock killed with SIGKILL, which cannot stop the command
+/// itself, does not leave it running without the lock. That signal reaches
+/// the command only, not processes it started; and the kernel drops it when
+/// the command executes a set-user-ID program.
 #[allow(unsafe_code)]
 pub(crate) fn prepare(command: &mut Command, terminal: Option<&Terminal>) {
     command.process_group(0);
     let tty = terminal.and_then(Terminal::for_child);
+    #[cfg(target_os = "linux")]
+    let supervisor = getpid();
     let hook = move || {
+        #[cfg(target_os = "linux")]
+        {
+            // The signal is sent when the thread that forked ends: that is
+            // the main thread, on which the single-threaded runtime spawns
+            // the command, and which ends only with the process.
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+            // distlock may have died before the line above: the command
+            // would then have been adopted by another process already.
+            if nix::unistd::getppid() != supervisor {
+                return Err(Errno::ESRCH.into());
+            }
+        }
         if let Some(tty) = &tty {
             // The child is not in the foreground group yet: block SIGTTOU
             // around the change. A failure leaves the command in the
@@ -166,8 +186,9 @@ pub(crate) fn prepare(command: &mut Command, terminal: Option<&Terminal>) {
     };
     // SAFETY: the hook runs in the forked child between `fork` and `exec`
     // (after `process_group(0)` took effect), where only async-signal-safe
-    // functions may be called. It makes system calls only (pthread_sigmask,
-    // tcsetpgrp, getpid): no allocation, no locks, no tracing.
+    // functions may be called. It makes system calls only (prctl, getppid,
+    // pthread_sigmask, tcsetpgrp, getpid) and builds its error from an errno
+    // code: no allocation, no locks, no tracing.
     unsafe {
         command.pre_exec(hook);
     }

@@ -693,3 +693,52 @@ async fn a_killed_distlock_takes_the_command_with_it(pool: PgPool) {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Runs a command under `distlock run KEY --heartbeat 1h EXTRA` that waits
+/// until the test has terminated the lock's session, then exits 0: the loss
+/// is found only when the lock is released.
+async fn run_with_a_loss_found_at_release(pool: &PgPool, key: &str, extra: &[&str]) -> Output {
+    let url = url_of(pool);
+    let dir = scratch("release-loss");
+    let ready = dir.join("ready");
+    let go = dir.join("go");
+    let ready_arg = ready.to_string_lossy().into_owned();
+    let go_arg = go.to_string_lossy().into_owned();
+    let mut args = vec!["run", key, "--heartbeat", "1h"];
+    args.extend(extra);
+    args.extend([
+        "--",
+        "sh",
+        "-c",
+        "echo ready > \"$0\"; while [ ! -e \"$1\" ]; do sleep 0.05; done",
+        &ready_arg,
+        &go_arg,
+    ]);
+    let run = distlock(&url, &args).spawn().expect("spawn");
+    wait_for_file(&ready).await;
+    terminate_holder(pool, key).await;
+    std::fs::write(&go, "").expect("let the command finish");
+    let out = finish(run, "run whose loss is found at release").await;
+    let _ = std::fs::remove_dir_all(dir);
+    out
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_loss_found_at_release_exits_76(pool: PgPool) {
+    let out = run_with_a_loss_found_at_release(&pool, "release-loss", &[]).await;
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("lock release-loss"), "{stderr}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn quiet_still_prints_errors(pool: PgPool) {
+    let out = run_with_a_loss_found_at_release(&pool, "quiet-loss", &["--quiet"]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("distlock: ") && stderr.contains("lock quiet-loss"),
+        "--quiet hid the error:\n{}",
+        text(&out)
+    );
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", text(&out));
+}

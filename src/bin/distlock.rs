@@ -47,7 +47,8 @@ pub(crate) const EXIT_USAGE: u8 = 64;
 pub(crate) const EXIT_UNAVAILABLE: u8 = 69;
 /// `run` skipped the command: the lock is held elsewhere (EX_TEMPFAIL).
 pub(crate) const EXIT_BUSY: u8 = 75;
-/// `run` lost the lock while the command ran and stopped the command.
+/// `run` lost the lock while the command ran and stopped the command, or
+/// found at release that the lock was gone before the command ended.
 pub(crate) const EXIT_LOST: u8 = 76;
 /// `run --wait`: the deadline passed before the lock was free (as timeout(1)).
 pub(crate) const EXIT_TIMEOUT: u8 = 124;
@@ -63,8 +64,8 @@ Exit codes of `distlock run`:
   64   usage error (bad argument, key, duration or URL)
   69   the database could not be reached, or another error
   75   skipped: the lock is held elsewhere (EX_TEMPFAIL)
-  76   the lock was lost while the command ran; its process group got SIGTERM
-       (SIGKILL after --grace)
+  76   the lock was lost while the command ran: its process group got SIGTERM
+       (SIGKILL after --grace), or the release found the lock already gone
   124  --wait: the deadline passed before the lock was free
   126  the command could not be executed
   127  the command was not found

@@ -45,7 +45,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     let mut signals = match Signals::install() {
         Ok(signals) => signals,
         Err(failure) => {
-            release(lease, args.quiet).await;
+            release_reporting(lease).await;
             return Err(failure);
         }
     };
@@ -53,7 +53,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     let (mut child, group) = match spawn(&args, &key, terminal.as_ref()) {
         Ok(spawned) => spawned,
         Err(failure) => {
-            release(lease, args.quiet).await;
+            release_reporting(lease).await;
             return Err(failure);
         }
     };
@@ -89,16 +89,28 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
         terminal.take_back(group);
     }
     match ended {
-        Ok(Ended::Exited(status)) => {
-            release(lease, args.quiet).await;
-            Ok(exit_code(status))
-        }
+        Ok(Ended::Exited(status)) => match release(lease).await {
+            Released::Yes => Ok(exit_code(status)),
+            // The command may have run its last part without the lock.
+            Released::Lost(err) => {
+                eprintln!(
+                    "distlock: lock {key} was lost before the command ended \
+                     (found at release: {err}); the command exited with code {}",
+                    exit_code(status)
+                );
+                Ok(EXIT_LOST)
+            }
+            Released::Failed(err) => {
+                eprintln!("distlock: releasing lock {key} failed: {err}");
+                Ok(exit_code(status))
+            }
+        },
         Ok(Ended::Lost(_)) => {
             drop(lease);
             Ok(EXIT_LOST)
         }
         Err(failure) => {
-            release(lease, args.quiet).await;
+            release_reporting(lease).await;
             Err(failure)
         }
     }
@@ -282,13 +294,47 @@ async fn until_gone(child: &mut Child, group: Group) {
     }
 }
 
-/// Releases the lease; the command has finished, so a failure is only reported.
-async fn release(lease: Box<dyn Lease>, quiet: bool) {
+/// How a release went.
+enum Released {
+    Yes,
+    /// The release showed that the lock was already gone.
+    Lost(Error),
+    /// The release failed without showing a loss (it timed out, or Redis
+    /// could not be reached); the backend frees the lock.
+    Failed(Error),
+}
+
+/// Releases the lease.
+async fn release(lease: Box<dyn Lease>) -> Released {
+    match lease.release().await {
+        Ok(()) => Released::Yes,
+        Err(err) if shows_loss(&err) => Released::Lost(err),
+        Err(err) => Released::Failed(err),
+    }
+}
+
+/// Whether a failed release shows that the lock was no longer held: lost,
+/// not held by the session, a different backend answering, or the lock's
+/// PostgreSQL connection failed (which ends the session and its locks).
+fn shows_loss(err: &Error) -> bool {
+    matches!(
+        err,
+        Error::LockLost { .. }
+            | Error::LockNotHeld { .. }
+            | Error::PoolerDetected { .. }
+            | Error::Database(_)
+    )
+}
+
+/// Releases the lease on the way out of a failure, printing (even with
+/// `--quiet`) what went wrong with it.
+async fn release_reporting(lease: Box<dyn Lease>) {
     let key = lease.key().clone();
-    if let Err(err) = lease.release().await
-        && !quiet
-    {
-        eprintln!("distlock: releasing lock {key} failed: {err}");
+    match release(lease).await {
+        Released::Yes => {}
+        Released::Lost(err) | Released::Failed(err) => {
+            eprintln!("distlock: releasing lock {key} failed: {err}");
+        }
     }
 }
 

@@ -742,3 +742,67 @@ async fn quiet_still_prints_errors(pool: PgPool) {
     );
     assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", text(&out));
 }
+
+/// The value of `DISTLOCK_FENCING_TOKEN` the command saw ("unset" if none),
+/// running `distlock run ARGS -- sh -c ...` with `env` added to distlock's
+/// environment.
+async fn token_seen(url: &str, args: &[&str], env: &[(&str, &str)]) -> String {
+    let dir = scratch("token");
+    let file = dir.join("token");
+    let file_arg = file.to_string_lossy().into_owned();
+    let mut all = vec!["run"];
+    all.extend(args);
+    all.extend([
+        "--",
+        "sh",
+        "-c",
+        "echo \"${DISTLOCK_FENCING_TOKEN-unset}\" > \"$0\"",
+        &file_arg,
+    ]);
+    let mut cmd = distlock(url, &all);
+    for (name, value) in env {
+        cmd.env(name, value);
+    }
+    let out = finish(cmd.spawn().expect("spawn"), "run showing its token").await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let seen = std::fs::read_to_string(&file).expect("token file");
+    let _ = std::fs::remove_dir_all(dir);
+    seen.trim().to_owned()
+}
+
+#[sqlx::test(migrations = false)]
+async fn with_fencing_the_command_gets_the_token_in_its_environment(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let url = url_of(&pool);
+    let first: i64 = token_seen(&url, &["--fencing", "fenced"], &[])
+        .await
+        .parse()
+        .expect("a token");
+    let second: i64 = token_seen(&url, &["--fencing", "fenced"], &[])
+        .await
+        .parse()
+        .expect("a token");
+    assert!(first > 0 && second > first, "{first}, then {second}");
+    // Without fencing there is no token, not even one inherited by distlock.
+    assert_eq!(
+        token_seen(&url, &["fenced"], &[("DISTLOCK_FENCING_TOKEN", "999")]).await,
+        "unset"
+    );
+}
+
+#[tokio::test]
+async fn a_single_redis_instance_hands_the_command_its_token() {
+    let server = redis_support::RedisServer::start().await;
+    let url = server.url();
+    let mut cmd_args = vec!["--redis-url", url.as_str(), "redis-fenced"];
+    let first: i64 = token_seen("", &cmd_args, &[])
+        .await
+        .parse()
+        .expect("a token");
+    cmd_args.push("--quiet");
+    let second: i64 = token_seen("", &cmd_args, &[])
+        .await
+        .parse()
+        .expect("a token");
+    assert!(first > 0 && second > first, "{first}, then {second}");
+}

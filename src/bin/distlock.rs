@@ -72,7 +72,12 @@ Exit codes of `distlock run`:
 
 Environment:
   DATABASE_URL     connection URL when --database-url is not given
-  RUST_LOG         log filter (default: warn), e.g. RUST_LOG=info";
+  RUST_LOG         log filter (default: warn), e.g. RUST_LOG=info
+
+Environment of the command run by `distlock run`:
+  DISTLOCK_KEY            the lock's name
+  DISTLOCK_FENCING_TOKEN  the lock's fencing token, with --fencing (PostgreSQL)
+                          or a single --redis-url; unset otherwise";
 
 /// Why a command ended early: the exit code and a message for stderr.
 #[derive(Debug)]

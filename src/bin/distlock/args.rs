@@ -67,6 +67,13 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
     pub(crate) heartbeat: Duration,
 
+    /// Take the lock with a fencing token, passed to the command in
+    /// DISTLOCK_FENCING_TOKEN (PostgreSQL; needs the distlock schema, see
+    /// `distlock::migrate`). A single Redis instance always issues one;
+    /// Redlock cannot.
+    #[arg(long)]
+    pub(crate) fencing: bool,
+
     /// No messages and no progress line (errors are still printed).
     #[arg(short, long)]
     pub(crate) quiet: bool,

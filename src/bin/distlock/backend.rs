@@ -28,13 +28,22 @@ pub(crate) struct Backend {
 
 /// Connects to the backend named by `conn`. `application` becomes the
 /// sessions' `application_name`, so `distlock holders` (and `pg_stat_activity`)
-/// show what a lock is held for. `heartbeat` is the session lock's check interval.
+/// show what a lock is held for. `heartbeat` is the session lock's check
+/// interval. With `fencing`, every PostgreSQL lock comes with a fencing token
+/// (a single Redis instance always issues one; Redlock cannot).
 pub(crate) async fn connect(
     conn: &ConnArgs,
     application: &str,
     heartbeat: Duration,
+    fencing: bool,
 ) -> Result<Backend, Failure> {
     if !conn.redis_urls.is_empty() {
+        if fencing && conn.redis_urls.len() > 1 {
+            return Err(Failure::usage(
+                "--fencing: Redlock (several --redis-url) issues no fencing tokens; \
+                 use PostgreSQL or a single Redis instance",
+            ));
+        }
         return connect_redis(&conn.redis_urls).await;
     }
     let Some(url) = conn.database_url.as_deref() else {
@@ -53,7 +62,10 @@ pub(crate) async fn connect(
         .connect_with(options)
         .await
         .map_err(|err| Failure::unavailable(format!("could not connect to {target}: {err}")))?;
-    let locker = PgLocker::builder(pool).heartbeat(heartbeat).build();
+    let locker = PgLocker::builder(pool)
+        .heartbeat(heartbeat)
+        .fencing(fencing)
+        .build();
     Ok(Backend {
         locker: Arc::new(locker.clone()),
         postgres: Some(locker),

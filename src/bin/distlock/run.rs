@@ -5,7 +5,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::time::Duration;
 
-use distlock::{Error, Lease, LockKey, LockWaiter, LossReason};
+use distlock::{Error, FencingToken, Lease, LockKey, LockWaiter, LossReason};
 use indicatif::{ProgressBar, ProgressStyle};
 use nix::sys::signal::Signal;
 use tokio::process::{Child, Command};
@@ -18,6 +18,11 @@ use crate::{
     EXIT_BUSY, EXIT_CANNOT_EXECUTE, EXIT_LOST, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_UNAVAILABLE,
     Failure,
 };
+
+/// The command's environment variable holding the lock's name.
+const ENV_KEY: &str = "DISTLOCK_KEY";
+/// The command's environment variable holding the lock's fencing token.
+const ENV_FENCING_TOKEN: &str = "DISTLOCK_FENCING_TOKEN";
 
 /// How the command's run ended.
 enum Ended {
@@ -35,7 +40,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     key.validate()
         .map_err(|err| Failure::usage(err.to_string()))?;
     let application = format!("distlock run {}", args.key);
-    let backend = backend::connect(&args.conn, &application, args.heartbeat).await?;
+    let backend = backend::connect(&args.conn, &application, args.heartbeat, args.fencing).await?;
 
     let Some(lease) = acquire(&backend, &key, args.wait, args.quiet).await? else {
         return Ok(EXIT_BUSY);
@@ -50,7 +55,8 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
         }
     };
     let terminal = Terminal::open();
-    let (mut child, group) = match spawn(&args, &key, terminal.as_ref()) {
+    let token = lease.fencing_token();
+    let (mut child, group) = match spawn(&args, &key, token, terminal.as_ref()) {
         Ok(spawned) => spawned,
         Err(failure) => {
             release_reporting(lease).await;
@@ -181,17 +187,24 @@ async fn holder_hint(backend: &Backend, key: &LockKey) -> String {
 }
 
 /// Starts the command, in a process group of its own, with the lock's name
-/// in `DISTLOCK_KEY`.
+/// in `DISTLOCK_KEY` and its fencing token (if any) in
+/// `DISTLOCK_FENCING_TOKEN`.
 fn spawn(
     args: &RunArgs,
     key: &LockKey,
+    token: Option<FencingToken>,
     terminal: Option<&Terminal>,
 ) -> Result<(Child, Group), Failure> {
     let Some((program, rest)) = args.command.split_first() else {
         return Err(Failure::usage("no command given after --"));
     };
     let mut command = Command::new(program);
-    command.args(rest).env("DISTLOCK_KEY", key.to_string());
+    command.args(rest).env(ENV_KEY, key.to_string());
+    match token {
+        Some(token) => command.env(ENV_FENCING_TOKEN, token.value().to_string()),
+        // Not one inherited from an outer run: it would belong to another lock.
+        None => command.env_remove(ENV_FENCING_TOKEN),
+    };
     process::prepare(&mut command, terminal);
     let child = command.spawn().map_err(|err| {
         let code = if err.kind() == std::io::ErrorKind::NotFound {

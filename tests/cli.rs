@@ -806,3 +806,43 @@ async fn a_single_redis_instance_hands_the_command_its_token() {
         .expect("a token");
     assert!(first > 0 && second > first, "{first}, then {second}");
 }
+
+#[sqlx::test(migrations = false)]
+async fn passwords_with_url_delimiters_or_common_words_are_masked_exactly(pool: PgPool) {
+    let opts = pool.connect_options();
+    let at = format!("{}:{}", opts.get_host(), opts.get_port());
+    let user = opts.get_username().to_owned();
+    // A '#' or '?' in a password ends the URL's authority for a URL parser;
+    // the password must not show anyway.
+    for secret in [
+        "pa#ss-Secret9",
+        "pa?ss-Secret9",
+        "pa/ss-Secret9",
+        "pa@ss-Secret9",
+    ] {
+        let url = format!("postgres://{user}:{secret}@{at}/distlock_no_such_database");
+        let out = finish(
+            distlock(&url, &["holders"]).spawn().expect("spawn"),
+            "holders with a password",
+        )
+        .await;
+        let all = text(&out);
+        let tail = &secret[3..];
+        assert!(!all.contains(tail), "password {secret} leaked:\n{all}");
+        assert!(all.contains(&format!("postgres://{user}:***@")), "{all}");
+    }
+    // A password that is also a word of the URL masks the password only.
+    let url = format!("postgres://{user}:{user}@{at}/distlock_no_such_database");
+    let out = finish(
+        distlock(&url, &["holders"]).spawn().expect("spawn"),
+        "holders with password = user",
+    )
+    .await;
+    let all = text(&out);
+    assert!(
+        all.contains(&format!(
+            "postgres://{user}:***@{at}/distlock_no_such_database"
+        )),
+        "{all}"
+    );
+}

@@ -15,7 +15,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::Failure;
 use crate::args::ConnArgs;
-use crate::redact::redact_url;
+use crate::redact::{redact_url, user_info_needs_encoding};
 
 /// The lock backend chosen by the arguments.
 #[derive(Debug, Clone)]
@@ -53,7 +53,15 @@ pub(crate) async fn connect(
     };
     let target = redact_url(url);
     let options = PgConnectOptions::from_str(url)
-        .map_err(|err| Failure::usage(format!("invalid database URL {target}: {err}")))?
+        .map_err(|err| {
+            let hint = if user_info_needs_encoding(url) {
+                " (a '#', '?' or '/' in the user name or password must be \
+                 percent-encoded: %23, %3F, %2F)"
+            } else {
+                ""
+            };
+            Failure::usage(format!("invalid database URL {target}: {err}{hint}"))
+        })?
         .application_name(&truncate_name(application));
     let pool = PgPoolOptions::new()
         // One connection holds the lock, one looks up holders while waiting.

@@ -846,3 +846,34 @@ async fn passwords_with_url_delimiters_or_common_words_are_masked_exactly(pool: 
         "{all}"
     );
 }
+
+#[tokio::test]
+async fn redis_urls_can_come_from_the_environment() {
+    // Not on the command line, where every user sees it in /proc/*/cmdline.
+    let servers = [
+        redis_support::RedisServer::start().await,
+        redis_support::RedisServer::start().await,
+        redis_support::RedisServer::start().await,
+    ];
+    let run = |urls: String| {
+        let mut cmd = distlock("", &["run", "env-redis", "--", "true"]);
+        cmd.env_remove("DATABASE_URL")
+            .env("DISTLOCK_REDIS_URL", urls);
+        cmd.spawn().expect("spawn distlock")
+    };
+    let single = finish(run(servers[0].url()), "run on one instance").await;
+    assert_eq!(single.status.code(), Some(0), "{}", text(&single));
+    // Several URLs, separated by spaces: Redlock.
+    let urls: Vec<String> = servers.iter().map(|s| s.url()).collect();
+    let redlock = finish(run(urls.join(" ")), "run on Redlock").await;
+    assert_eq!(redlock.status.code(), Some(0), "{}", text(&redlock));
+
+    // Its password is masked like any other.
+    let secret = "s3cret-Redis-pw";
+    let unreachable = format!("redis://:{secret}@127.0.0.1:1");
+    let failed = finish(run(unreachable), "run on an unreachable Redis").await;
+    let all = text(&failed);
+    assert_eq!(failed.status.code(), Some(EXIT_UNAVAILABLE), "{all}");
+    assert!(!all.contains(secret), "{all}");
+    assert!(all.contains("redis://:***@127.0.0.1:1"), "{all}");
+}

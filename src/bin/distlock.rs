@@ -71,8 +71,10 @@ Exit codes of `distlock run`:
   127  the command was not found
 
 Environment:
-  DATABASE_URL     connection URL when --database-url is not given
-  RUST_LOG         log filter (default: warn), e.g. RUST_LOG=info
+  DATABASE_URL        connection URL when --database-url is not given
+  DISTLOCK_REDIS_URL  Redis URL(s), separated by spaces, when no --redis-url
+                      is given (keeps them off the command line)
+  RUST_LOG            log filter (default: warn), e.g. RUST_LOG=info
 
 Environment of the command run by `distlock run`:
   DISTLOCK_KEY            the lock's name
@@ -147,11 +149,13 @@ fn main() -> ExitCode {
 /// Every URL the process was given, by argument or environment.
 fn secrets_in_use() -> Secrets {
     let env_url = std::env::var("DATABASE_URL").ok();
+    let env_redis = std::env::var("DISTLOCK_REDIS_URL").unwrap_or_default();
     let args: Vec<String> = std::env::args().collect();
     let urls = env_url
         .iter()
-        .chain(args.iter())
         .map(String::as_str)
+        .chain(env_redis.split_whitespace())
+        .chain(args.iter().map(String::as_str))
         .filter(|text| text.contains("://") || text.contains("password="))
         // `--database-url=postgres://...`
         .map(|text| {

@@ -41,8 +41,18 @@ pub(crate) struct ConnArgs {
 
     /// Use Redis instead of PostgreSQL: once for a single instance (with a
     /// watchdog-extended lease), several times for Redlock over independent
-    /// nodes (e.g. five). Takes precedence over the database URL.
-    #[arg(long = "redis-url", value_name = "URL")]
+    /// nodes (e.g. five). Takes precedence over the database URL. From the
+    /// environment (which, unlike the command line, other users cannot read
+    /// in /proc), several URLs are separated by spaces; a password is never
+    /// printed.
+    // hide_env_values: `--help` would otherwise print the URLs, passwords included.
+    #[arg(
+        long = "redis-url",
+        value_name = "URL",
+        env = "DISTLOCK_REDIS_URL",
+        hide_env_values = true,
+        value_delimiter = ' '
+    )]
     pub(crate) redis_urls: Vec<String>,
 }
 

@@ -877,3 +877,47 @@ async fn redis_urls_can_come_from_the_environment() {
     assert!(!all.contains(secret), "{all}");
     assert!(all.contains("redis://:***@127.0.0.1:1"), "{all}");
 }
+
+#[sqlx::test(migrations = false)]
+async fn huge_durations_saturate_instead_of_panicking(pool: PgPool) {
+    let url = url_of(&pool);
+    // About the largest duration humantime reads (u64 seconds).
+    const HUGE: &str = "500000000000years";
+    let out = finish(
+        distlock(
+            &url,
+            &[
+                "run",
+                "huge",
+                "--wait",
+                HUGE,
+                "--heartbeat",
+                HUGE,
+                "--grace",
+                HUGE,
+                "--",
+                "sh",
+                "-c",
+                "sleep 0.3",
+            ],
+        )
+        .spawn()
+        .expect("spawn"),
+        "run with huge durations",
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    // Held elsewhere: the huge wait queues, and ends when the lock is freed.
+    let mut obs = observer_for(&pool).await;
+    let raw = Raw::text("huge");
+    assert!(raw_try_lock(&mut obs, &raw).await);
+    let run = distlock(&url, &["run", "huge", "--wait", HUGE, "--", "true"])
+        .spawn()
+        .expect("spawn");
+    wait_for_waiters(&mut obs, 1, Duration::from_secs(10)).await;
+    assert!(raw_unlock(&mut obs, &raw).await);
+    let out = finish(run, "huge wait").await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    close(obs).await;
+}

@@ -62,7 +62,8 @@ pub(crate) struct RunArgs {
     pub(crate) key: String,
 
     /// Wait up to this long for the lock (e.g. 30s, 500ms, 2m) instead of
-    /// exiting with 75 at once when it is held elsewhere.
+    /// exiting with 75 at once when it is held elsewhere. Durations longer
+    /// than 100 years (here and below) count as 100 years.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub(crate) wait: Option<Duration>,
 
@@ -109,9 +110,16 @@ pub(crate) struct HoldersArgs {
     pub(crate) conn: ConnArgs,
 }
 
-/// Parses `30s`, `500ms`, `2m`, `1h 30m` (humantime's syntax).
+/// The longest duration an option takes; longer ones are cut to it. A
+/// century is as good as forever here, and adding it to the clock cannot
+/// overflow (adding e.g. 500000000000 years to an `Instant` panics).
+const LONGEST: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+/// Parses `30s`, `500ms`, `2m`, `1h 30m` (humantime's syntax), saturating
+/// at [`LONGEST`].
 fn parse_duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text.trim())
+        .map(|duration| duration.min(LONGEST))
         .map_err(|err| format!("{err} (examples: 30s, 500ms, 2m)"))
 }
 
@@ -125,6 +133,8 @@ mod tests {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("500000000000years"), Ok(LONGEST));
+        assert_eq!(parse_duration("18446744073709551615s"), Ok(LONGEST));
         assert!(parse_duration("soon").is_err());
         assert!(parse_duration("").is_err());
     }

@@ -619,17 +619,24 @@ async fn processes_the_command_left_behind_are_stopped_before_the_release(pool: 
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Whether script(1), which runs a command on a pseudo-terminal, is there.
+fn have_script() -> bool {
+    let found = std::process::Command::new("script")
+        .arg("--version")
+        .output()
+        .is_ok();
+    if !found {
+        eprintln!("skipped: script(1) is not installed");
+    }
+    found
+}
+
 #[sqlx::test(migrations = false)]
 async fn an_interactive_command_can_read_the_terminal(pool: PgPool) {
     // The command runs in a process group of its own; on a terminal, that
     // group must get the foreground, or reading the terminal stops it
     // (SIGTTIN). `script` runs distlock on a pseudo-terminal.
-    if std::process::Command::new("script")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("skipped: script(1) is not installed");
+    if !have_script() {
         return;
     }
     let url = url_of(&pool);
@@ -920,4 +927,47 @@ async fn huge_durations_saturate_instead_of_panicking(pool: PgPool) {
     let out = finish(run, "huge wait").await;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_command_that_cannot_start_leaves_the_terminal_to_the_caller(pool: PgPool) {
+    if !have_script() {
+        return;
+    }
+    let url = url_of(&pool);
+    // The shell runs distlock, then prints its own process group and the
+    // terminal's foreground group (fields 5 and 8 of /proc/PID/stat).
+    let inner = format!(
+        "{} run no-start -- /nonexistent/command; cat /proc/self/stat",
+        env!("CARGO_BIN_EXE_distlock")
+    );
+    let mut script = Command::new("script");
+    script
+        .args(["-qec", &inner, "/dev/null"])
+        .env("DATABASE_URL", &url)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let out = finish(script.spawn().expect("spawn script"), "failed start").await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stat = stdout
+        .lines()
+        .find(|line| line.contains("(cat)"))
+        .unwrap_or_else(|| panic!("no stat line:\n{}", text(&out)));
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .expect("stat")
+        .1
+        .split_whitespace()
+        .collect();
+    let (pgrp, foreground) = (fields[2], fields[5]);
+    assert!(stdout.contains("cannot run"), "{}", text(&out));
+    assert_eq!(
+        foreground,
+        pgrp,
+        "the terminal's foreground group is not the caller's:\n{}",
+        text(&out)
+    );
 }

@@ -130,6 +130,17 @@ impl Terminal {
         }
     }
 
+    /// Takes the foreground back if the group that has it is gone (a child
+    /// that took it and then failed to start the command).
+    pub(crate) fn take_back_from_dead_group(&self) {
+        if let Ok(foreground) = tcgetpgrp(&self.tty)
+            && foreground != self.own
+            && Group(foreground).is_empty()
+        {
+            self.take_back(Group(foreground));
+        }
+    }
+
     /// The command was stopped: stop distlock too (the shell sees the job
     /// stopped); once continued, continue the command, with the terminal if
     /// distlock got it back.

@@ -59,6 +59,10 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     let (mut child, group) = match spawn(&args, &key, token, terminal.as_ref()) {
         Ok(spawned) => spawned,
         Err(failure) => {
+            if let Some(terminal) = &terminal {
+                // The child may have taken the terminal before its exec failed.
+                terminal.take_back_from_dead_group();
+            }
             release_reporting(lease).await;
             return Err(failure);
         }
@@ -224,7 +228,8 @@ fn spawn(
     }
 }
 
-/// SIGINT, SIGTERM and SIGHUP to distlock, to be forwarded to the command.
+/// SIGINT, SIGTERM and SIGHUP to distlock, to be forwarded to the command,
+/// and SIGCHLD, to notice the command being stopped.
 struct Signals {
     interrupt: SignalStream,
     terminate: SignalStream,
@@ -234,7 +239,7 @@ struct Signals {
 }
 
 impl Signals {
-    /// Replaces the default action (exit) of the three signals.
+    /// Replaces the default action of the signals (exit, for the first three).
     fn install() -> Result<Self, Failure> {
         let handler = |kind| {
             signal(kind).map_err(|err| Failure::unavailable(format!("cannot watch signals: {err}")))

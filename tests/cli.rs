@@ -103,6 +103,69 @@ async fn wait_for_file(path: &Path) -> String {
     }
 }
 
+/// Whether process `pid` is running (a zombie waiting to be reaped is not).
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
+/// Waits up to `limit` for process `pid` to be gone; `true` if it is.
+async fn gone_within(pid: i32, limit: Duration) -> bool {
+    let start = Instant::now();
+    while alive(pid) {
+        if start.elapsed() > limit {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
+}
+
+/// Kills the processes a test started indirectly (a grandchild that outlived
+/// distlock) when the test ends, passed or failed.
+struct KillOnDrop(Vec<i32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            if alive(pid) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+}
+
+/// Reads a pid written by the command into `path`.
+async fn read_pid(path: &Path) -> i32 {
+    wait_for_file(path)
+        .await
+        .trim()
+        .parse()
+        .expect("a pid in the file")
+}
+
+/// Terminates the server session holding `key`, as an administrator would.
+async fn terminate_holder(pool: &PgPool, key: &str) {
+    let holder = wait_until_held(pool, key).await;
+    let mut obs = observer_for(pool).await;
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(holder)
+        .fetch_one(&mut obs)
+        .await
+        .expect("terminate");
+    assert!(terminated);
+    close(obs).await;
+}
+
 #[sqlx::test(migrations = false)]
 async fn of_two_concurrent_runs_one_runs_and_the_other_skips(pool: PgPool) {
     let url = url_of(&pool);
@@ -441,4 +504,470 @@ async fn run_works_with_redlock_over_three_nodes() {
     }
     let urls: Vec<String> = servers.iter().map(|s| s.url()).collect();
     redis_runs_one_and_skips_one(&urls).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_lost_lock_stops_the_commands_whole_process_group(pool: PgPool) {
+    let url = url_of(&pool);
+    let dir = scratch("lost-group");
+    let pid_file = dir.join("pid");
+    let pid_arg = pid_file.to_string_lossy().into_owned();
+    // The shell waits for a grandchild; SIGTERM to the shell alone would
+    // leave `sleep` running without the lock.
+    let run = distlock(
+        &url,
+        &[
+            "run",
+            "lost-group",
+            "--heartbeat",
+            "200ms",
+            "--grace",
+            "2s",
+            "--",
+            "sh",
+            "-c",
+            "sleep 300 > /dev/null 2>&1 & echo $! > \"$0\"; wait",
+            &pid_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    let grandchild = read_pid(&pid_file).await;
+    let _cleanup = KillOnDrop(vec![grandchild]);
+    terminate_holder(&pool, "lost-group").await;
+
+    let out = finish(run, "run whose lock is lost").await;
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", text(&out));
+    assert!(
+        !alive(grandchild),
+        "the command's grandchild (pid {grandchild}) still runs after distlock exited:\n{}",
+        text(&out)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_forwarded_signal_reaches_the_commands_whole_process_group(pool: PgPool) {
+    let url = url_of(&pool);
+    let dir = scratch("signal-group");
+    let pid_file = dir.join("pid");
+    let pid_arg = pid_file.to_string_lossy().into_owned();
+    let run = distlock(
+        &url,
+        &[
+            "run",
+            "signal-group",
+            "--",
+            "sh",
+            "-c",
+            "trap 'exit 7' TERM; sleep 300 > /dev/null 2>&1 & echo $! > \"$0\"; wait",
+            &pid_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    let grandchild = read_pid(&pid_file).await;
+    let _cleanup = KillOnDrop(vec![grandchild]);
+    let pid = run.id().expect("pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid fits")),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("signal distlock");
+    let out = finish(run, "signalled run").await;
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out));
+    assert!(
+        !alive(grandchild),
+        "the command's grandchild (pid {grandchild}) did not get the signal:\n{}",
+        text(&out)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[sqlx::test(migrations = false)]
+async fn processes_the_command_left_behind_are_stopped_before_the_release(pool: PgPool) {
+    let url = url_of(&pool);
+    let dir = scratch("leftover");
+    let pid_file = dir.join("pid");
+    let pid_arg = pid_file.to_string_lossy().into_owned();
+    // The command exits at once, leaving a background process in its group.
+    let run = distlock(
+        &url,
+        &[
+            "run",
+            "leftover",
+            "--grace",
+            "2s",
+            "--",
+            "sh",
+            "-c",
+            "sleep 300 > /dev/null 2>&1 & echo $! > \"$0\"",
+            &pid_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    let out = finish(run, "run leaving a process behind").await;
+    let grandchild = read_pid(&pid_file).await;
+    let _cleanup = KillOnDrop(vec![grandchild]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        !alive(grandchild),
+        "a process the command left (pid {grandchild}) runs on after the lock was released:\n{}",
+        text(&out)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Whether script(1), which runs a command on a pseudo-terminal, is there.
+fn have_script() -> bool {
+    let found = std::process::Command::new("script")
+        .arg("--version")
+        .output()
+        .is_ok();
+    if !found {
+        eprintln!("skipped: script(1) is not installed");
+    }
+    found
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_interactive_command_can_read_the_terminal(pool: PgPool) {
+    // The command runs in a process group of its own; on a terminal, that
+    // group must get the foreground, or reading the terminal stops it
+    // (SIGTTIN). `script` runs distlock on a pseudo-terminal.
+    if !have_script() {
+        return;
+    }
+    let url = url_of(&pool);
+    let inner = format!(
+        "{} run tty -- sh -c 'read line; echo got:$line; exit 3'",
+        env!("CARGO_BIN_EXE_distlock")
+    );
+    let mut script = Command::new("script");
+    script
+        .args(["-qec", &inner, "/dev/null"])
+        .env("DATABASE_URL", &url)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = script.spawn().expect("spawn script");
+    let mut stdin = child.stdin.take().expect("stdin");
+    tokio::io::AsyncWriteExt::write_all(&mut stdin, b"hello\n")
+        .await
+        .expect("type a line");
+    let out = finish(child, "interactive run").await;
+    drop(stdin);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("got:hello"),
+        "{}",
+        text(&out)
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_killed_distlock_takes_the_command_with_it(pool: PgPool) {
+    let url = url_of(&pool);
+    let dir = scratch("pdeathsig");
+    let pid_file = dir.join("pid");
+    let pid_arg = pid_file.to_string_lossy().into_owned();
+    let mut run = distlock(
+        &url,
+        &[
+            "run",
+            "pdeathsig",
+            "--",
+            "sh",
+            "-c",
+            "echo $$ > \"$0\"; exec sleep 300",
+            &pid_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    let command = read_pid(&pid_file).await;
+    let _cleanup = KillOnDrop(vec![command]);
+    wait_until_held(&pool, "pdeathsig").await;
+    // SIGKILL: distlock cannot stop the command itself.
+    run.start_kill().expect("kill -9 distlock");
+    let _ = run.wait().await;
+    assert!(
+        gone_within(command, Duration::from_secs(5)).await,
+        "the command (pid {command}) runs on after distlock was killed"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Runs a command under `distlock run KEY --heartbeat 1h EXTRA` that waits
+/// until the test has terminated the lock's session, then exits 0: the loss
+/// is found only when the lock is released.
+async fn run_with_a_loss_found_at_release(pool: &PgPool, key: &str, extra: &[&str]) -> Output {
+    let url = url_of(pool);
+    let dir = scratch("release-loss");
+    let ready = dir.join("ready");
+    let go = dir.join("go");
+    let ready_arg = ready.to_string_lossy().into_owned();
+    let go_arg = go.to_string_lossy().into_owned();
+    let mut args = vec!["run", key, "--heartbeat", "1h"];
+    args.extend(extra);
+    args.extend([
+        "--",
+        "sh",
+        "-c",
+        "echo ready > \"$0\"; while [ ! -e \"$1\" ]; do sleep 0.05; done",
+        &ready_arg,
+        &go_arg,
+    ]);
+    let run = distlock(&url, &args).spawn().expect("spawn");
+    wait_for_file(&ready).await;
+    terminate_holder(pool, key).await;
+    std::fs::write(&go, "").expect("let the command finish");
+    let out = finish(run, "run whose loss is found at release").await;
+    let _ = std::fs::remove_dir_all(dir);
+    out
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_loss_found_at_release_exits_76(pool: PgPool) {
+    let out = run_with_a_loss_found_at_release(&pool, "release-loss", &[]).await;
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("lock release-loss"), "{stderr}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn quiet_still_prints_errors(pool: PgPool) {
+    let out = run_with_a_loss_found_at_release(&pool, "quiet-loss", &["--quiet"]).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("distlock: ") && stderr.contains("lock quiet-loss"),
+        "--quiet hid the error:\n{}",
+        text(&out)
+    );
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", text(&out));
+}
+
+/// The value of `DISTLOCK_FENCING_TOKEN` the command saw ("unset" if none),
+/// running `distlock run ARGS -- sh -c ...` with `env` added to distlock's
+/// environment.
+async fn token_seen(url: &str, args: &[&str], env: &[(&str, &str)]) -> String {
+    let dir = scratch("token");
+    let file = dir.join("token");
+    let file_arg = file.to_string_lossy().into_owned();
+    let mut all = vec!["run"];
+    all.extend(args);
+    all.extend([
+        "--",
+        "sh",
+        "-c",
+        "echo \"${DISTLOCK_FENCING_TOKEN-unset}\" > \"$0\"",
+        &file_arg,
+    ]);
+    let mut cmd = distlock(url, &all);
+    for (name, value) in env {
+        cmd.env(name, value);
+    }
+    let out = finish(cmd.spawn().expect("spawn"), "run showing its token").await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let seen = std::fs::read_to_string(&file).expect("token file");
+    let _ = std::fs::remove_dir_all(dir);
+    seen.trim().to_owned()
+}
+
+#[sqlx::test(migrations = false)]
+async fn with_fencing_the_command_gets_the_token_in_its_environment(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let url = url_of(&pool);
+    let first: i64 = token_seen(&url, &["--fencing", "fenced"], &[])
+        .await
+        .parse()
+        .expect("a token");
+    let second: i64 = token_seen(&url, &["--fencing", "fenced"], &[])
+        .await
+        .parse()
+        .expect("a token");
+    assert!(first > 0 && second > first, "{first}, then {second}");
+    // Without fencing there is no token, not even one inherited by distlock.
+    assert_eq!(
+        token_seen(&url, &["fenced"], &[("DISTLOCK_FENCING_TOKEN", "999")]).await,
+        "unset"
+    );
+}
+
+#[tokio::test]
+async fn a_single_redis_instance_hands_the_command_its_token() {
+    let server = redis_support::RedisServer::start().await;
+    let url = server.url();
+    let mut cmd_args = vec!["--redis-url", url.as_str(), "redis-fenced"];
+    let first: i64 = token_seen("", &cmd_args, &[])
+        .await
+        .parse()
+        .expect("a token");
+    cmd_args.push("--quiet");
+    let second: i64 = token_seen("", &cmd_args, &[])
+        .await
+        .parse()
+        .expect("a token");
+    assert!(first > 0 && second > first, "{first}, then {second}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn passwords_with_url_delimiters_or_common_words_are_masked_exactly(pool: PgPool) {
+    let opts = pool.connect_options();
+    let at = format!("{}:{}", opts.get_host(), opts.get_port());
+    let user = opts.get_username().to_owned();
+    // A '#' or '?' in a password ends the URL's authority for a URL parser;
+    // the password must not show anyway.
+    for secret in [
+        "pa#ss-Secret9",
+        "pa?ss-Secret9",
+        "pa/ss-Secret9",
+        "pa@ss-Secret9",
+    ] {
+        let url = format!("postgres://{user}:{secret}@{at}/distlock_no_such_database");
+        let out = finish(
+            distlock(&url, &["holders"]).spawn().expect("spawn"),
+            "holders with a password",
+        )
+        .await;
+        let all = text(&out);
+        let tail = &secret[3..];
+        assert!(!all.contains(tail), "password {secret} leaked:\n{all}");
+        assert!(all.contains(&format!("postgres://{user}:***@")), "{all}");
+    }
+    // A password that is also a word of the URL masks the password only.
+    let url = format!("postgres://{user}:{user}@{at}/distlock_no_such_database");
+    let out = finish(
+        distlock(&url, &["holders"]).spawn().expect("spawn"),
+        "holders with password = user",
+    )
+    .await;
+    let all = text(&out);
+    assert!(
+        all.contains(&format!(
+            "postgres://{user}:***@{at}/distlock_no_such_database"
+        )),
+        "{all}"
+    );
+}
+
+#[tokio::test]
+async fn redis_urls_can_come_from_the_environment() {
+    // Not on the command line, where every user sees it in /proc/*/cmdline.
+    let servers = [
+        redis_support::RedisServer::start().await,
+        redis_support::RedisServer::start().await,
+        redis_support::RedisServer::start().await,
+    ];
+    let run = |urls: String| {
+        let mut cmd = distlock("", &["run", "env-redis", "--", "true"]);
+        cmd.env_remove("DATABASE_URL")
+            .env("DISTLOCK_REDIS_URL", urls);
+        cmd.spawn().expect("spawn distlock")
+    };
+    let single = finish(run(servers[0].url()), "run on one instance").await;
+    assert_eq!(single.status.code(), Some(0), "{}", text(&single));
+    // Several URLs, separated by spaces: Redlock.
+    let urls: Vec<String> = servers.iter().map(|s| s.url()).collect();
+    let redlock = finish(run(urls.join(" ")), "run on Redlock").await;
+    assert_eq!(redlock.status.code(), Some(0), "{}", text(&redlock));
+
+    // Its password is masked like any other.
+    let secret = "s3cret-Redis-pw";
+    let unreachable = format!("redis://:{secret}@127.0.0.1:1");
+    let failed = finish(run(unreachable), "run on an unreachable Redis").await;
+    let all = text(&failed);
+    assert_eq!(failed.status.code(), Some(EXIT_UNAVAILABLE), "{all}");
+    assert!(!all.contains(secret), "{all}");
+    assert!(all.contains("redis://:***@127.0.0.1:1"), "{all}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn huge_durations_saturate_instead_of_panicking(pool: PgPool) {
+    let url = url_of(&pool);
+    // About the largest duration humantime reads (u64 seconds).
+    const HUGE: &str = "500000000000years";
+    let out = finish(
+        distlock(
+            &url,
+            &[
+                "run",
+                "huge",
+                "--wait",
+                HUGE,
+                "--heartbeat",
+                HUGE,
+                "--grace",
+                HUGE,
+                "--",
+                "sh",
+                "-c",
+                "sleep 0.3",
+            ],
+        )
+        .spawn()
+        .expect("spawn"),
+        "run with huge durations",
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    // Held elsewhere: the huge wait queues, and ends when the lock is freed.
+    let mut obs = observer_for(&pool).await;
+    let raw = Raw::text("huge");
+    assert!(raw_try_lock(&mut obs, &raw).await);
+    let run = distlock(&url, &["run", "huge", "--wait", HUGE, "--", "true"])
+        .spawn()
+        .expect("spawn");
+    wait_for_waiters(&mut obs, 1, Duration::from_secs(10)).await;
+    assert!(raw_unlock(&mut obs, &raw).await);
+    let out = finish(run, "huge wait").await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_command_that_cannot_start_leaves_the_terminal_to_the_caller(pool: PgPool) {
+    if !have_script() {
+        return;
+    }
+    let url = url_of(&pool);
+    // The shell runs distlock, then prints its own process group and the
+    // terminal's foreground group (fields 5 and 8 of /proc/PID/stat).
+    let inner = format!(
+        "{} run no-start -- /nonexistent/command; cat /proc/self/stat",
+        env!("CARGO_BIN_EXE_distlock")
+    );
+    let mut script = Command::new("script");
+    script
+        .args(["-qec", &inner, "/dev/null"])
+        .env("DATABASE_URL", &url)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let out = finish(script.spawn().expect("spawn script"), "failed start").await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stat = stdout
+        .lines()
+        .find(|line| line.contains("(cat)"))
+        .unwrap_or_else(|| panic!("no stat line:\n{}", text(&out)));
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .expect("stat")
+        .1
+        .split_whitespace()
+        .collect();
+    let (pgrp, foreground) = (fields[2], fields[5]);
+    assert!(stdout.contains("cannot run"), "{}", text(&out));
+    assert_eq!(
+        foreground,
+        pgrp,
+        "the terminal's foreground group is not the caller's:\n{}",
+        text(&out)
+    );
 }

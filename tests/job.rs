@@ -186,6 +186,56 @@ async fn without_grace_a_lost_job_is_stopped_at_once(pool: PgPool) {
 }
 
 #[sqlx::test(migrations = false)]
+async fn a_loss_found_only_at_release_reports_lost_not_ran(pool: PgPool) {
+    init_tracing();
+    // A heartbeat too slow to notice the loss while the job runs: only the
+    // release finds the lock's session gone.
+    let slow: Arc<dyn Locker> = Arc::new(
+        PgLocker::builder(pool.clone())
+            .heartbeat(Duration::from_secs(3600))
+            .build(),
+    );
+    let job = SingletonJob::new(slow, "job:release-loss");
+    let (started_tx, started_rx) = oneshot::channel();
+    let (finish_tx, finish_rx) = oneshot::channel::<()>();
+    let run = tokio::spawn(async move {
+        job.run(async |ctx| {
+            let _ = started_tx.send(());
+            let _ = finish_rx.await;
+            assert!(!ctx.lease().is_lost(), "the heartbeat has not noticed");
+            Ok::<_, Error>("done")
+        })
+        .await
+    });
+    started_rx.await.expect("job started");
+    let pid = holder_pid(&pool, "job:release-loss")
+        .await
+        .expect("lock held");
+    let mut obs = observer_for(&pool).await;
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&mut obs)
+        .await
+        .expect("terminate");
+    assert!(terminated);
+    eventually("the session is gone", Duration::from_secs(5), async || {
+        holder_pid(&pool, "job:release-loss").await.is_none()
+    })
+    .await;
+    finish_tx.send(()).expect("job waits");
+
+    let outcome = bounded("job ends", Duration::from_secs(10), run)
+        .await
+        .expect("join")
+        .expect("run");
+    assert!(
+        matches!(outcome, JobOutcome::Lost(LossReason::ConnectionFailed(_))),
+        "the job may have run its last part without the lock: {outcome:?}"
+    );
+    close(obs).await;
+}
+
+#[sqlx::test(migrations = false)]
 async fn the_lock_is_kept_for_the_minimum_hold_time(pool: PgPool) {
     let min_hold = Duration::from_millis(800);
     let job = SingletonJob::new(locker(&pool), "job:fast").min_hold(min_hold);

@@ -8,7 +8,9 @@
 //! ```
 //!
 //! Built with the `cli` feature: `cargo install --path . --features cli`.
-#![forbid(unsafe_code)]
+// `deny` rather than `forbid`: the one exception is the child's pre-exec
+// hook in `process.rs`, which the standard library only offers as `unsafe`.
+#![deny(unsafe_code)]
 #![warn(
     missing_docs,
     unreachable_pub,
@@ -24,6 +26,8 @@ mod args;
 mod backend;
 #[path = "distlock/holders.rs"]
 mod holders;
+#[path = "distlock/process.rs"]
+mod process;
 #[path = "distlock/redact.rs"]
 mod redact;
 #[path = "distlock/run.rs"]
@@ -43,7 +47,8 @@ pub(crate) const EXIT_USAGE: u8 = 64;
 pub(crate) const EXIT_UNAVAILABLE: u8 = 69;
 /// `run` skipped the command: the lock is held elsewhere (EX_TEMPFAIL).
 pub(crate) const EXIT_BUSY: u8 = 75;
-/// `run` lost the lock while the command ran and stopped the command.
+/// `run` lost the lock while the command ran and stopped the command, or
+/// found at release that the lock was gone before the command ended.
 pub(crate) const EXIT_LOST: u8 = 76;
 /// `run --wait`: the deadline passed before the lock was free (as timeout(1)).
 pub(crate) const EXIT_TIMEOUT: u8 = 124;
@@ -59,14 +64,22 @@ Exit codes of `distlock run`:
   64   usage error (bad argument, key, duration or URL)
   69   the database could not be reached, or another error
   75   skipped: the lock is held elsewhere (EX_TEMPFAIL)
-  76   the lock was lost while the command ran; it got SIGTERM (SIGKILL after --grace)
+  76   the lock was lost while the command ran: its process group got SIGTERM
+       (SIGKILL after --grace), or the release found the lock already gone
   124  --wait: the deadline passed before the lock was free
   126  the command could not be executed
   127  the command was not found
 
 Environment:
-  DATABASE_URL     connection URL when --database-url is not given
-  RUST_LOG         log filter (default: warn), e.g. RUST_LOG=info";
+  DATABASE_URL        connection URL when --database-url is not given
+  DISTLOCK_REDIS_URL  Redis URL(s), separated by spaces, when no --redis-url
+                      is given (keeps them off the command line)
+  RUST_LOG            log filter (default: warn), e.g. RUST_LOG=info
+
+Environment of the command run by `distlock run`:
+  DISTLOCK_KEY            the lock's name
+  DISTLOCK_FENCING_TOKEN  the lock's fencing token, with --fencing (PostgreSQL)
+                          or a single --redis-url; unset otherwise";
 
 /// Why a command ended early: the exit code and a message for stderr.
 #[derive(Debug)]
@@ -136,11 +149,13 @@ fn main() -> ExitCode {
 /// Every URL the process was given, by argument or environment.
 fn secrets_in_use() -> Secrets {
     let env_url = std::env::var("DATABASE_URL").ok();
+    let env_redis = std::env::var("DISTLOCK_REDIS_URL").unwrap_or_default();
     let args: Vec<String> = std::env::args().collect();
     let urls = env_url
         .iter()
-        .chain(args.iter())
         .map(String::as_str)
+        .chain(env_redis.split_whitespace())
+        .chain(args.iter().map(String::as_str))
         .filter(|text| text.contains("://") || text.contains("password="))
         // `--database-url=postgres://...`
         .map(|text| {

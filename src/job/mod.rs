@@ -36,7 +36,8 @@ use window::{Claim, WindowStart};
 /// job is stopped (after an optional [grace period](Self::stop_grace)), and
 /// the outcome is [`JobOutcome::Lost`]. The lease is released at the end
 /// whatever happened: success, error, or panic (caught and reported as
-/// [`JobOutcome::Panicked`]).
+/// [`JobOutcome::Panicked`]). A job that returned `Ok` is reported
+/// [`JobOutcome::Lost`] too if the release shows the lock was already gone.
 ///
 /// Two options close the gaps a lock alone leaves for periodic work:
 ///
@@ -127,7 +128,8 @@ impl SingletonJob {
     /// the other replicas' identical ticks. When the job finishes early,
     /// [`run`](Self::run) returns at once and a background task releases the
     /// lease when the time is up (or drops it if the runtime shuts down,
-    /// which frees it too).
+    /// which frees it too). The outcome is then decided before that release,
+    /// so a loss it finds is only logged.
     pub fn min_hold(mut self, min_hold: Duration) -> Self {
         self.min_hold = min_hold;
         self
@@ -230,6 +232,16 @@ impl SingletonJob {
                 JobOutcome::Lost(reason)
             }
         };
+        let outcome = if matches!(outcome, JobOutcome::Lost(_)) {
+            // Nothing to release: drop it (the backend has closed its session).
+            drop(lease);
+            outcome
+        } else {
+            match self.release(lease, acquired).await {
+                Ok(()) => outcome,
+                Err(err) => self.after_failed_release(outcome, &err),
+            }
+        };
         if let (Some(window), Some(start)) = (&self.window, window_start)
             && let Err(err) =
                 window::finish(&window.pool, &self.key.to_string(), start, outcome.name()).await
@@ -237,13 +249,31 @@ impl SingletonJob {
             tracing::warn!(job = %self.key, error = %err, "could not record how the job run ended");
         }
         crate::metrics::job_finished(&self.key, outcome.name(), Some(took));
-        if matches!(outcome, JobOutcome::Lost(_)) {
-            // Nothing to release: drop it (the backend has closed its session).
-            drop(lease);
-        } else {
-            self.release(lease, acquired).await;
-        }
         Ok(outcome)
+    }
+
+    /// The outcome once releasing the lease failed with `err`: a job that
+    /// ran is reported [`Lost`](JobOutcome::Lost) if the release shows the
+    /// lock was already gone (its last steps may have run without the lock).
+    /// A failed or panicked job keeps its outcome; the loss is logged.
+    fn after_failed_release<T, E>(
+        &self,
+        outcome: JobOutcome<T, E>,
+        err: &Error,
+    ) -> JobOutcome<T, E> {
+        match (outcome, loss_shown_by(err)) {
+            (JobOutcome::Ran(_), Some(reason)) => {
+                tracing::warn!(
+                    job = %self.key, %reason, error = %err,
+                    "the job finished, but its lock was found lost at release"
+                );
+                JobOutcome::Lost(reason)
+            }
+            (outcome, _) => {
+                tracing::warn!(job = %self.key, error = %err, "releasing the job's lock failed");
+                outcome
+            }
+        }
     }
 
     /// With a run record configured, claims the current window. Hands the
@@ -309,13 +339,13 @@ impl SingletonJob {
         }
     }
 
-    /// Releases the lease now, or in the background once the minimum hold
-    /// time has passed.
-    async fn release(&self, lease: Box<dyn Lease>, acquired: Instant) {
+    /// Releases the lease now (returning how that went), or in the
+    /// background once the minimum hold time has passed (then `Ok`: a
+    /// failure there is only logged).
+    async fn release(&self, lease: Box<dyn Lease>, acquired: Instant) -> Result<(), Error> {
         let until = acquired + self.min_hold;
         if Instant::now() >= until {
-            release_now(lease).await;
-            return;
+            return lease.release().await;
         }
         let until = tokio::time::Instant::from_std(until);
         let span = tracing::debug_span!("distlock.job.min_hold", job = %self.key);
@@ -335,6 +365,29 @@ impl SingletonJob {
             }
             .instrument(span),
         );
+        Ok(())
+    }
+}
+
+/// The loss a failed release shows, if it shows one: the lock was lost, the
+/// server no longer held it, a different backend answered, or the lock's
+/// connection failed (which ends the session and its locks). A release that
+/// timed out or could not reach Redis shows none.
+fn loss_shown_by(err: &Error) -> Option<LossReason> {
+    match err {
+        Error::LockLost { reason, .. } => Some(reason.clone()),
+        // Redis: the key expired or has another owner; PostgreSQL: the
+        // session no longer held the lock.
+        Error::LockNotHeld { .. } => Some(LossReason::Expired),
+        Error::PoolerDetected {
+            expected_pid,
+            actual_pid,
+        } => Some(LossReason::BackendChanged {
+            expected_pid: *expected_pid,
+            actual_pid: *actual_pid,
+        }),
+        Error::Database(err) => Some(LossReason::ConnectionFailed(err.to_string())),
+        _ => None,
     }
 }
 

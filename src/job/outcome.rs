@@ -41,6 +41,11 @@ pub enum JobOutcome<T, E> {
     /// The lease was lost while the job ran. The job's cancellation token was
     /// cancelled and the job was stopped; whatever it did may be incomplete,
     /// and another replica may be running it now.
+    ///
+    /// Also the outcome of a job that returned `Ok` when releasing the lease
+    /// then showed that the lock was already gone (a loss the heartbeat had
+    /// not noticed yet): the job's last steps may have run without the lock,
+    /// so its value is not reported.
     Lost(LossReason),
     /// The job returned `Err`.
     Failed(E),

@@ -22,6 +22,10 @@ pub(crate) enum Command {
     /// Exits with the command's exit code when it ran, 75 when the lock is
     /// held elsewhere, 124 when --wait ran out, 76 when the lock was lost
     /// while the command ran (the command is stopped). See --help for all codes.
+    ///
+    /// The command runs in a process group of its own: forwarded signals
+    /// (SIGINT, SIGTERM, SIGHUP) and stops reach everything it started, and
+    /// nothing of it is left running when the lock is released.
     Run(RunArgs),
     /// List the sessions holding or awaiting advisory locks in the database.
     Holders(HoldersArgs),
@@ -37,8 +41,18 @@ pub(crate) struct ConnArgs {
 
     /// Use Redis instead of PostgreSQL: once for a single instance (with a
     /// watchdog-extended lease), several times for Redlock over independent
-    /// nodes (e.g. five). Takes precedence over the database URL.
-    #[arg(long = "redis-url", value_name = "URL")]
+    /// nodes (e.g. five). Takes precedence over the database URL. From the
+    /// environment (which, unlike the command line, other users cannot read
+    /// in /proc), several URLs are separated by spaces; a password is never
+    /// printed.
+    // hide_env_values: `--help` would otherwise print the URLs, passwords included.
+    #[arg(
+        long = "redis-url",
+        value_name = "URL",
+        env = "DISTLOCK_REDIS_URL",
+        hide_env_values = true,
+        value_delimiter = ' '
+    )]
     pub(crate) redis_urls: Vec<String>,
 }
 
@@ -48,11 +62,13 @@ pub(crate) struct RunArgs {
     pub(crate) key: String,
 
     /// Wait up to this long for the lock (e.g. 30s, 500ms, 2m) instead of
-    /// exiting with 75 at once when it is held elsewhere.
+    /// exiting with 75 at once when it is held elsewhere. Durations longer
+    /// than 100 years (here and below) count as 100 years.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub(crate) wait: Option<Duration>,
 
-    /// After the lock is lost: how long the command may take to exit after
+    /// After the lock is lost (or when the command exits leaving processes
+    /// in its process group): how long the group may take to exit after
     /// SIGTERM before it gets SIGKILL.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub(crate) grace: Duration,
@@ -61,6 +77,13 @@ pub(crate) struct RunArgs {
     /// within about twice this.
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
     pub(crate) heartbeat: Duration,
+
+    /// Take the lock with a fencing token, passed to the command in
+    /// DISTLOCK_FENCING_TOKEN (PostgreSQL; needs the distlock schema, see
+    /// `distlock::migrate`). A single Redis instance always issues one;
+    /// Redlock cannot.
+    #[arg(long)]
+    pub(crate) fencing: bool,
 
     /// No messages and no progress line (errors are still printed).
     #[arg(short, long)]
@@ -87,9 +110,16 @@ pub(crate) struct HoldersArgs {
     pub(crate) conn: ConnArgs,
 }
 
-/// Parses `30s`, `500ms`, `2m`, `1h 30m` (humantime's syntax).
+/// The longest duration an option takes; longer ones are cut to it. A
+/// century is as good as forever here, and adding it to the clock cannot
+/// overflow (adding e.g. 500000000000 years to an `Instant` panics).
+const LONGEST: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+/// Parses `30s`, `500ms`, `2m`, `1h 30m` (humantime's syntax), saturating
+/// at [`LONGEST`].
 fn parse_duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text.trim())
+        .map(|duration| duration.min(LONGEST))
         .map_err(|err| format!("{err} (examples: 30s, 500ms, 2m)"))
 }
 
@@ -103,6 +133,8 @@ mod tests {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("500000000000years"), Ok(LONGEST));
+        assert_eq!(parse_duration("18446744073709551615s"), Ok(LONGEST));
         assert!(parse_duration("soon").is_err());
         assert!(parse_duration("").is_err());
     }

@@ -15,7 +15,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::Failure;
 use crate::args::ConnArgs;
-use crate::redact::redact_url;
+use crate::redact::{redact_url, user_info_needs_encoding};
 
 /// The lock backend chosen by the arguments.
 #[derive(Debug, Clone)]
@@ -28,13 +28,22 @@ pub(crate) struct Backend {
 
 /// Connects to the backend named by `conn`. `application` becomes the
 /// sessions' `application_name`, so `distlock holders` (and `pg_stat_activity`)
-/// show what a lock is held for. `heartbeat` is the session lock's check interval.
+/// show what a lock is held for. `heartbeat` is the session lock's check
+/// interval. With `fencing`, every PostgreSQL lock comes with a fencing token
+/// (a single Redis instance always issues one; Redlock cannot).
 pub(crate) async fn connect(
     conn: &ConnArgs,
     application: &str,
     heartbeat: Duration,
+    fencing: bool,
 ) -> Result<Backend, Failure> {
     if !conn.redis_urls.is_empty() {
+        if fencing && conn.redis_urls.len() > 1 {
+            return Err(Failure::usage(
+                "--fencing: Redlock (several --redis-url) issues no fencing tokens; \
+                 use PostgreSQL or a single Redis instance",
+            ));
+        }
         return connect_redis(&conn.redis_urls).await;
     }
     let Some(url) = conn.database_url.as_deref() else {
@@ -44,7 +53,15 @@ pub(crate) async fn connect(
     };
     let target = redact_url(url);
     let options = PgConnectOptions::from_str(url)
-        .map_err(|err| Failure::usage(format!("invalid database URL {target}: {err}")))?
+        .map_err(|err| {
+            let hint = if user_info_needs_encoding(url) {
+                " (a '#', '?' or '/' in the user name or password must be \
+                 percent-encoded: %23, %3F, %2F)"
+            } else {
+                ""
+            };
+            Failure::usage(format!("invalid database URL {target}: {err}{hint}"))
+        })?
         .application_name(&truncate_name(application));
     let pool = PgPoolOptions::new()
         // One connection holds the lock, one looks up holders while waiting.
@@ -53,7 +70,10 @@ pub(crate) async fn connect(
         .connect_with(options)
         .await
         .map_err(|err| Failure::unavailable(format!("could not connect to {target}: {err}")))?;
-    let locker = PgLocker::builder(pool).heartbeat(heartbeat).build();
+    let locker = PgLocker::builder(pool)
+        .heartbeat(heartbeat)
+        .fencing(fencing)
+        .build();
     Ok(Backend {
         locker: Arc::new(locker.clone()),
         postgres: Some(locker),

@@ -16,7 +16,13 @@ pub(crate) async fn holders(args: HoldersArgs) -> Result<u8, Failure> {
             .validate()
             .map_err(|err| Failure::usage(err.to_string()))?;
     }
-    let backend = backend::connect(&args.conn, "distlock holders", Duration::from_secs(1)).await?;
+    let backend = backend::connect(
+        &args.conn,
+        "distlock holders",
+        Duration::from_secs(1),
+        false,
+    )
+    .await?;
     let Some(locker) = backend.postgres else {
         return Err(Failure::usage("`holders` needs a PostgreSQL backend"));
     };

@@ -5,19 +5,24 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::time::Duration;
 
-use distlock::{Error, Lease, LockKey, LockWaiter, LossReason};
+use distlock::{Error, FencingToken, Lease, LockKey, LockWaiter, LossReason};
 use indicatif::{ProgressBar, ProgressStyle};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use tokio::process::{Child, Command};
-use tokio::signal::unix::{SignalKind, signal};
+use tokio::signal::unix::{Signal as SignalStream, SignalKind, signal};
 
 use crate::args::RunArgs;
 use crate::backend::{self, Backend};
+use crate::process::{self, Group, Terminal};
 use crate::{
     EXIT_BUSY, EXIT_CANNOT_EXECUTE, EXIT_LOST, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_UNAVAILABLE,
     Failure,
 };
+
+/// The command's environment variable holding the lock's name.
+const ENV_KEY: &str = "DISTLOCK_KEY";
+/// The command's environment variable holding the lock's fencing token.
+const ENV_FENCING_TOKEN: &str = "DISTLOCK_FENCING_TOKEN";
 
 /// How the command's run ended.
 enum Ended {
@@ -26,38 +31,97 @@ enum Ended {
 }
 
 /// Takes the lock, runs the command, releases the lock; returns the exit code.
+///
+/// The command runs in a process group of its own, so that everything it
+/// starts can be stopped together: the lock is released only after the
+/// whole group is gone.
 pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     let key = LockKey::from(args.key.as_str());
     key.validate()
         .map_err(|err| Failure::usage(err.to_string()))?;
     let application = format!("distlock run {}", args.key);
-    let backend = backend::connect(&args.conn, &application, args.heartbeat).await?;
+    let backend = backend::connect(&args.conn, &application, args.heartbeat, args.fencing).await?;
 
     let Some(lease) = acquire(&backend, &key, args.wait, args.quiet).await? else {
         return Ok(EXIT_BUSY);
     };
-    let mut child = match spawn(&args, &key) {
-        Ok(child) => child,
+    // Before the spawn: a signal that arrives while the command starts is
+    // forwarded to it rather than killing distlock and orphaning the command.
+    let mut signals = match Signals::install() {
+        Ok(signals) => signals,
         Err(failure) => {
-            release(lease, args.quiet).await;
+            release_reporting(lease).await;
             return Err(failure);
         }
     };
-    match supervise(&mut child, &*lease).await? {
-        Ended::Exited(status) => {
-            release(lease, args.quiet).await;
-            Ok(exit_code(status))
+    let terminal = Terminal::open();
+    let token = lease.fencing_token();
+    let (mut child, group) = match spawn(&args, &key, token, terminal.as_ref()) {
+        Ok(spawned) => spawned,
+        Err(failure) => {
+            if let Some(terminal) = &terminal {
+                // The child may have taken the terminal before its exec failed.
+                terminal.take_back_from_dead_group();
+            }
+            release_reporting(lease).await;
+            return Err(failure);
         }
-        Ended::Lost(reason) => {
+    };
+    let ended = supervise(&mut child, group, &*lease, &mut signals, terminal.as_ref()).await;
+    // Nothing of the command may run on once the lock is released or lost.
+    match &ended {
+        Ok(Ended::Exited(_)) => {
+            if !group.is_empty() {
+                if !args.quiet {
+                    eprintln!(
+                        "distlock: the command exited but left processes in its process group; \
+                         stopping them before releasing lock {key} (SIGTERM, then SIGKILL after {})",
+                        humantime::format_duration(args.grace)
+                    );
+                }
+                stop(&mut child, group, args.grace).await;
+            }
+        }
+        Ok(Ended::Lost(reason)) => {
             // Say it even with --quiet: the command was cut short.
             eprintln!(
                 "distlock: lock {key} was lost ({reason}); stopping the command \
                  (SIGTERM, then SIGKILL after {})",
                 humantime::format_duration(args.grace)
             );
-            stop(&mut child, args.grace).await;
+            stop(&mut child, group, args.grace).await;
+        }
+        // The command cannot be watched any more: stop it while the lock is
+        // still held.
+        Err(_) => stop(&mut child, group, args.grace).await,
+    }
+    if let Some(terminal) = &terminal {
+        terminal.take_back(group);
+    }
+    match ended {
+        Ok(Ended::Exited(status)) => match release(lease).await {
+            Released::Yes => Ok(exit_code(status)),
+            // The command may have run its last part without the lock.
+            Released::Lost(err) => {
+                eprintln!(
+                    "distlock: lock {key} was lost before the command ended \
+                     (found at release: {err}); the command exited with code {}",
+                    exit_code(status)
+                );
+                Ok(EXIT_LOST)
+            }
+            Released::Failed(err) => {
+                eprintln!("distlock: releasing lock {key} failed: {err}");
+                Ok(exit_code(status))
+            }
+        },
+        Ok(Ended::Lost(_)) => {
             drop(lease);
             Ok(EXIT_LOST)
+        }
+        Err(failure) => {
+            release_reporting(lease).await;
+            Err(failure)
         }
     }
 }
@@ -126,38 +190,78 @@ async fn holder_hint(backend: &Backend, key: &LockKey) -> String {
     }
 }
 
-/// Starts the command with the lock's name in `DISTLOCK_KEY`.
-fn spawn(args: &RunArgs, key: &LockKey) -> Result<Child, Failure> {
+/// Starts the command, in a process group of its own, with the lock's name
+/// in `DISTLOCK_KEY` and its fencing token (if any) in
+/// `DISTLOCK_FENCING_TOKEN`.
+fn spawn(
+    args: &RunArgs,
+    key: &LockKey,
+    token: Option<FencingToken>,
+    terminal: Option<&Terminal>,
+) -> Result<(Child, Group), Failure> {
     let Some((program, rest)) = args.command.split_first() else {
         return Err(Failure::usage("no command given after --"));
     };
-    Command::new(program)
-        .args(rest)
-        .env("DISTLOCK_KEY", key.to_string())
-        .spawn()
-        .map_err(|err| {
-            let code = if err.kind() == std::io::ErrorKind::NotFound {
-                EXIT_NOT_FOUND
-            } else {
-                EXIT_CANNOT_EXECUTE
-            };
-            Failure::new(
-                code,
-                format!("cannot run {}: {err}", program.to_string_lossy()),
-            )
+    let mut command = Command::new(program);
+    command.args(rest).env(ENV_KEY, key.to_string());
+    match token {
+        Some(token) => command.env(ENV_FENCING_TOKEN, token.value().to_string()),
+        // Not one inherited from an outer run: it would belong to another lock.
+        None => command.env_remove(ENV_FENCING_TOKEN),
+    };
+    process::prepare(&mut command, terminal);
+    let child = command.spawn().map_err(|err| {
+        let code = if err.kind() == std::io::ErrorKind::NotFound {
+            EXIT_NOT_FOUND
+        } else {
+            EXIT_CANNOT_EXECUTE
+        };
+        Failure::new(
+            code,
+            format!("cannot run {}: {err}", program.to_string_lossy()),
+        )
+    })?;
+    match child.id().and_then(Group::led_by) {
+        Some(group) => Ok((child, group)),
+        // Only possible if the child was already reaped, which nothing did.
+        None => Err(Failure::unavailable("the command's process id is unknown")),
+    }
+}
+
+/// SIGINT, SIGTERM and SIGHUP to distlock, to be forwarded to the command,
+/// and SIGCHLD, to notice the command being stopped.
+struct Signals {
+    interrupt: SignalStream,
+    terminate: SignalStream,
+    hangup: SignalStream,
+    /// A child changed state (it may have been stopped).
+    child: SignalStream,
+}
+
+impl Signals {
+    /// Replaces the default action of the signals (exit, for the first three).
+    fn install() -> Result<Self, Failure> {
+        let handler = |kind| {
+            signal(kind).map_err(|err| Failure::unavailable(format!("cannot watch signals: {err}")))
+        };
+        Ok(Self {
+            interrupt: handler(SignalKind::interrupt())?,
+            terminate: handler(SignalKind::terminate())?,
+            hangup: handler(SignalKind::hangup())?,
+            child: handler(SignalKind::child())?,
         })
+    }
 }
 
 /// Waits for the command to exit or the lease to be lost, forwarding
-/// SIGINT, SIGTERM and SIGHUP to the command meanwhile.
-async fn supervise(child: &mut Child, lease: &dyn Lease) -> Result<Ended, Failure> {
-    let handler = |kind| {
-        signal(kind).map_err(|err| Failure::unavailable(format!("cannot watch signals: {err}")))
-    };
-    let mut interrupt = handler(SignalKind::interrupt())?;
-    let mut terminate = handler(SignalKind::terminate())?;
-    let mut hangup = handler(SignalKind::hangup())?;
-    let pid = child.id();
+/// SIGINT, SIGTERM and SIGHUP to the command's process group meanwhile.
+async fn supervise(
+    child: &mut Child,
+    group: Group,
+    lease: &dyn Lease,
+    signals: &mut Signals,
+    terminal: Option<&Terminal>,
+) -> Result<Ended, Failure> {
     loop {
         tokio::select! {
             status = child.wait() => {
@@ -165,42 +269,90 @@ async fn supervise(child: &mut Child, lease: &dyn Lease) -> Result<Ended, Failur
                 return Ok(Ended::Exited(status));
             }
             reason = lease.lost() => return Ok(Ended::Lost(reason)),
-            Some(()) = interrupt.recv() => forward(pid, Signal::SIGINT),
-            Some(()) = terminate.recv() => forward(pid, Signal::SIGTERM),
-            Some(()) = hangup.recv() => forward(pid, Signal::SIGHUP),
+            Some(()) = signals.interrupt.recv() => group.signal(Signal::SIGINT),
+            Some(()) = signals.terminate.recv() => group.signal(Signal::SIGTERM),
+            Some(()) = signals.hangup.recv() => group.signal(Signal::SIGHUP),
+            Some(()) = signals.child.recv() => {
+                if let Some(terminal) = terminal
+                    && group.leader_stopped()
+                {
+                    terminal.relay_stop(group);
+                }
+            }
         }
     }
 }
 
-/// Sends `signal` to the command (if it still runs).
-fn forward(pid: Option<u32>, signal: Signal) {
-    let Some(pid) = pid.and_then(|pid| i32::try_from(pid).ok()) else {
-        return;
-    };
-    tracing::info!(pid, ?signal, "forwarding signal to the command");
-    if let Err(err) = kill(Pid::from_raw(pid), signal) {
-        tracing::debug!(pid, ?signal, %err, "could not forward signal");
-    }
-}
-
-/// SIGTERM, then SIGKILL if the command has not exited after `grace`.
-async fn stop(child: &mut Child, grace: Duration) {
-    forward(child.id(), Signal::SIGTERM);
-    if tokio::time::timeout(grace, child.wait()).await.is_ok() {
+/// SIGTERM to the command's whole process group, then SIGKILL to it if any
+/// process of it is left after `grace`; returns once the command is reaped.
+async fn stop(child: &mut Child, group: Group, grace: Duration) {
+    group.signal(Signal::SIGTERM);
+    // `timeout` saturates: a huge grace waits "forever" rather than overflow.
+    if tokio::time::timeout(grace, until_gone(child, group))
+        .await
+        .is_ok()
+    {
         return;
     }
     tracing::warn!("the command did not exit within the grace period; sending SIGKILL");
-    let _ = child.start_kill();
+    group.signal(Signal::SIGKILL);
     let _ = child.wait().await;
 }
 
-/// Releases the lease; the command has finished, so a failure is only reported.
-async fn release(lease: Box<dyn Lease>, quiet: bool) {
+/// Completes when the command has exited (and is reaped) and no other
+/// process is left in its group.
+async fn until_gone(child: &mut Child, group: Group) {
+    loop {
+        // Reaped first: the exited leader would otherwise keep the group alive.
+        let exited = !matches!(child.try_wait(), Ok(None));
+        if exited && group.is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// How a release went.
+enum Released {
+    Yes,
+    /// The release showed that the lock was already gone.
+    Lost(Error),
+    /// The release failed without showing a loss (it timed out, or Redis
+    /// could not be reached); the backend frees the lock.
+    Failed(Error),
+}
+
+/// Releases the lease.
+async fn release(lease: Box<dyn Lease>) -> Released {
+    match lease.release().await {
+        Ok(()) => Released::Yes,
+        Err(err) if shows_loss(&err) => Released::Lost(err),
+        Err(err) => Released::Failed(err),
+    }
+}
+
+/// Whether a failed release shows that the lock was no longer held: lost,
+/// not held by the session, a different backend answering, or the lock's
+/// PostgreSQL connection failed (which ends the session and its locks).
+fn shows_loss(err: &Error) -> bool {
+    matches!(
+        err,
+        Error::LockLost { .. }
+            | Error::LockNotHeld { .. }
+            | Error::PoolerDetected { .. }
+            | Error::Database(_)
+    )
+}
+
+/// Releases the lease on the way out of a failure, printing (even with
+/// `--quiet`) what went wrong with it.
+async fn release_reporting(lease: Box<dyn Lease>) {
     let key = lease.key().clone();
-    if let Err(err) = lease.release().await
-        && !quiet
-    {
-        eprintln!("distlock: releasing lock {key} failed: {err}");
+    match release(lease).await {
+        Released::Yes => {}
+        Released::Lost(err) | Released::Failed(err) => {
+            eprintln!("distlock: releasing lock {key} failed: {err}");
+        }
     }
 }
 

@@ -1,8 +1,9 @@
 //! The `distlock` CLI, spawned as a real process against a test database:
 //! one of two concurrent runs skips with 75, `--wait` queues, a lost lock
 //! stops the command, `holders` shows a running lock, passwords never show.
-#![cfg(feature = "cli")]
 
+// The library's test helpers, shared rather than copied.
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -462,6 +463,7 @@ async fn a_password_never_appears_in_output(pool: PgPool) {
     }
 }
 
+#[path = "../../tests/redis_support/mod.rs"]
 mod redis_support;
 
 /// Runs `distlock run` twice at once against Redis (`urls`), expects one run

@@ -7,7 +7,7 @@
 //! distlock holders --json
 //! ```
 //!
-//! Built with the `cli` feature: `cargo install --path . --features cli`.
+//! Installed with `cargo install --path cli` from a checkout of distlock.
 // `deny` rather than `forbid`: the one exception is the child's pre-exec
 // hook in `process.rs`, which the standard library only offers as `unsafe`.
 #![deny(unsafe_code)]
@@ -19,18 +19,11 @@
 )]
 #![deny(clippy::unwrap_used)]
 
-// The binary's root is `src/bin/distlock.rs`, so its modules are found by path.
-#[path = "distlock/args.rs"]
 mod args;
-#[path = "distlock/backend.rs"]
 mod backend;
-#[path = "distlock/holders.rs"]
 mod holders;
-#[path = "distlock/process.rs"]
 mod process;
-#[path = "distlock/redact.rs"]
 mod redact;
-#[path = "distlock/run.rs"]
 mod run;
 
 use std::io::IsTerminal;

@@ -156,6 +156,7 @@
 
 mod backoff;
 mod claim;
+mod lease;
 mod node;
 mod redlock;
 mod scripts;
@@ -166,11 +167,10 @@ mod watchdog;
 
 use std::time::Duration;
 
-pub use redlock::{
-    DEFAULT_NODE_TIMEOUT, DEFAULT_RETRY_DELAY, DEFAULT_RETRY_JITTER, Redlock, RedlockLease,
-};
+pub use lease::{RedisLease, RedlockLease};
+pub use redlock::{DEFAULT_NODE_TIMEOUT, DEFAULT_RETRY_DELAY, DEFAULT_RETRY_JITTER, Redlock};
 pub use setup::{NodeStatus, SetupReport, SetupWarning};
-pub use single::{DEFAULT_COMMAND_TIMEOUT, RedisLease, RedisLocker};
+pub use single::{DEFAULT_COMMAND_TIMEOUT, RedisLocker};
 
 /// Default time to live of a Redis lease.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30);

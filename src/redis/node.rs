@@ -32,8 +32,7 @@ impl fmt::Debug for Node {
 
 impl Node {
     /// Connects now; fails if the server does not answer.
-    pub(crate) async fn connect(url: &str) -> Result<Self, Error> {
-        let client = Client::open(url)?;
+    pub(crate) async fn connect(client: Client) -> Result<Self, Error> {
         let label = label(&client);
         let conn = ConnectionManager::new_with_config(client, config()).await?;
         Ok(Self { conn, label })
@@ -41,8 +40,7 @@ impl Node {
 
     /// Connects on first use, so that a server that is down now can still
     /// take part once it comes up (Redlock tolerates absent nodes).
-    pub(crate) fn lazy(url: &str) -> Result<Self, Error> {
-        let client = Client::open(url)?;
+    pub(crate) fn lazy(client: Client) -> Result<Self, Error> {
         let label = label(&client);
         let conn = ConnectionManager::new_lazy_with_config(client, config())?;
         Ok(Self { conn, label })

@@ -13,11 +13,12 @@ use tracing::Instrument;
 
 use super::backoff::jittered;
 use super::claim::Claim;
+use super::lease::RedlockLease;
 use super::node::{self, Node, join_all};
 use super::setup::{self, SetupReport};
 use super::watchdog::{Backend, Extension, Handle, InFlight};
 use super::{DEFAULT_TTL, scripts, span};
-use crate::{Error, FencingToken, Lease, LockKey, Locker, LossReason};
+use crate::{Error, Lease, LockKey, Locker, LossReason};
 
 /// Default deadline of one node's reply: well below any sensible TTL, so a
 /// dead node costs little of the lease's validity.
@@ -107,16 +108,27 @@ impl Redlock {
     /// bad configuration: no URL, an invalid one, or one listed twice.
     /// Costs 1 round trip to every node (`INFO`), at most 1 s each.
     pub async fn connect(urls: &[&str]) -> Result<Self, Error> {
-        if urls.is_empty() {
+        let clients = urls
+            .iter()
+            .map(|url| redis::Client::open(*url))
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::from_clients(clients).await
+    }
+
+    /// Like [`connect`](Self::connect), with `redis::Client`s you built
+    /// (from `redis::ConnectionInfo`, with TLS settings, ...). Two clients for
+    /// the same host, port and database are refused as a node listed twice.
+    pub async fn from_clients(clients: Vec<redis::Client>) -> Result<Self, Error> {
+        if clients.is_empty() {
             return Err(Error::InvalidConfig("Redlock needs at least one node URL"));
         }
-        if urls.iter().collect::<HashSet<_>>().len() != urls.len() {
+        let nodes = clients
+            .into_iter()
+            .map(Node::lazy)
+            .collect::<Result<Vec<_>, _>>()?;
+        if nodes.iter().map(Node::label).collect::<HashSet<_>>().len() != nodes.len() {
             return Err(Error::InvalidConfig("a Redlock node URL is listed twice"));
         }
-        let nodes = urls
-            .iter()
-            .map(|url| Node::lazy(url))
-            .collect::<Result<Vec<_>, _>>()?;
         let redlock = Self {
             nodes: nodes.into(),
             config: Config {
@@ -320,7 +332,7 @@ impl Redlock {
         if tally.granted >= quorum.needed() && in_time {
             in_flight.disarm();
             let handle = Handle::spawn(quorum, Arc::clone(claim), started);
-            return Ok(Some(RedlockLease { handle }));
+            return Ok(Some(RedlockLease::new(handle, None, Quorum::NAME)));
         }
         if let Err(err) = quorum.release(claim).await {
             tracing::trace!(error = %err, "cleanup after a failed Redlock attempt");
@@ -482,105 +494,6 @@ impl Backend for Quorum {
     }
 }
 
-/// A lease granted by a quorum of Redlock nodes, kept alive by a watchdog
-/// until [`release`](Self::release) or drop.
-///
-/// It has no fencing token; see the [module docs](super) for pairing it
-/// with the PostgreSQL fence.
-///
-/// # Dropping
-///
-/// Dropping the lease never blocks: the watchdog task deletes the key on all
-/// nodes in the background. If the runtime has shut down, the keys expire
-/// after their TTL.
-#[must_use = "the lease is released as soon as it is dropped"]
-pub struct RedlockLease {
-    handle: Handle,
-}
-
-impl fmt::Debug for RedlockLease {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedlockLease")
-            .field("key", self.key())
-            .field("validity", &self.validity())
-            .field("lost", &self.is_lost())
-            .finish()
-    }
-}
-
-impl RedlockLease {
-    /// The key this lease holds.
-    pub fn key(&self) -> &LockKey {
-        self.handle.key()
-    }
-
-    /// Always `None`: tokens a Redlock could issue would not be strictly
-    /// increasing across holders (see the [module docs](super)).
-    pub fn fencing_token(&self) -> Option<FencingToken> {
-        None
-    }
-
-    /// How long the lease is still known to be held: TTL − elapsed − drift,
-    /// where elapsed counts from the start of the last successful round
-    /// (acquire or extension) until now, and drift is TTL × 1% + 2 ms. Zero
-    /// once lost. Work that must finish while the lease holds should fit
-    /// into this.
-    pub fn validity(&self) -> Duration {
-        self.handle.validity()
-    }
-
-    /// The lease's time to live.
-    pub fn ttl(&self) -> Duration {
-        self.handle.ttl()
-    }
-
-    /// How long the lease has been held.
-    pub fn held_for(&self) -> Duration {
-        self.handle.held_for()
-    }
-
-    /// Completes when the lease can no longer be trusted, with the reason:
-    /// too many nodes answered that the key is no longer ours
-    /// ([`LossReason::Expired`]), or no extension reached a quorum before
-    /// the validity ran out ([`LossReason::ConnectionFailed`],
-    /// [`LossReason::HeartbeatTimedOut`]).
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: it only watches a channel.
-    pub async fn lost(&self) -> LossReason {
-        self.handle.lost().await
-    }
-
-    /// `true` once [`lost`](Self::lost) would complete, or once the
-    /// [`validity`](Self::validity) has run out.
-    pub fn is_lost(&self) -> bool {
-        self.handle.is_lost()
-    }
-
-    /// Why the lease was lost, if it was.
-    pub fn loss(&self) -> Option<LossReason> {
-        self.handle.loss()
-    }
-
-    /// Deletes the key on every node where it still holds this lease's
-    /// token, including nodes that did not grant it (a late `SET` may have
-    /// landed there).
-    ///
-    /// Costs 1 round trip to every node, concurrently. Succeeds when a
-    /// quorum deleted the key; fails with [`Error::LockLost`] if the lease
-    /// had been lost, [`Error::LockNotHeld`] if too few nodes still had it,
-    /// or the first node's error ([`Error::ReleaseTimedOut`] for no reply).
-    ///
-    /// # Cancel safety
-    ///
-    /// Once polled, the release is carried out by the watchdog even if this
-    /// future is dropped (the outcome is then only logged).
-    pub async fn release(self) -> Result<(), Error> {
-        self.handle.release(Quorum::NAME).await
-    }
-}
-
 #[async_trait]
 impl Locker for Redlock {
     async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
@@ -594,28 +507,5 @@ impl Locker for Redlock {
 
     fn backend(&self) -> &'static str {
         Quorum::NAME
-    }
-}
-
-#[async_trait]
-impl Lease for RedlockLease {
-    fn key(&self) -> &LockKey {
-        RedlockLease::key(self)
-    }
-
-    fn fencing_token(&self) -> Option<FencingToken> {
-        None
-    }
-
-    async fn lost(&self) -> LossReason {
-        RedlockLease::lost(self).await
-    }
-
-    fn is_lost(&self) -> bool {
-        RedlockLease::is_lost(self)
-    }
-
-    async fn release(self: Box<Self>) -> Result<(), Error> {
-        RedlockLease::release(*self).await
     }
 }

@@ -11,6 +11,7 @@ use tracing::Instrument;
 
 use super::backoff::Backoff;
 use super::claim::Claim;
+use super::lease::RedisLease;
 use super::node::{self, Node};
 use super::setup::{self, SetupReport};
 use super::watchdog::{Backend, Extension, Handle, InFlight};
@@ -90,8 +91,14 @@ impl RedisLocker {
     /// deadline 2 s ([`DEFAULT_COMMAND_TIMEOUT`]). Fails if the URL is invalid
     /// or the server does not answer. Costs 2 round trips (handshake, `INFO`).
     pub async fn connect(url: &str) -> Result<Self, Error> {
+        Self::from_client(redis::Client::open(url)?).await
+    }
+
+    /// Like [`connect`](Self::connect), with a `redis::Client` you built
+    /// (from `redis::ConnectionInfo`, with TLS settings, ...).
+    pub async fn from_client(client: redis::Client) -> Result<Self, Error> {
         let locker = Self {
-            node: Node::connect(url).await?,
+            node: Node::connect(client).await?,
             config: Config {
                 ttl: DEFAULT_TTL,
                 fencing: true,
@@ -275,10 +282,11 @@ impl RedisLocker {
         if reply < 0 {
             return Ok(None);
         }
-        Ok(Some(RedisLease {
-            handle: Handle::spawn(self.backend(), Arc::clone(claim), started),
-            token: (reply > 0).then(|| FencingToken::new(reply)),
-        }))
+        Ok(Some(RedisLease::new(
+            Handle::spawn(self.backend(), Arc::clone(claim), started),
+            (reply > 0).then(|| FencingToken::new(reply)),
+            Single::NAME,
+        )))
     }
 
     fn backend(&self) -> Single {
@@ -328,117 +336,6 @@ impl Backend for Single {
     }
 }
 
-/// A lease on one Redis server, kept alive by a watchdog until
-/// [`release`](Self::release) or drop.
-///
-/// Treat a lost lease as gone: another holder may have the key already.
-/// Present [`fencing_token`](Self::fencing_token) with every write to the
-/// protected resource so that a holder that was overtaken (a long GC or VM
-/// pause, a network partition) cannot write after its successor.
-///
-/// # Dropping
-///
-/// Dropping the lease never blocks: the watchdog task deletes the key
-/// (compare-then-`DEL`) in the background. If the runtime has shut down, the
-/// key expires after its TTL.
-#[must_use = "the lease is released as soon as it is dropped"]
-pub struct RedisLease {
-    handle: Handle,
-    token: Option<FencingToken>,
-}
-
-impl fmt::Debug for RedisLease {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisLease")
-            .field("key", self.key())
-            .field("fencing_token", &self.token)
-            .field("validity", &self.validity())
-            .field("lost", &self.is_lost())
-            .finish()
-    }
-}
-
-impl RedisLease {
-    /// The key this lease holds.
-    pub fn key(&self) -> &LockKey {
-        self.handle.key()
-    }
-
-    /// The fencing token issued with this lease: strictly greater than every
-    /// token issued before for this key by this server (as long as the
-    /// server keeps its data; see the [module docs](super)). `None` if the
-    /// locker was built with `with_fencing(false)`.
-    pub fn fencing_token(&self) -> Option<FencingToken> {
-        self.token
-    }
-
-    /// How long the lease is still known to be held: from the start of the
-    /// last successful write (acquire or extension), the TTL less a
-    /// clock-drift margin (TTL × 1% + 2 ms), less the time since. Zero once
-    /// lost.
-    pub fn validity(&self) -> Duration {
-        self.handle.validity()
-    }
-
-    /// The lease's time to live.
-    pub fn ttl(&self) -> Duration {
-        self.handle.ttl()
-    }
-
-    /// How long the lease has been held.
-    pub fn held_for(&self) -> Duration {
-        self.handle.held_for()
-    }
-
-    /// Completes when the lease can no longer be trusted, with the reason:
-    /// an extension found the key gone or holding another token
-    /// ([`LossReason::Expired`]), failed ([`LossReason::ConnectionFailed`]),
-    /// or got no reply ([`LossReason::HeartbeatTimedOut`]).
-    ///
-    /// ```no_run
-    /// # async fn demo(lease: distlock::redis::RedisLease) -> Result<(), distlock::Error> {
-    /// # async fn work() {}
-    /// tokio::select! {
-    ///     () = work() => lease.release().await?,
-    ///     reason = lease.lost() => eprintln!("stopped: lease lost ({reason})"),
-    /// }
-    /// # Ok(()) }
-    /// ```
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: it only watches a channel.
-    pub async fn lost(&self) -> LossReason {
-        self.handle.lost().await
-    }
-
-    /// `true` once [`lost`](Self::lost) would complete, or once the
-    /// [`validity`](Self::validity) has run out.
-    pub fn is_lost(&self) -> bool {
-        self.handle.is_lost()
-    }
-
-    /// Why the lease was lost, if it was.
-    pub fn loss(&self) -> Option<LossReason> {
-        self.handle.loss()
-    }
-
-    /// Deletes the key if it still holds this lease's token.
-    ///
-    /// Costs 1 round trip. Fails with [`Error::LockLost`] if the lease had
-    /// been lost, with [`Error::LockNotHeld`] if the key had expired (it may
-    /// belong to another holder now, whose lease stays untouched), and with
-    /// [`Error::ReleaseTimedOut`] if the server did not answer in time.
-    ///
-    /// # Cancel safety
-    ///
-    /// Once polled, the release is carried out by the watchdog even if this
-    /// future is dropped (the outcome is then only logged).
-    pub async fn release(self) -> Result<(), Error> {
-        self.handle.release(Single::NAME).await
-    }
-}
-
 #[async_trait]
 impl Locker for RedisLocker {
     async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
@@ -452,28 +349,5 @@ impl Locker for RedisLocker {
 
     fn backend(&self) -> &'static str {
         Single::NAME
-    }
-}
-
-#[async_trait]
-impl Lease for RedisLease {
-    fn key(&self) -> &LockKey {
-        RedisLease::key(self)
-    }
-
-    fn fencing_token(&self) -> Option<FencingToken> {
-        RedisLease::fencing_token(self)
-    }
-
-    async fn lost(&self) -> LossReason {
-        RedisLease::lost(self).await
-    }
-
-    fn is_lost(&self) -> bool {
-        RedisLease::is_lost(self)
-    }
-
-    async fn release(self: Box<Self>) -> Result<(), Error> {
-        RedisLease::release(*self).await
     }
 }

@@ -162,29 +162,6 @@ fn holder_suffix(pid: Option<i32>, application: Option<&str>) -> String {
     }
 }
 
-/// SQLSTATE of "out of shared memory", raised when the lock table is full.
-pub(crate) const OUT_OF_SHARED_MEMORY: &str = "53200";
-/// SQLSTATE of "lock_not_available", raised when `lock_timeout` expires.
-pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
-
-/// Returns the SQLSTATE of a database error, if it is one.
-pub(crate) fn sqlstate(err: &sqlx::Error) -> Option<String> {
-    err.as_database_error()
-        .and_then(|db| db.code())
-        .map(|code| code.into_owned())
-}
-
-/// Maps a driver error raised while locking `key` to the crate's variants.
-pub(crate) fn locking_error(err: sqlx::Error, key: &impl std::fmt::Display) -> Error {
-    if sqlstate(&err).as_deref() == Some(OUT_OF_SHARED_MEMORY) {
-        Error::LockTableFull {
-            key: key.to_string(),
-        }
-    } else {
-        Error::Database(err)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,11 +184,5 @@ mod tests {
              (held by pid 4242, application \"billing-worker\")"
         );
         assert!(any.downcast_ref::<Error>().is_some());
-    }
-
-    #[test]
-    fn errors_without_sqlstate_53200_stay_database_errors() {
-        let plain = locking_error(sqlx::Error::RowNotFound, &"k");
-        assert!(matches!(plain, Error::Database(sqlx::Error::RowNotFound)));
     }
 }

@@ -52,26 +52,15 @@ use crate::Error;
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct LockKey {
-    repr: Repr,
+    pub(crate) repr: Repr,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-enum Repr {
+pub(crate) enum Repr {
     Text(Arc<str>),
     Id(i64),
     Namespaced(i32, Arc<str>),
     Hashed64(Arc<str>, i64),
-}
-
-/// The advisory-lock arguments a key binds to a query.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum KeyArgs<'a> {
-    /// `hashtext($1)` widened to bigint.
-    Text(&'a str),
-    /// `$1::int8`.
-    BigInt(i64),
-    /// `$1::int4, hashtext($2)`.
-    Pair(i32, &'a str),
 }
 
 impl LockKey {
@@ -158,16 +147,6 @@ impl LockKey {
         Err(Error::InvalidKey {
             name: name.chars().take(64).collect(),
             reason,
-        })
-    }
-
-    /// The validated arguments to bind for this key.
-    pub(crate) fn args(&self) -> Result<KeyArgs<'_>, Error> {
-        self.validate()?;
-        Ok(match &self.repr {
-            Repr::Text(name) => KeyArgs::Text(name),
-            Repr::Id(id) | Repr::Hashed64(_, id) => KeyArgs::BigInt(*id),
-            Repr::Namespaced(ns, name) => KeyArgs::Pair(*ns, name),
         })
     }
 }

@@ -1,7 +1,8 @@
 //! The backend-agnostic layer: something that hands out leases, and a lease.
 //!
-//! [`PgLocker`](crate::PgLocker) implements [`Locker`] with session locks;
-//! the Redis lockers (feature `redis`) do too. Both traits are object safe, so
+//! Each backend implements them in its own folder:
+//! [`PgLocker`](crate::PgLocker) with session locks (`postgres/lease.rs`),
+//! the Redis lockers (feature `redis`) with TTL leases. Both traits are object safe, so
 //! code such as the singleton-job runner can take an `Arc<dyn Locker>` and
 //! work with any backend.
 
@@ -43,44 +44,4 @@ pub trait Lease: Debug + Send + Sync {
 
     /// Releases the lease.
     async fn release(self: Box<Self>) -> Result<(), Error>;
-}
-
-#[async_trait]
-impl Locker for crate::PgLocker {
-    async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
-        let lock = crate::PgLocker::try_lock(self, key).await?;
-        Ok(lock.map(|lock| Box::new(lock) as Box<dyn Lease>))
-    }
-
-    async fn lock(&self, key: LockKey, timeout: Duration) -> Result<Box<dyn Lease>, Error> {
-        let lock = crate::PgLocker::lock(self, key, timeout).await?;
-        Ok(Box::new(lock))
-    }
-
-    fn backend(&self) -> &'static str {
-        "postgres"
-    }
-}
-
-#[async_trait]
-impl Lease for crate::SessionLock {
-    fn key(&self) -> &LockKey {
-        crate::SessionLock::key(self)
-    }
-
-    fn fencing_token(&self) -> Option<FencingToken> {
-        crate::SessionLock::fencing_token(self)
-    }
-
-    async fn lost(&self) -> LossReason {
-        crate::SessionLock::lost(self).await
-    }
-
-    fn is_lost(&self) -> bool {
-        crate::SessionLock::is_lost(self)
-    }
-
-    async fn release(self: Box<Self>) -> Result<(), Error> {
-        crate::SessionLock::release(*self).await
-    }
 }

@@ -9,8 +9,6 @@
 mod catch;
 mod context;
 mod outcome;
-mod wait;
-mod window;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,13 +17,15 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+/// Re-exported here too: waiting for a lock is the migration-runner's half
+/// of running jobs (PostgreSQL only).
+pub use crate::postgres::{LockWaiter, WaitReport};
 pub use context::JobContext;
 pub use outcome::JobOutcome;
-pub use wait::{LockWaiter, WaitReport};
 
+use crate::postgres::job_runs::{self as window, Claim, WindowStart};
 use crate::{Error, Lease, LockKey, Locker, LossReason};
 use catch::CatchUnwind;
-use window::{Claim, WindowStart};
 
 /// Runs a job on at most one replica at a time: try the lock, run, release.
 ///

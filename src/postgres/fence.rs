@@ -12,40 +12,9 @@
 //! ones ([`check`]): the paused holder's late write fails instead of
 //! overwriting its successor's.
 
-use std::fmt;
-
 use sqlx::PgConnection;
 
-use crate::Error;
-
-/// A fencing token: strictly increasing per server lock across all holders.
-///
-/// Counted per lock as PostgreSQL sees it (the bigint, or the `(int, int)`
-/// pair), so every spelling of one lock (`LockKey::from("x")`,
-/// `LockKey::id(hashtext('x'))`) shares one sequence.
-///
-/// Present it with every write to the protected resource; the resource keeps
-/// the highest token it has seen and rejects older ones.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct FencingToken(i64);
-
-impl FencingToken {
-    /// Wraps a raw token value (for tokens passed between processes).
-    pub fn new(value: i64) -> Self {
-        Self(value)
-    }
-
-    /// The token's value.
-    pub fn value(self) -> i64 {
-        self.0
-    }
-}
-
-impl fmt::Display for FencingToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
+use crate::{Error, FencingToken};
 
 /// Validates a resource name the way lock keys are validated.
 fn validate_resource(resource: &str) -> Result<(), Error> {
@@ -130,5 +99,5 @@ pub async fn current(
             .bind(resource)
             .fetch_optional(conn)
             .await?;
-    Ok(token.map(FencingToken))
+    Ok(token.map(FencingToken::new))
 }

@@ -6,16 +6,15 @@ use std::time::{Duration, SystemTime};
 use sqlx::postgres::{PgConnection, PgRow};
 use sqlx::{Executor, Postgres, Row};
 
-use super::locker::PgLocker;
 use super::sql::bind_key;
-use crate::key::KeyArgs;
+use crate::postgres::key_args::KeyArgs;
 use crate::{Error, LockKey};
 
 /// An advisory lock key as PostgreSQL's `pg_locks` shows it.
 ///
 /// Server-hashed keys (`LockKey::from("name")`) appear as the `bigint` that
 /// `hashtext('name')` yields; the name itself is not recoverable, so use
-/// [`PgLocker::holders_of`] to look one up by name.
+/// [`PgLocker::holders_of`](super::PgLocker::holders_of) to look one up by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum AdvisoryKey {
     /// The single-`bigint` keyspace.
@@ -42,7 +41,7 @@ pub enum LockMode {
     Shared,
 }
 
-/// One row of [`PgLocker::holders`]: a session holding or awaiting an
+/// One row of [`PgLocker::holders`](super::PgLocker::holders): a session holding or awaiting an
 /// advisory lock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -91,36 +90,13 @@ fn key_filter(args: KeyArgs<'_>) -> &'static str {
 
 const ORDER: &str = " ORDER BY l.granted DESC, l.pid";
 
-impl PgLocker {
-    /// Every advisory lock held or awaited in this database right now, from
-    /// `pg_locks` joined with `pg_stat_activity`. Granted locks come first.
-    ///
-    /// Costs 1 round trip. Seeing other roles' `application_name` and client
-    /// address needs the `pg_read_all_stats` role (or superuser); without it
-    /// PostgreSQL shows `None` there.
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: a read on a pooled connection; no lock is taken.
-    pub async fn holders(&self) -> Result<Vec<Holder>, Error> {
-        let sql: String = [HOLDERS_SQL, ORDER].concat();
-        let rows = self
-            .pool()
-            .fetch_all(sqlx::query(sqlx::AssertSqlSafe(sql)))
-            .await?;
-        rows.iter().map(decode).collect()
-    }
-
-    /// The sessions holding or awaiting the lock `key`. Costs 1 round trip.
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: a read on a pooled connection; no lock is taken.
-    pub async fn holders_of(&self, key: impl Into<LockKey>) -> Result<Vec<Holder>, Error> {
-        let key = key.into();
-        let mut conn = self.pool().acquire().await?;
-        holders_of(&mut conn, &key).await
-    }
+/// Every advisory lock held or awaited in the database of `pool`.
+pub(crate) async fn all(pool: &sqlx::PgPool) -> Result<Vec<Holder>, Error> {
+    let sql: String = [HOLDERS_SQL, ORDER].concat();
+    let rows = pool
+        .fetch_all(sqlx::query(sqlx::AssertSqlSafe(sql)))
+        .await?;
+    rows.iter().map(decode).collect()
 }
 
 /// The sessions holding or awaiting `key`, on `conn`.

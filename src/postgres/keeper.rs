@@ -14,8 +14,8 @@ use tokio::sync::{Mutex, Notify, oneshot, watch};
 use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 
 use super::conn::HeldConn;
-use super::locker::Config;
 use super::sql::{bind_key, keyed, session_marker};
+use crate::postgres::config::Config;
 use crate::{Error, LockKey, LossReason};
 
 /// What a multiplexed lock's `release()` sends: where to put the outcome.

@@ -5,6 +5,10 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
+use super::config::Config;
+use super::holders::Holder;
+use crate::{Error, LockKey};
+
 /// Hands out PostgreSQL advisory locks from a connection pool.
 ///
 /// Cheap to clone (an `Arc` inside); share one per pool. Every method that
@@ -44,59 +48,6 @@ pub(crate) struct Inner {
     pub(crate) mux: Option<super::mux::Mux>,
 }
 
-/// Settings shared by every lock of one [`PgLocker`].
-#[derive(Debug, Clone)]
-pub(crate) struct Config {
-    pub(crate) heartbeat: Duration,
-    pub(crate) heartbeat_timeout: Duration,
-    pub(crate) release_timeout: Duration,
-    pub(crate) fencing: bool,
-    /// Shared connections for multiplexed session locks; 0 = one per lock.
-    pub(crate) multiplex: usize,
-}
-
-/// Default interval between two heartbeats of a session lock.
-pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
-/// Default deadline for releasing a session lock.
-pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            heartbeat: DEFAULT_HEARTBEAT,
-            heartbeat_timeout: DEFAULT_HEARTBEAT,
-            release_timeout: DEFAULT_RELEASE_TIMEOUT,
-            fencing: false,
-            multiplex: 0,
-        }
-    }
-}
-
-/// The longest `heartbeat + heartbeat_timeout`: 5 s short of the server's
-/// keepalive cut-off, so a cut-off holder has stopped trusting its lock
-/// before the server can grant it to anyone else.
-pub(crate) const MAX_DETECTION: Duration =
-    Duration::from_secs(super::sql::SERVER_CUTOFF.as_secs() - 5);
-
-impl Config {
-    fn clamp_to_server_cutoff(&mut self) {
-        let (every, deadline) = (self.heartbeat, self.heartbeat_timeout);
-        if every + deadline <= MAX_DETECTION {
-            return;
-        }
-        self.heartbeat = every.min(MAX_DETECTION / 2);
-        self.heartbeat_timeout = deadline.min(MAX_DETECTION - self.heartbeat);
-        tracing::warn!(
-            heartbeat = ?every,
-            heartbeat_timeout = ?deadline,
-            clamped_heartbeat = ?self.heartbeat,
-            clamped_heartbeat_timeout = ?self.heartbeat_timeout,
-            "distlock: heartbeat + heartbeat_timeout must stay below the server's keepalive \
-             cut-off (20 s); lowered"
-        );
-    }
-}
-
 impl PgLocker {
     /// A locker with default settings: heartbeat every second (deadline one
     /// second), release deadline five seconds, no fencing tokens.
@@ -128,6 +79,18 @@ impl PgLocker {
     /// as lost, as the builder settled it.
     pub fn heartbeat_timeout(&self) -> Duration {
         self.inner.config.heartbeat_timeout
+    }
+
+    /// Builds [`Error::Timeout`](crate::Error::Timeout) for a missed
+    /// deadline, naming the holder where PostgreSQL shows it.
+    pub(crate) async fn timeout_error(
+        &self,
+        key: &crate::LockKey,
+        started: std::time::Instant,
+        conn: Option<super::conn::HeldConn>,
+    ) -> crate::Error {
+        let within = self.config().heartbeat_timeout;
+        super::timeout::timeout_error(self.pool(), within, key, started, conn).await
     }
 
     pub(crate) fn config(&self) -> &Config {
@@ -256,5 +219,33 @@ impl PgLockerBuilder {
                 mux,
             }),
         }
+    }
+}
+
+/// Introspection: who holds advisory locks.
+impl PgLocker {
+    /// Every advisory lock held or awaited in this database right now, from
+    /// `pg_locks` joined with `pg_stat_activity`. Granted locks come first.
+    ///
+    /// Costs 1 round trip. Seeing other roles' `application_name` and client
+    /// address needs the `pg_read_all_stats` role (or superuser); without it
+    /// PostgreSQL shows `None` there.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a read on a pooled connection; no lock is taken.
+    pub async fn holders(&self) -> Result<Vec<Holder>, Error> {
+        super::holders::all(self.pool()).await
+    }
+
+    /// The sessions holding or awaiting the lock `key`. Costs 1 round trip.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a read on a pooled connection; no lock is taken.
+    pub async fn holders_of(&self, key: impl Into<LockKey>) -> Result<Vec<Holder>, Error> {
+        let key = key.into();
+        let mut conn = self.pool().acquire().await?;
+        super::holders::holders_of(&mut conn, &key).await
     }
 }

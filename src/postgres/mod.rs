@@ -1,15 +1,29 @@
 //! The PostgreSQL backend: advisory locks through a `sqlx::PgPool`.
 
+mod config;
 pub(crate) mod conn;
+pub mod fence;
 mod holders;
+pub mod idempotency;
+pub(crate) mod job_runs;
 mod keeper;
+pub(crate) mod key_args;
+mod lease;
 mod locker;
+mod migrate;
 mod mux;
 mod pooler;
 mod session;
+mod session_lock;
 mod sql;
+pub(crate) mod sqlstate;
+mod timeout;
+mod waiter;
 mod xact;
 
+pub use config::{DEFAULT_HEARTBEAT, DEFAULT_RELEASE_TIMEOUT};
 pub use holders::{AdvisoryKey, Holder, LockMode};
-pub use locker::{DEFAULT_HEARTBEAT, DEFAULT_RELEASE_TIMEOUT, PgLocker, PgLockerBuilder};
-pub use session::SessionLock;
+pub use locker::{PgLocker, PgLockerBuilder};
+pub use migrate::{SCHEMA, migrate};
+pub use session_lock::SessionLock;
+pub use waiter::{LockWaiter, WaitReport};

@@ -16,20 +16,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use sqlx::PgConnection;
 
 use crate::Error;
+use crate::postgres::sqlstate::{DUPLICATE_PREPARED_STATEMENT, INVALID_STATEMENT_NAME};
 
 /// How many statements the probe runs.
 const PROBES: usize = 3;
-
-/// SQLSTATE 26000: a prepared statement vanished between two statements,
-/// which is what a transaction pooler without prepared-statement support
-/// produces.
-const INVALID_STATEMENT_NAME: &str = "26000";
-
-/// SQLSTATE 42P05: a prepared statement of that name already exists. sqlx
-/// numbers the statements it prepares per connection and never reuses a
-/// name, so on a real session this cannot happen: another client prepared
-/// it on the same server session.
-const DUPLICATE_PREPARED_STATEMENT: &str = "42P05";
 
 /// Whether a failed statement shows that the server session is shared with
 /// other clients or was swapped under the connection: a prepared statement
@@ -39,7 +29,7 @@ const DUPLICATE_PREPARED_STATEMENT: &str = "42P05";
 /// by the same backend).
 pub(crate) fn shared_session(err: &sqlx::Error) -> bool {
     matches!(
-        crate::error::sqlstate(err).as_deref(),
+        crate::postgres::sqlstate::sqlstate(err).as_deref(),
         Some(DUPLICATE_PREPARED_STATEMENT | INVALID_STATEMENT_NAME)
     )
 }
@@ -82,7 +72,10 @@ async fn probe(conn: &mut PgConnection) -> Result<(), Error> {
             .await;
         let pid = match pid {
             Ok(pid) => pid,
-            Err(err) if crate::error::sqlstate(&err).as_deref() == Some(INVALID_STATEMENT_NAME) => {
+            Err(err)
+                if crate::postgres::sqlstate::sqlstate(&err).as_deref()
+                    == Some(INVALID_STATEMENT_NAME) =>
+            {
                 return Err(Error::PoolerDetected {
                     expected_pid: first.unwrap_or(0),
                     actual_pid: 0,

@@ -1,253 +1,21 @@
-//! Session-scoped locks: a guard that keeps a dedicated connection holding
-//! `pg_advisory_lock` until it is released.
+//! Taking session-scoped locks: `PgLocker::try_lock` and `PgLocker::lock`
+//! in the default mode (one pooled connection per lock), and their SQL.
 
-use std::fmt;
 use std::time::{Duration, Instant};
 
 use sqlx::Row;
 use sqlx::postgres::PgRow;
-use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
 
 use super::conn::HeldConn;
-use super::holders;
-use super::keeper::{Keeper, ReleaseRequest, Slot, release_from_slot};
 use super::locker::PgLocker;
-use super::sql::{bind_key, keepalives, keyed, millis_setting, session_marker};
-use crate::error::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
-use crate::key::KeyArgs;
-use crate::{Error, FencingToken, LockKey, LossReason};
-
-/// A session-scoped advisory lock, held on a dedicated pooled connection until
-/// [`release`](Self::release) or drop.
-///
-/// A background task keeps the connection: every heartbeat interval it checks
-/// that the same backend still answers within the heartbeat deadline, and if
-/// not, [`lost`](Self::lost) completes and the connection is closed. Treat a
-/// lost lock as gone: another process may hold it already.
-///
-/// There is no `Deref` to the connection: run the protected work on your own
-/// connections (the lock protects *work*, not a connection).
-///
-/// # Dropping
-///
-/// Dropping the guard without [`release`](Self::release) never blocks: the
-/// background task unlocks and returns the connection to the pool, or closes
-/// the connection if that fails or does not finish within the release
-/// deadline. If the runtime has shut down, the connection is closed, so
-/// PostgreSQL frees the lock when the session ends.
-#[must_use = "the lock is released as soon as the guard is dropped"]
-pub struct SessionLock {
-    key: LockKey,
-    token: Option<FencingToken>,
-    pid: i32,
-    acquired_at: Instant,
-    loss: watch::Receiver<Option<LossReason>>,
-    holding: Holding,
-}
-
-/// Where the lock's connection is, and so how `release()` works.
-enum Holding {
-    /// Its own connection, shared with its keeper task: `release()` unlocks
-    /// on the caller's task; a guard dropped without it asks the keeper to.
-    Own {
-        slot: Slot,
-        released: bool,
-        release_timeout: Duration,
-    },
-    /// A connection shared by many locks (multiplexed mode), driven by
-    /// another task: `release()` and `Drop` are messages to it.
-    Shared(Option<oneshot::Sender<ReleaseRequest>>),
-}
-
-impl fmt::Debug for SessionLock {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SessionLock")
-            .field("key", &self.key)
-            .field("fencing_token", &self.token)
-            .field("backend_pid", &self.pid)
-            .field("lost", &self.is_lost())
-            .finish()
-    }
-}
-
-impl Drop for SessionLock {
-    fn drop(&mut self) {
-        if let Holding::Own { slot, released, .. } = &self.holding {
-            // Never blocks: the keeper task does the unlock. A `release()`
-            // dropped before it took the connection leaves it in the slot,
-            // so the keeper is asked in that case too.
-            let still_held = !*released || slot.holds_connection();
-            if still_held {
-                slot.guard_dropped();
-            }
-        }
-    }
-}
-
-impl SessionLock {
-    fn start(
-        conn: HeldConn,
-        key: LockKey,
-        pid: i32,
-        token: Option<FencingToken>,
-        locker: &PgLocker,
-    ) -> Self {
-        let (keeper, guard) = Keeper::new(conn, key.clone(), pid, locker.config());
-        let span = tracing::debug_span!("distlock.keeper", key = %key, pid);
-        tokio::spawn(keeper.run().instrument(span));
-        Self {
-            key,
-            token,
-            pid,
-            acquired_at: Instant::now(),
-            loss: guard.loss,
-            holding: Holding::Own {
-                slot: guard.slot,
-                released: false,
-                release_timeout: locker.config().release_timeout,
-            },
-        }
-    }
-
-    /// A guard for a lock kept by someone else (a multiplexed connection's
-    /// driver): `release` is where `release()` and `Drop` are sent.
-    pub(crate) fn from_parts(
-        key: LockKey,
-        token: Option<FencingToken>,
-        pid: i32,
-        loss: watch::Receiver<Option<LossReason>>,
-        release: oneshot::Sender<ReleaseRequest>,
-    ) -> Self {
-        Self {
-            key,
-            token,
-            pid,
-            acquired_at: Instant::now(),
-            loss,
-            holding: Holding::Shared(Some(release)),
-        }
-    }
-
-    /// The key this lock holds.
-    pub fn key(&self) -> &LockKey {
-        &self.key
-    }
-
-    /// The fencing token issued with this lock, when the locker was built with
-    /// `.fencing(true)`; `None` otherwise.
-    pub fn fencing_token(&self) -> Option<FencingToken> {
-        self.token
-    }
-
-    /// The backend process id of the session holding the lock.
-    pub fn backend_pid(&self) -> i32 {
-        self.pid
-    }
-
-    /// Completes when the lock can no longer be trusted: the connection
-    /// closed or was terminated, a heartbeat failed or got no answer in time,
-    /// or a different backend answered. Returns why.
-    ///
-    /// Typical use is racing the work against it:
-    ///
-    /// ```no_run
-    /// # async fn demo(lock: distlock::SessionLock) -> Result<(), distlock::Error> {
-    /// # async fn work() {}
-    /// tokio::select! {
-    ///     () = work() => lock.release().await?,
-    ///     reason = lock.lost() => eprintln!("stopped: lock lost ({reason})"),
-    /// }
-    /// # Ok(()) }
-    /// ```
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: it only watches a channel.
-    pub async fn lost(&self) -> LossReason {
-        let mut loss = self.loss.clone();
-        match loss.wait_for(Option::is_some).await {
-            Ok(reason) => reason.clone().unwrap_or(LossReason::KeeperStopped),
-            Err(_) => LossReason::KeeperStopped,
-        }
-    }
-
-    /// `true` once [`lost`](Self::lost) would complete.
-    pub fn is_lost(&self) -> bool {
-        self.loss.borrow().is_some() || self.loss.has_changed().is_err()
-    }
-
-    /// Why the lock was lost, if it was.
-    pub fn loss(&self) -> Option<LossReason> {
-        if let Some(reason) = self.loss.borrow().clone() {
-            return Some(reason);
-        }
-        self.loss
-            .has_changed()
-            .is_err()
-            .then_some(LossReason::KeeperStopped)
-    }
-
-    /// How long the lock has been held.
-    pub fn held_for(&self) -> Duration {
-        self.acquired_at.elapsed()
-    }
-
-    /// Releases the lock and returns its connection to the pool.
-    ///
-    /// Costs 1 round trip. Fails with [`Error::LockLost`] if the lock had been
-    /// lost (it may be held by someone else now), and with
-    /// [`Error::ReleaseTimedOut`] if the server did not answer within the
-    /// release deadline; in both cases, and on any other error, the
-    /// connection is closed, so PostgreSQL frees whatever the session held.
-    ///
-    /// # Cancel safety
-    ///
-    /// The unlock runs on the caller's task. Dropping this future after it
-    /// took the connection closes the connection, so the server frees the
-    /// lock; dropped earlier, it drops the guard, whose background task then
-    /// releases the lock.
-    pub async fn release(mut self) -> Result<(), Error> {
-        let span = tracing::debug_span!(
-            "distlock.release",
-            key = %self.key,
-            hold_ms = self.acquired_at.elapsed().as_secs_f64() * 1e3,
-            outcome = tracing::field::Empty,
-        );
-        let result = match &mut self.holding {
-            Holding::Own {
-                slot,
-                released,
-                release_timeout,
-            } => {
-                // From here on the keeper is not woken: it finds the slot
-                // empty at its next beat, or the connection still there if
-                // this future is dropped before taking it (see `Drop`).
-                *released = true;
-                let result =
-                    release_from_slot(slot, &self.loss, &self.key, self.pid, *release_timeout)
-                        .await;
-                if result.is_ok() {
-                    crate::metrics::released("postgres", &self.key, self.acquired_at.elapsed());
-                }
-                result
-            }
-            Holding::Shared(request) => {
-                let (reply, outcome) = oneshot::channel();
-                let sent = request.take().map(|tx| tx.send(reply).is_ok());
-                match (sent, outcome.await) {
-                    (Some(true), Ok(result)) => result,
-                    _ => Err(Error::LockLost {
-                        key: self.key.to_string(),
-                        reason: self.loss().unwrap_or(LossReason::KeeperStopped),
-                    }),
-                }
-            }
-        };
-        span.record("outcome", if result.is_ok() { "released" } else { "error" });
-        result
-    }
-}
+use super::session_lock::SessionLock;
+use super::sql::{
+    PgQuery, bind_key, client_check, keepalives, keyed, millis_setting, session_marker,
+};
+use crate::postgres::key_args::KeyArgs;
+use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::{Error, FencingToken, LockKey};
 
 impl PgLocker {
     /// Takes the session-scoped lock `key` if it is free, without waiting;
@@ -300,7 +68,13 @@ impl PgLocker {
         let token = fencing_token(&row, 2, fencing)?;
         tracing::Span::current().record("outcome", "acquired");
         crate::metrics::acquired("postgres", &key, started.elapsed());
-        Ok(Some(SessionLock::start(conn, key, pid, token, self)))
+        Ok(Some(SessionLock::start(
+            conn,
+            key,
+            pid,
+            token,
+            self.config(),
+        )))
     }
 
     /// Takes the session-scoped lock `key`, waiting up to `timeout`; fails
@@ -372,7 +146,7 @@ impl PgLocker {
             Ok(Ok(Some((pid, token)))) => {
                 tracing::Span::current().record("outcome", "acquired");
                 crate::metrics::acquired("postgres", &key, started.elapsed());
-                Ok(SessionLock::start(conn, key, pid, token, self))
+                Ok(SessionLock::start(conn, key, pid, token, self.config()))
             }
             // Busy and out of time after the try: nothing was granted.
             Ok(Ok(None)) => Err(self.timeout_error(&key, started, Some(conn)).await),
@@ -427,56 +201,6 @@ impl PgLocker {
             Err(err) => Err(err),
         }
     }
-
-    /// Builds [`Error::Timeout`], naming the holder if it can be seen
-    /// (looked up on `conn` when it is still usable, else on an idle pooled
-    /// connection). The look-up has a deadline of its own, so a stalled
-    /// network cannot hang the caller here either.
-    pub(super) async fn timeout_error(
-        &self,
-        key: &LockKey,
-        started: Instant,
-        conn: Option<HeldConn>,
-    ) -> Error {
-        tracing::Span::current().record("outcome", "timeout");
-        crate::metrics::timeout("postgres", key, started.elapsed());
-        let conn = match conn {
-            Some(conn) => Some(conn),
-            None => lookup_conn(self.pool(), self.config().heartbeat_timeout).await,
-        };
-        let holder = match conn {
-            Some(conn) => self.first_holder(conn, key).await,
-            None => None,
-        };
-        Error::Timeout {
-            key: key.to_string(),
-            waited: started.elapsed(),
-            holder_pid: holder.as_ref().map(|h| h.pid),
-            holder_application: holder.and_then(|h| h.application_name),
-        }
-    }
-
-    /// Looks up the first holder of `key` on `conn` within the heartbeat
-    /// deadline; the connection goes back to the pool only if that worked.
-    async fn first_holder(&self, mut conn: HeldConn, key: &LockKey) -> Option<holders::Holder> {
-        let lookup = holders::first_holder(conn.conn(), key);
-        match tokio::time::timeout(self.config().heartbeat_timeout, lookup).await {
-            Ok(Ok(holder)) => {
-                conn.into_pool();
-                holder
-            }
-            _ => None,
-        }
-    }
-}
-
-/// A connection to look up a lock's holder on, from the pool within
-/// `deadline` (the waiting connection itself may have had to be closed).
-pub(super) async fn lookup_conn(pool: &sqlx::PgPool, deadline: Duration) -> Option<HeldConn> {
-    match tokio::time::timeout(deadline, pool.acquire()).await {
-        Ok(Ok(pooled)) => Some(HeldConn::new(pooled, true)),
-        _ => None,
-    }
 }
 
 /// Maps an error of a session lock statement: a server session shared with
@@ -514,7 +238,7 @@ fn try_lock_query(args: KeyArgs<'_>, fencing: bool) -> PgQuery<'_> {
         keyed!(args;
             concat!("WITH l AS (SELECT ", session_marker!(unmarked), " THEN pg_try_advisory_lock("),
             concat!(") END AS ok, pg_backend_pid() AS pid, \
-             set_config('client_connection_check_interval', '100ms', false), ", keepalives!(session),
+             ", client_check!(session), ", ", keepalives!(session),
              ") SELECT l.ok, l.pid, CASE WHEN l.ok THEN distlock.issue_token("),
             concat!(") END, ", session_marker!(mark), " FROM l");
             "$1", "$2")
@@ -522,7 +246,7 @@ fn try_lock_query(args: KeyArgs<'_>, fencing: bool) -> PgQuery<'_> {
         keyed!(args;
             concat!("WITH l AS (SELECT ", session_marker!(unmarked), " THEN pg_try_advisory_lock("),
             concat!(") END AS ok, pg_backend_pid() AS pid, \
-             set_config('client_connection_check_interval', '100ms', false), ", keepalives!(session),
+             ", client_check!(session), ", ", keepalives!(session),
              ") SELECT l.ok, l.pid, NULL::int8, ", session_marker!(mark), " FROM l");
             "$1", "$2")
     };
@@ -595,8 +319,6 @@ fn fencing_token(row: &PgRow, column: usize, fencing: bool) -> Result<Option<Fen
         ))),
     }
 }
-
-type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
 
 fn acquire_span(key: &LockKey, mode: &'static str) -> tracing::Span {
     tracing::debug_span!(

@@ -7,16 +7,18 @@
 use sqlx::postgres::{PgArguments, Postgres};
 use sqlx::query::Query;
 
-use crate::key::KeyArgs;
+use crate::postgres::key_args::KeyArgs;
 
 /// Builds a `match` over the key shape yielding a `&'static str` for each.
 /// `$a` and `$b` are the placeholders the key's one or two values bind to.
 macro_rules! keyed {
     ($args:expr; $pre:expr, $post:expr; $a:literal, $b:literal) => {
         match $args {
-            $crate::key::KeyArgs::Text(_) => concat!($pre, "hashtext(", $a, ")", $post),
-            $crate::key::KeyArgs::BigInt(_) => concat!($pre, $a, "::int8", $post),
-            $crate::key::KeyArgs::Pair(..) => {
+            $crate::postgres::key_args::KeyArgs::Text(_) => {
+                concat!($pre, "hashtext(", $a, ")", $post)
+            }
+            $crate::postgres::key_args::KeyArgs::BigInt(_) => concat!($pre, $a, "::int8", $post),
+            $crate::postgres::key_args::KeyArgs::Pair(..) => {
                 concat!($pre, $a, "::int4, hashtext(", $b, ")", $post)
             }
         }
@@ -24,7 +26,7 @@ macro_rules! keyed {
     // The key twice: `$pre KEY $mid KEY $post`.
     ($args:expr; $pre:expr, $mid:expr, $post:expr; $a:literal, $b:literal) => {
         match $args {
-            $crate::key::KeyArgs::Text(_) => {
+            $crate::postgres::key_args::KeyArgs::Text(_) => {
                 concat!(
                     $pre,
                     "hashtext(",
@@ -37,10 +39,10 @@ macro_rules! keyed {
                     $post
                 )
             }
-            $crate::key::KeyArgs::BigInt(_) => {
+            $crate::postgres::key_args::KeyArgs::BigInt(_) => {
                 concat!($pre, $a, "::int8", $mid, $a, "::int8", $post)
             }
-            $crate::key::KeyArgs::Pair(..) => concat!(
+            $crate::postgres::key_args::KeyArgs::Pair(..) => concat!(
                 $pre,
                 $a,
                 "::int4, hashtext(",
@@ -137,7 +139,24 @@ pub(crate) fn millis_setting(d: std::time::Duration) -> String {
     format!("{ms}ms")
 }
 
-/// How often a waiting backend checks that its client is still there
-/// (`client_connection_check_interval`, PostgreSQL 14+), so a wait whose
-/// client went away does not linger on the server.
-pub(crate) const CLIENT_CHECK_INTERVAL: &str = "100ms";
+/// A query with bound arguments, as every statement here is built.
+pub(crate) type PgQuery<'q> = Query<'q, Postgres, PgArguments>;
+
+/// `set_config` (a select-list fragment) asking the server to check every
+/// 100 ms, while a statement runs, that its client is still there
+/// (`client_connection_check_interval`, PostgreSQL 14+): a lock wait or a
+/// closure's statement whose caller went away (a dropped future closes the
+/// connection) is then aborted within 100 ms and its locks freed, instead
+/// of running to its end. The server reads the setting when a statement
+/// starts, so it is set before a wait, by the statement before it. `session`
+/// keeps it for the connection (harmless for its later users); `xact` for
+/// the transaction.
+macro_rules! client_check {
+    (session) => {
+        "set_config('client_connection_check_interval', '100ms', false)"
+    };
+    (xact) => {
+        "set_config('client_connection_check_interval', '100ms', true)"
+    };
+}
+pub(crate) use client_check;

@@ -9,9 +9,11 @@ use tracing::Instrument;
 
 use super::conn::HeldConn;
 use super::locker::PgLocker;
-use super::sql::{bind_key, keepalives, keyed, millis_setting};
-use crate::error::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
-use crate::key::KeyArgs;
+use super::sql::{bind_key, client_check, keepalives, keyed, millis_setting};
+use crate::postgres::key_args::KeyArgs;
+use crate::postgres::sqlstate::{
+    IN_FAILED_TRANSACTION, LOCK_NOT_AVAILABLE, UNDEFINED_OBJECT, locking_error, sqlstate,
+};
 use crate::{Error, LockKey};
 
 /// How a transaction-scoped lock is taken.
@@ -393,12 +395,6 @@ async fn commit_checked(mut tx: sqlx::Transaction<'_, sqlx::Postgres>) -> End {
     }
 }
 
-/// SQLSTATE 25P02: "current transaction is aborted, commands ignored until
-/// end of transaction block".
-const IN_FAILED_TRANSACTION: &str = "25P02";
-/// SQLSTATE 42704: an object (here: a setting) that does not exist.
-const UNDEFINED_OBJECT: &str = "42704";
-
 /// Takes the lock inside the open transaction; `Ok(false)` means busy (and,
 /// when waiting, that the deadline passed).
 async fn lock_in_xact(
@@ -409,10 +405,10 @@ async fn lock_in_xact(
 ) -> Result<bool, sqlx::Error> {
     let try_sql = match mode {
         Mode::TryShared => keyed!(args; "SELECT pg_try_advisory_xact_lock_shared(",
-            concat!("), set_config('client_connection_check_interval', '100ms', true), \
+            concat!("), ", client_check!(xact), ", \
              set_config('distlock.xact_lock', 'held', true), ", keepalives!(xact)); "$1", "$2"),
         Mode::Try | Mode::Wait(_) => keyed!(args; "SELECT pg_try_advisory_xact_lock(",
-            concat!("), set_config('client_connection_check_interval', '100ms', true), \
+            concat!("), ", client_check!(xact), ", \
              set_config('distlock.xact_lock', 'held', true), ", keepalives!(xact)); "$1", "$2"),
     };
     let row = bind_key(sqlx::query(try_sql), args)

@@ -10,11 +10,11 @@ use sqlx::{ConnectOptions, Connection};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{sleep_until, timeout};
 
-use super::super::keeper::FIRST_HEARTBEAT;
-use super::super::pooler::{PoolerCheck, loss_reason, shared_session};
 use super::request::{Granted, Inbox, Request, Ticket, TryError, TryOutcome};
 use super::sql::{self, ServerKey};
-use crate::error::{locking_error, sqlstate};
+use crate::postgres::keeper::FIRST_HEARTBEAT;
+use crate::postgres::pooler::{PoolerCheck, loss_reason, shared_session};
+use crate::postgres::sqlstate::{locking_error, sqlstate};
 use crate::{Error, LockKey, LossReason};
 
 /// Settings a driver needs.
@@ -437,7 +437,7 @@ impl Driver {
 /// Whether a failed statement is PostgreSQL's "out of shared memory" (the
 /// lock table is full).
 fn is_lock_table_full(err: &sqlx::Error) -> bool {
-    sqlstate(err).as_deref() == Some(crate::error::OUT_OF_SHARED_MEMORY)
+    sqlstate(err).as_deref() == Some(crate::postgres::sqlstate::OUT_OF_SHARED_MEMORY)
 }
 
 /// Whether a failed statement means the session is gone or unusable, rather

@@ -47,8 +47,8 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use super::locker::Config;
-use super::session::SessionLock;
+use super::session_lock::SessionLock;
+use crate::postgres::config::Config;
 use crate::{Error, LockKey};
 use driver::DriverConfig;
 use request::{Granted, Inbox, Request, TryError};

@@ -8,8 +8,8 @@ use std::time::Duration;
 use tokio::sync::{oneshot, watch};
 use tokio::time::timeout;
 
-use super::super::keeper::ReleaseRequest;
 use super::request::Ticket;
+use crate::postgres::keeper::ReleaseRequest;
 use crate::{Error, LockKey, LossReason};
 
 /// Waits for the guard: `release()` sends where to put the outcome, a dropped

@@ -9,14 +9,11 @@
 //! re-entrant. The driver keeps its held set by resolved key to catch that.
 
 use sqlx::Row;
-use sqlx::postgres::{PgArguments, PgRow, Postgres};
-use sqlx::query::Query;
+use sqlx::postgres::PgRow;
 
-use super::super::sql::{bind_key, millis_setting};
-use crate::key::KeyArgs;
+use crate::postgres::key_args::KeyArgs;
+use crate::postgres::sql::{PgQuery, bind_key, millis_setting};
 use crate::{FencingToken, LockKey};
-
-type PgQuery<'q> = Query<'q, Postgres, PgArguments>;
 
 /// A lock as PostgreSQL's lock table knows it, after server-side hashing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -4,12 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use super::super::conn::HeldConn;
-use super::super::holders;
-use super::super::session::SessionLock;
-use super::super::sql::CLIENT_CHECK_INTERVAL;
 use super::{Mux, sql};
-use crate::error::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::postgres::conn::HeldConn;
+use crate::postgres::session_lock::SessionLock;
+use crate::postgres::sql::{client_check, keepalives};
+use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
 use crate::{Error, LockKey};
 
 impl Mux {
@@ -97,10 +96,11 @@ impl Mux {
         };
         let mut conn = HeldConn::new(pooled?, true);
         let set = sqlx::query(concat!(
-            "SELECT set_config('client_connection_check_interval', $1, false), ",
-            super::super::sql::keepalives!(session)
+            "SELECT ",
+            client_check!(session),
+            ", ",
+            keepalives!(session)
         ))
-        .bind(CLIENT_CHECK_INTERVAL)
         .execute(conn.conn());
         match tokio::time::timeout_at(deadline, set).await {
             Ok(Ok(_)) => Ok(Some(conn)),
@@ -117,44 +117,13 @@ impl Mux {
         lock
     }
 
-    /// Builds [`Error::Timeout`], naming the holder if it can be seen (on the
-    /// waiting connection when it is still usable, else on the pool), and
-    /// returns a usable waiting connection to the pool.
     async fn timeout_error(
         &self,
         key: &LockKey,
         started: Instant,
         conn: Option<HeldConn>,
     ) -> Error {
-        tracing::Span::current().record("outcome", "timeout");
-        crate::metrics::timeout("postgres", key, started.elapsed());
-        // The look-up has a deadline of its own: a stalled network must not
-        // hang the caller here either. Only a connection that answered goes
-        // back to the pool.
-        let conn = match conn {
-            Some(conn) => Some(conn),
-            None => {
-                super::super::session::lookup_conn(self.pool(), self.config.heartbeat_timeout).await
-            }
-        };
-        let holder = match conn {
-            Some(mut conn) => {
-                let lookup = holders::first_holder(conn.conn(), key);
-                match tokio::time::timeout(self.config.heartbeat_timeout, lookup).await {
-                    Ok(Ok(holder)) => {
-                        conn.into_pool();
-                        holder
-                    }
-                    _ => None,
-                }
-            }
-            None => None,
-        };
-        Error::Timeout {
-            key: key.to_string(),
-            waited: started.elapsed(),
-            holder_pid: holder.as_ref().map(|h| h.pid),
-            holder_application: holder.and_then(|h| h.application_name),
-        }
+        let within = self.config.heartbeat_timeout;
+        crate::postgres::timeout::timeout_error(self.pool(), within, key, started, conn).await
     }
 }

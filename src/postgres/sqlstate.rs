@@ -1,0 +1,55 @@
+//! SQLSTATE codes distlock reacts to, and mapping driver errors to the
+//! crate's [`Error`] variants.
+
+use crate::Error;
+
+/// SQLSTATE of "out of shared memory", raised when the lock table is full.
+pub(crate) const OUT_OF_SHARED_MEMORY: &str = "53200";
+/// SQLSTATE of "lock_not_available", raised when `lock_timeout` expires.
+pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// SQLSTATE 25P02: "current transaction is aborted, commands ignored until
+/// end of transaction block".
+pub(crate) const IN_FAILED_TRANSACTION: &str = "25P02";
+/// SQLSTATE 42704: an object (here: a setting) that does not exist.
+pub(crate) const UNDEFINED_OBJECT: &str = "42704";
+
+/// SQLSTATE 26000: a prepared statement vanished between two statements,
+/// which is what a transaction pooler without prepared-statement support
+/// produces.
+pub(crate) const INVALID_STATEMENT_NAME: &str = "26000";
+
+/// SQLSTATE 42P05: a prepared statement of that name already exists. sqlx
+/// numbers the statements it prepares per connection and never reuses a
+/// name, so on a real session this cannot happen: another client prepared
+/// it on the same server session.
+pub(crate) const DUPLICATE_PREPARED_STATEMENT: &str = "42P05";
+
+/// Returns the SQLSTATE of a database error, if it is one.
+pub(crate) fn sqlstate(err: &sqlx::Error) -> Option<String> {
+    err.as_database_error()
+        .and_then(|db| db.code())
+        .map(|code| code.into_owned())
+}
+
+/// Maps a driver error raised while locking `key` to the crate's variants.
+pub(crate) fn locking_error(err: sqlx::Error, key: &impl std::fmt::Display) -> Error {
+    if sqlstate(&err).as_deref() == Some(OUT_OF_SHARED_MEMORY) {
+        Error::LockTableFull {
+            key: key.to_string(),
+        }
+    } else {
+        Error::Database(err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_without_sqlstate_53200_stay_database_errors() {
+        let plain = locking_error(sqlx::Error::RowNotFound, &"k");
+        assert!(matches!(plain, Error::Database(sqlx::Error::RowNotFound)));
+    }
+}

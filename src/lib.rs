@@ -77,8 +77,8 @@ pub use key::LockKey;
 pub use lease::{Lease, Locker};
 pub use loss::LossReason;
 pub use postgres::{
-    AdvisoryKey, Holder, LockMode, LockWaiter, PgLocker, PgLockerBuilder, SCHEMA, SessionLock,
-    WaitReport, fence, idempotency, migrate,
+    AdvisoryKey, Holder, LockMode, LockWaiter, MultiLock, PgLocker, PgLockerBuilder, SCHEMA,
+    SessionLock, WaitReport, fence, idempotency, migrate,
 };
 pub use token::FencingToken;
 

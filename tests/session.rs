@@ -843,3 +843,208 @@ async fn a_guard_dropped_after_its_runtime_shut_down_does_not_panic(
     )
     .await;
 }
+
+// ---- Reader-writer session locks -------------------------------------------
+
+#[sqlx::test(migrations = false)]
+async fn shared_locks_admit_readers_and_exclude_a_writer(pool: PgPool) {
+    for locker in [
+        PgLocker::new(pool.clone()),
+        PgLocker::builder(pool.clone()).multiplex(1).build(),
+    ] {
+        let other = PgLocker::new(pool.clone());
+        let r1 = locker.try_lock_shared("rw:k").await.unwrap().expect("free");
+        let r2 = other
+            .try_lock_shared("rw:k")
+            .await
+            .unwrap()
+            .expect("readers share");
+        assert!(r1.fencing_token().is_none());
+        assert!(
+            other.try_lock("rw:k").await.unwrap().is_none(),
+            "a writer waits for readers"
+        );
+        r1.release().await.unwrap();
+        assert!(other.try_lock("rw:k").await.unwrap().is_none());
+        r2.release().await.unwrap();
+        let w = other.try_lock("rw:k").await.unwrap().expect("readers gone");
+        assert!(
+            locker.try_lock_shared("rw:k").await.unwrap().is_none(),
+            "the writer excludes readers"
+        );
+        let err = locker
+            .lock_shared("rw:k", Duration::from_millis(200))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+        w.release().await.unwrap();
+        // Dropped readers free the key too.
+        drop(
+            locker
+                .lock_shared("rw:k", Duration::from_secs(5))
+                .await
+                .unwrap(),
+        );
+        let mut obs = observer_for(&pool).await;
+        eventually(
+            "the dropped reader is released",
+            Duration::from_secs(5),
+            async || granted_count(&mut obs).await == 0,
+        )
+        .await;
+    }
+}
+
+/// PostgreSQL queues a shared request behind an exclusive one that is
+/// already waiting, so readers arriving all the time cannot starve a writer.
+#[sqlx::test(migrations = false)]
+async fn a_waiting_writer_is_not_starved_by_new_readers(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    let mut obs = observer_for(&pool).await;
+    let reader = locker.try_lock_shared("rw:queue").await.unwrap().unwrap();
+    let writer = tokio::spawn({
+        let locker = locker.clone();
+        async move { locker.lock("rw:queue", Duration::from_secs(10)).await }
+    });
+    wait_for_waiters(&mut obs, 1, Duration::from_secs(5)).await;
+    // A new reader now queues behind the writer instead of joining the
+    // reader that holds the key.
+    let late = locker
+        .lock_shared("rw:queue", Duration::from_millis(300))
+        .await;
+    assert!(matches!(late, Err(Error::Timeout { .. })), "{late:?}");
+    assert!(locker.try_lock_shared("rw:queue").await.unwrap().is_none());
+    reader.release().await.unwrap();
+    let w = bounded("the writer gets the key", Duration::from_secs(10), writer)
+        .await
+        .unwrap()
+        .unwrap();
+    w.release().await.unwrap();
+}
+
+// ---- Several keys at once --------------------------------------------------
+
+#[sqlx::test(migrations = false)]
+async fn try_lock_all_is_all_or_nothing(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    let mut obs = observer_for(&pool).await;
+    let keys = ["multi:a", "multi:b", "multi:c"];
+    let all = locker.try_lock_all(keys).await.unwrap().expect("all free");
+    assert_eq!(all.keys().len(), 3);
+    for key in keys {
+        assert!(!raw_can_take(&mut obs, &Raw::text(key)).await, "{key} held");
+    }
+    assert!(
+        locker
+            .try_lock_all(["multi:c", "multi:d"])
+            .await
+            .unwrap()
+            .is_none()
+    );
+    all.release().await.unwrap();
+    assert_eq!(granted_count(&mut obs).await, 0);
+    // One key busy elsewhere: none is left held by the attempt.
+    assert!(raw_try_lock(&mut obs, &Raw::text("multi:b")).await);
+    assert!(locker.try_lock_all(keys).await.unwrap().is_none());
+    assert_eq!(granted_count(&mut obs).await, 1, "only the observer's key");
+    // lock_all waits for it.
+    let waiter = tokio::spawn({
+        let locker = locker.clone();
+        async move { locker.lock_all(keys, Duration::from_secs(10)).await }
+    });
+    wait_for_waiters(&mut obs, 1, Duration::from_secs(5)).await;
+    assert!(raw_unlock(&mut obs, &Raw::text("multi:b")).await);
+    let all = bounded("lock_all gets every key", Duration::from_secs(10), waiter)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(granted_count(&mut obs).await, 3);
+    // Lost together.
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(
+            advisory_locks(&mut obs)
+                .await
+                .first()
+                .map(|r| r.pid)
+                .unwrap(),
+        )
+        .execute(&mut obs)
+        .await
+        .unwrap();
+    bounded("lost() fires", Duration::from_secs(10), all.lost()).await;
+    assert!(all.release().await.is_err());
+}
+
+#[sqlx::test(migrations = false)]
+async fn lock_all_times_out_holding_nothing(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    let mut obs = observer_for(&pool).await;
+    assert!(raw_try_lock(&mut obs, &Raw::text("multi:z")).await);
+    let err = locker
+        .lock_all(["multi:a", "multi:z"], Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    eventually(
+        "only the observer holds a key",
+        Duration::from_secs(3),
+        async || granted_count(&mut obs).await == 1,
+    )
+    .await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn opposite_orders_never_deadlock(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    let inside = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for task in 0..4 {
+        let (locker, inside) = (locker.clone(), inside.clone());
+        tasks.spawn(async move {
+            let keys = if task % 2 == 0 {
+                ["multi:x", "multi:y"]
+            } else {
+                ["multi:y", "multi:x"]
+            };
+            for _ in 0..15 {
+                let both = locker.lock_all(keys, Duration::from_secs(20)).await?;
+                let n = inside.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                assert_eq!(n, 0, "two holders of the same keys");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                inside.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                both.release().await?;
+            }
+            Ok::<_, Error>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap().unwrap();
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn bad_key_sets_are_refused(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    let mut obs = observer_for(&pool).await;
+    let none: [&str; 0] = [];
+    let hashed = hashtext(&mut obs, "multi:same").await;
+    let cases: Vec<Vec<LockKey>> = vec![
+        none.iter().map(|k| LockKey::from(*k)).collect(),
+        vec!["multi:a".into(), "multi:a".into()],
+        vec!["multi:same".into(), LockKey::id(i64::from(hashed))],
+        vec!["multi:a".into(), "".into()],
+    ];
+    for keys in cases {
+        let err = locker.try_lock_all(keys.clone()).await.unwrap_err();
+        assert!(matches!(err, Error::InvalidKey { .. }), "{keys:?}: {err:?}");
+        let err = locker
+            .lock_all(keys.clone(), Duration::MAX)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidKey { .. }), "{keys:?}: {err:?}");
+    }
+    eventually("nothing held", Duration::from_secs(3), async || {
+        granted_count(&mut obs).await == 0
+    })
+    .await;
+}

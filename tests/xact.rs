@@ -892,3 +892,37 @@ async fn a_huge_wait_timeout_saturates_instead_of_panicking(pool: PgPool) {
         .unwrap();
     assert_eq!(got, 2);
 }
+
+#[sqlx::test(migrations = false)]
+async fn shared_wait_variant_waits_for_an_exclusive_holder(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    let mut obs = observer_for(&pool).await;
+    assert!(raw_try_lock(&mut obs, &Raw::text("xact:rw")).await);
+    let waiter = tokio::spawn({
+        let locker = locker.clone();
+        async move {
+            locker
+                .with_shared_advisory_lock_wait("xact:rw", Duration::from_secs(10), async |_| {
+                    Ok::<_, Error>("read")
+                })
+                .await
+        }
+    });
+    wait_for_waiters(&mut obs, 1, Duration::from_secs(5)).await;
+    assert!(raw_unlock(&mut obs, &Raw::text("xact:rw")).await);
+    let got = bounded("the reader runs", Duration::from_secs(10), waiter)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, "read");
+    // Readers share: two at once.
+    let r = locker.try_lock_shared("xact:rw").await.unwrap().unwrap();
+    let both = locker
+        .with_shared_advisory_lock_wait("xact:rw", Duration::from_millis(500), async |_| {
+            Ok::<_, Error>(1)
+        })
+        .await
+        .unwrap();
+    assert_eq!(both, 1);
+    r.release().await.unwrap();
+}

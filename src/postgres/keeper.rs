@@ -50,9 +50,22 @@ impl Shared {
 }
 
 /// The keeper's end of a session lock.
+/// What a session lock's connection holds, and so how it is unlocked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hold {
+    /// `pg_advisory_lock(key)`.
+    Exclusive,
+    /// `pg_advisory_lock_shared(key)`.
+    Shared,
+    /// Several keys (a `MultiLock`): unlocked with `pg_advisory_unlock_all()`,
+    /// which is sound because the connection holds nothing else.
+    All,
+}
+
 pub(crate) struct Keeper {
     slot: Slot,
     key: LockKey,
+    hold: Hold,
     pid: i32,
     heartbeat: Duration,
     heartbeat_timeout: Duration,
@@ -67,7 +80,12 @@ pub(crate) struct GuardEnd {
 }
 
 impl Keeper {
-    pub(crate) fn new(conn: HeldConn, key: LockKey, pid: i32, config: &Config) -> (Self, GuardEnd) {
+    pub(crate) fn new(
+        conn: HeldConn,
+        (key, hold): (LockKey, Hold),
+        pid: i32,
+        config: &Config,
+    ) -> (Self, GuardEnd) {
         let slot: Slot = Arc::new(Shared {
             conn: Mutex::new(Some(conn)),
             dropped: Notify::new(),
@@ -76,6 +94,7 @@ impl Keeper {
         let keeper = Self {
             slot: Arc::clone(&slot),
             key,
+            hold,
             pid,
             heartbeat: config.heartbeat,
             heartbeat_timeout: config.heartbeat_timeout,
@@ -145,7 +164,8 @@ impl Keeper {
             return;
         };
         let deadline = crate::deadline::from_now(self.release_timeout);
-        let outcome = release(conn, &self.key, self.pid, deadline, self.release_timeout).await;
+        let held = (&self.key, self.hold);
+        let outcome = release(conn, held, self.pid, deadline, self.release_timeout).await;
         match outcome {
             Ok(()) => {
                 crate::metrics::released("postgres", &self.key, held_since.elapsed());
@@ -174,7 +194,7 @@ enum Beat {
 pub(crate) async fn release_from_slot(
     slot: &Slot,
     loss: &watch::Receiver<Option<LossReason>>,
-    key: &LockKey,
+    (key, hold): (&LockKey, Hold),
     pid: i32,
     budget: Duration,
 ) -> Result<(), Error> {
@@ -194,7 +214,7 @@ pub(crate) async fn release_from_slot(
         });
     };
     drop(guard);
-    release(conn, key, pid, deadline, budget).await
+    release(conn, (key, hold), pid, deadline, budget).await
 }
 
 /// The heartbeat: which backend answers, and whether the session still
@@ -240,15 +260,29 @@ async fn heartbeat(
 /// frees the lock on the server.
 async fn release(
     mut conn: HeldConn,
-    key: &LockKey,
+    (key, hold): (&LockKey, Hold),
     pid: i32,
     deadline: Instant,
     budget: Duration,
 ) -> Result<(), Error> {
     let args = key.args()?;
-    let sql = keyed!(args; "SELECT pg_advisory_unlock(",
-        concat!("), pg_backend_pid(), ", session_marker!(unmark)); "$1", "$2");
-    let query = bind_key(sqlx::query(sql), args).fetch_one(conn.conn());
+    let query = match hold {
+        Hold::Exclusive => bind_key(
+            sqlx::query(keyed!(args; "SELECT pg_advisory_unlock(",
+                concat!("), pg_backend_pid(), ", session_marker!(unmark)); "$1", "$2")),
+            args,
+        ),
+        Hold::Shared => bind_key(
+            sqlx::query(keyed!(args; "SELECT pg_advisory_unlock_shared(",
+                concat!("), pg_backend_pid(), ", session_marker!(unmark)); "$1", "$2")),
+            args,
+        ),
+        Hold::All => sqlx::query(concat!(
+            "SELECT (SELECT true FROM pg_advisory_unlock_all()), pg_backend_pid(), ",
+            session_marker!(unmark)
+        )),
+    };
+    let query = query.fetch_one(conn.conn());
     let row = match timeout_at(deadline, query).await {
         Err(_) => {
             return Err(Error::ReleaseTimedOut {

@@ -8,6 +8,7 @@ use sqlx::postgres::PgRow;
 use tracing::Instrument;
 
 use super::conn::HeldConn;
+use super::keeper::Hold;
 use super::locker::PgLocker;
 use super::session_lock::SessionLock;
 use super::sql::{
@@ -40,19 +41,46 @@ impl PgLocker {
     pub async fn try_lock(&self, key: impl Into<LockKey>) -> Result<Option<SessionLock>, Error> {
         let key = key.into();
         let span = acquire_span(&key, "try");
-        self.try_lock_inner(key).instrument(span).await
+        self.try_lock_inner(key, Hold::Exclusive)
+            .instrument(span)
+            .await
     }
 
-    async fn try_lock_inner(&self, key: LockKey) -> Result<Option<SessionLock>, Error> {
-        if let Some(mux) = &self.inner.mux {
+    /// Takes the *shared* session-scoped lock `key` if no one holds it
+    /// exclusively, without waiting; `Ok(None)` if someone does.
+    ///
+    /// Any number of shared holders (readers) hold `key` at once, while an
+    /// exclusive holder ([`try_lock`](Self::try_lock), [`lock`](Self::lock))
+    /// excludes them all: a reader-writer lock across processes
+    /// (`pg_try_advisory_lock_shared`). A shared lock carries no fencing
+    /// token (readers do not write). Costs what [`try_lock`](Self::try_lock)
+    /// costs. In multiplexed mode a shared lock takes a connection of its own
+    /// from the pool, as in the default mode.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`try_lock`](Self::try_lock).
+    pub async fn try_lock_shared(
+        &self,
+        key: impl Into<LockKey>,
+    ) -> Result<Option<SessionLock>, Error> {
+        let key = key.into();
+        let span = acquire_span(&key, "try_shared");
+        self.try_lock_inner(key, Hold::Shared)
+            .instrument(span)
+            .await
+    }
+
+    async fn try_lock_inner(&self, key: LockKey, hold: Hold) -> Result<Option<SessionLock>, Error> {
+        if let (Some(mux), Hold::Exclusive) = (&self.inner.mux, hold) {
             return mux.try_lock(key).await;
         }
         let args = key.args()?;
-        let fencing = self.config().fencing;
+        let fencing = self.config().fencing && hold == Hold::Exclusive;
         let started = Instant::now();
         let mut conn = HeldConn::new(self.pool().acquire().await?, true);
         self.inner.pooler.ensure_session(conn.conn()).await?;
-        let row = try_lock_query(args, fencing)
+        let row = try_lock_query(args, fencing, hold)
             .fetch_one(conn.conn())
             .await
             .map_err(|err| session_locking_error(err, &key))?;
@@ -70,7 +98,7 @@ impl PgLocker {
         crate::metrics::acquired("postgres", &key, started.elapsed());
         Ok(Some(SessionLock::start(
             conn,
-            key,
+            (key, hold),
             pid,
             token,
             self.config(),
@@ -111,11 +139,46 @@ impl PgLocker {
     ) -> Result<SessionLock, Error> {
         let key = key.into();
         let span = acquire_span(&key, "wait");
-        self.lock_inner(key, timeout).instrument(span).await
+        self.lock_inner(key, timeout, Hold::Exclusive)
+            .instrument(span)
+            .await
     }
 
-    async fn lock_inner(&self, key: LockKey, timeout: Duration) -> Result<SessionLock, Error> {
-        if let Some(mux) = &self.inner.mux {
+    /// Takes the *shared* session-scoped lock `key`, waiting up to `timeout`
+    /// while someone holds it exclusively; fails with [`Error::Timeout`] when
+    /// the deadline passes.
+    ///
+    /// The wait happens on the server (`pg_advisory_lock_shared` under a
+    /// statement-local `lock_timeout`). PostgreSQL queues lock requests
+    /// first come, first served: a shared request that arrives while an
+    /// exclusive request is waiting queues *behind* it, even if only readers
+    /// hold the lock now, so a steady stream of readers cannot starve a
+    /// writer. Costs and cancel safety as for [`lock`](Self::lock); no
+    /// fencing token. In multiplexed mode a shared lock takes a connection of
+    /// its own from the pool.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`lock`](Self::lock).
+    pub async fn lock_shared(
+        &self,
+        key: impl Into<LockKey>,
+        timeout: Duration,
+    ) -> Result<SessionLock, Error> {
+        let key = key.into();
+        let span = acquire_span(&key, "wait_shared");
+        self.lock_inner(key, timeout, Hold::Shared)
+            .instrument(span)
+            .await
+    }
+
+    async fn lock_inner(
+        &self,
+        key: LockKey,
+        timeout: Duration,
+        hold: Hold,
+    ) -> Result<SessionLock, Error> {
+        if let (Some(mux), Hold::Exclusive) = (&self.inner.mux, hold) {
             return mux.lock(key, timeout).await;
         }
         let args = key.args()?;
@@ -132,8 +195,8 @@ impl PgLocker {
             return Err(self.timeout_error(&key, started, None).await);
         };
         let mut conn = HeldConn::new(pooled?, true);
-        let fencing = self.config().fencing;
-        let attempt = self.try_then_wait(&mut conn, &key, args, deadline, fencing);
+        let fencing = self.config().fencing && hold == Hold::Exclusive;
+        let attempt = self.try_then_wait(&mut conn, &key, args, deadline, (fencing, hold));
         // The server gives up at the deadline (lock_timeout); no answer a
         // heartbeat deadline later means the network is stalled.
         let grace = crate::deadline::after(
@@ -146,7 +209,13 @@ impl PgLocker {
             Ok(Ok(Some((pid, token)))) => {
                 tracing::Span::current().record("outcome", "acquired");
                 crate::metrics::acquired("postgres", &key, started.elapsed());
-                Ok(SessionLock::start(conn, key, pid, token, self.config()))
+                Ok(SessionLock::start(
+                    conn,
+                    (key, hold),
+                    pid,
+                    token,
+                    self.config(),
+                ))
             }
             // Busy and out of time after the try: nothing was granted.
             Ok(Ok(None)) => Err(self.timeout_error(&key, started, Some(conn)).await),
@@ -180,10 +249,10 @@ impl PgLocker {
         key: &LockKey,
         args: KeyArgs<'_>,
         deadline: tokio::time::Instant,
-        fencing: bool,
+        (fencing, hold): (bool, Hold),
     ) -> Result<Option<(i32, Option<FencingToken>)>, Error> {
         self.inner.pooler.ensure_session(conn.conn()).await?;
-        let row = try_lock_query(args, fencing)
+        let row = try_lock_query(args, fencing, hold)
             .fetch_one(conn.conn())
             .await
             .map_err(|err| session_locking_error(err, key))?;
@@ -195,7 +264,7 @@ impl PgLocker {
         if remaining.is_zero() {
             return Ok(None);
         }
-        match wait_for_lock(conn, args, remaining, fencing).await {
+        match wait_for_lock(conn, args, remaining, (fencing, hold)).await {
             Ok(locked) => Ok(Some(locked)),
             Err(Error::Database(err)) => Err(session_locking_error(err, key)),
             Err(err) => Err(err),
@@ -233,22 +302,28 @@ fn is_lock_timeout(err: &Error) -> bool {
 /// The lock is attempted only on a session that holds no distlock lock yet
 /// (see [`session_marker`]); on any other the first column is NULL and
 /// nothing is taken. Columns: taken (NULL: refused), pid, token, marker.
-fn try_lock_query(args: KeyArgs<'_>, fencing: bool) -> PgQuery<'_> {
-    let sql = if fencing {
-        keyed!(args;
+fn try_lock_query(args: KeyArgs<'_>, fencing: bool, hold: Hold) -> PgQuery<'_> {
+    let sql = match (hold, fencing) {
+        (Hold::Shared, _) => keyed!(args;
+            concat!("WITH l AS (SELECT ", session_marker!(unmarked),
+                " THEN pg_try_advisory_lock_shared("),
+            concat!(") END AS ok, pg_backend_pid() AS pid, \
+             ", client_check!(session), ", ", keepalives!(session),
+             ") SELECT l.ok, l.pid, NULL::int8, ", session_marker!(mark), " FROM l");
+            "$1", "$2"),
+        (_, true) => keyed!(args;
             concat!("WITH l AS (SELECT ", session_marker!(unmarked), " THEN pg_try_advisory_lock("),
             concat!(") END AS ok, pg_backend_pid() AS pid, \
              ", client_check!(session), ", ", keepalives!(session),
              ") SELECT l.ok, l.pid, CASE WHEN l.ok THEN distlock.issue_token("),
             concat!(") END, ", session_marker!(mark), " FROM l");
-            "$1", "$2")
-    } else {
-        keyed!(args;
+            "$1", "$2"),
+        (_, false) => keyed!(args;
             concat!("WITH l AS (SELECT ", session_marker!(unmarked), " THEN pg_try_advisory_lock("),
             concat!(") END AS ok, pg_backend_pid() AS pid, \
              ", client_check!(session), ", ", keepalives!(session),
              ") SELECT l.ok, l.pid, NULL::int8, ", session_marker!(mark), " FROM l");
-            "$1", "$2")
+            "$1", "$2"),
     };
     bind_key(sqlx::query(sql), args)
 }
@@ -271,7 +346,7 @@ async fn wait_for_lock(
     conn: &mut HeldConn,
     args: KeyArgs<'_>,
     timeout: Duration,
-    fencing: bool,
+    (fencing, hold): (bool, Hold),
 ) -> Result<(i32, Option<FencingToken>), Error> {
     // Outside a transaction block, `set_config(.., true)` lasts for this one
     // statement: the session's own lock_timeout is untouched afterwards. The
@@ -281,19 +356,23 @@ async fn wait_for_lock(
     // taken a lock since the try.
     // With fencing, the token is issued after the wait, while the lock is
     // held, and under the same statement-local lock_timeout.
-    let sql = if fencing {
-        keyed!(args;
+    let sql = match (hold, fencing) {
+        (Hold::Shared, _) => keyed!(args;
+            concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), ",
+                session_marker!(unmarked), " THEN (SELECT true FROM pg_advisory_lock_shared("),
+            concat!(")) END AS ok) SELECT l.pid, NULL::int8, l.ok, ", session_marker!(mark), " FROM l");
+            "$2", "$3"),
+        (_, true) => keyed!(args;
             concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), ",
                 session_marker!(unmarked), " THEN (SELECT true FROM pg_advisory_lock("),
             concat!(")) END AS ok) SELECT l.pid, CASE WHEN l.ok THEN distlock.issue_token("),
             concat!(") END, l.ok, ", session_marker!(mark), " FROM l");
-            "$2", "$3")
-    } else {
-        keyed!(args;
+            "$2", "$3"),
+        (_, false) => keyed!(args;
             concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), ",
                 session_marker!(unmarked), " THEN (SELECT true FROM pg_advisory_lock("),
             concat!(")) END AS ok) SELECT l.pid, NULL::int8, l.ok, ", session_marker!(mark), " FROM l");
-            "$2", "$3")
+            "$2", "$3"),
     };
     let query = sqlx::query(sql).bind(millis_setting(timeout));
     let row = bind_key(query, args).fetch_one(conn.conn()).await?;

@@ -9,7 +9,7 @@ use tracing::Instrument;
 
 use super::config::Config;
 use super::conn::HeldConn;
-use super::keeper::{Keeper, ReleaseRequest, Slot, release_from_slot};
+use super::keeper::{Hold, Keeper, ReleaseRequest, Slot, release_from_slot};
 use crate::{Error, FencingToken, LockKey, LossReason};
 
 /// A session-scoped advisory lock, held on a dedicated pooled connection until
@@ -46,6 +46,7 @@ enum Holding {
     /// on the caller's task; a guard dropped without it asks the keeper to.
     Own {
         slot: Slot,
+        hold: Hold,
         released: bool,
         release_timeout: Duration,
     },
@@ -82,12 +83,12 @@ impl Drop for SessionLock {
 impl SessionLock {
     pub(super) fn start(
         conn: HeldConn,
-        key: LockKey,
+        (key, hold): (LockKey, Hold),
         pid: i32,
         token: Option<FencingToken>,
         config: &Config,
     ) -> Self {
-        let (keeper, guard) = Keeper::new(conn, key.clone(), pid, config);
+        let (keeper, guard) = Keeper::new(conn, (key.clone(), hold), pid, config);
         let span = tracing::debug_span!("distlock.keeper", key = %key, pid);
         tokio::spawn(keeper.run().instrument(span));
         Self {
@@ -98,6 +99,7 @@ impl SessionLock {
             loss: guard.loss,
             holding: Holding::Own {
                 slot: guard.slot,
+                hold,
                 released: false,
                 release_timeout: config.release_timeout,
             },
@@ -211,6 +213,7 @@ impl SessionLock {
         let result = match &mut self.holding {
             Holding::Own {
                 slot,
+                hold,
                 released,
                 release_timeout,
             } => {
@@ -218,9 +221,9 @@ impl SessionLock {
                 // empty at its next beat, or the connection still there if
                 // this future is dropped before taking it (see `Drop`).
                 *released = true;
+                let held = (&self.key, *hold);
                 let result =
-                    release_from_slot(slot, &self.loss, &self.key, self.pid, *release_timeout)
-                        .await;
+                    release_from_slot(slot, &self.loss, held, self.pid, *release_timeout).await;
                 if result.is_ok() {
                     crate::metrics::released("postgres", &self.key, self.acquired_at.elapsed());
                 }

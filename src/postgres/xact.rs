@@ -22,6 +22,7 @@ enum Mode {
     Try,
     TryShared,
     Wait(Duration),
+    WaitShared(Duration),
 }
 
 impl Mode {
@@ -30,7 +31,19 @@ impl Mode {
             Mode::Try => "try",
             Mode::TryShared => "try_shared",
             Mode::Wait(_) => "wait",
+            Mode::WaitShared(_) => "wait_shared",
         }
+    }
+
+    fn timeout(self) -> Option<Duration> {
+        match self {
+            Mode::Wait(timeout) | Mode::WaitShared(timeout) => Some(timeout),
+            Mode::Try | Mode::TryShared => None,
+        }
+    }
+
+    fn shared(self) -> bool {
+        matches!(self, Mode::TryShared | Mode::WaitShared(_))
     }
 }
 
@@ -141,11 +154,40 @@ impl PgLocker {
         F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
         E: From<Error>,
     {
-        let key = key.into();
-        match self
-            .run_in_xact(key.clone(), Mode::Wait(timeout), f)
-            .await?
-        {
+        self.run_waiting(key.into(), Mode::Wait(timeout), f).await
+    }
+
+    /// Like [`with_advisory_lock_wait`](Self::with_advisory_lock_wait) with
+    /// the *shared* lock (`pg_advisory_xact_lock_shared`): waits up to
+    /// `timeout` while someone holds `key` exclusively. PostgreSQL queues a
+    /// shared request behind an exclusive one that is already waiting, so
+    /// readers cannot starve a writer.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`with_advisory_lock_wait`](Self::with_advisory_lock_wait).
+    pub async fn with_shared_advisory_lock_wait<K, F, T, E>(
+        &self,
+        key: K,
+        timeout: Duration,
+        f: F,
+    ) -> Result<T, E>
+    where
+        K: Into<LockKey>,
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        E: From<Error>,
+    {
+        self.run_waiting(key.into(), Mode::WaitShared(timeout), f)
+            .await
+    }
+
+    async fn run_waiting<F, T, E>(&self, key: LockKey, mode: Mode, f: F) -> Result<T, E>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        E: From<Error>,
+    {
+        let timeout = mode.timeout().unwrap_or_default();
+        match self.run_in_xact(key.clone(), mode, f).await? {
             Some(value) => Ok(value),
             // `run_in_xact` in wait mode reports a missed deadline as an
             // error, never as `None`; keep a typed answer anyway.
@@ -187,14 +229,13 @@ impl PgLocker {
     {
         let args = key.args()?;
         let started = Instant::now();
-        let deadline = match mode {
-            Mode::Wait(timeout) => Some(crate::deadline::after_std(started, timeout)),
-            Mode::Try | Mode::TryShared => None,
-        };
+        let deadline = mode
+            .timeout()
+            .map(|timeout| crate::deadline::after_std(started, timeout));
         let pooled = match deadline {
             // A zero timeout is a single try: it still needs a connection,
             // so the pool's own acquire timeout applies then.
-            Some(_) if matches!(mode, Mode::Wait(timeout) if timeout.is_zero()) => {
+            Some(_) if mode.timeout().is_some_and(|timeout| timeout.is_zero()) => {
                 self.pool().acquire().await
             }
             Some(deadline) => {
@@ -316,7 +357,7 @@ impl PgLocker {
         held: HeldConn,
         rolled_back: bool,
     ) -> Error {
-        if let (Mode::Wait(_), Some(LOCK_NOT_AVAILABLE)) = (mode, sqlstate(&err).as_deref()) {
+        if let (Some(_), Some(LOCK_NOT_AVAILABLE)) = (mode.timeout(), sqlstate(&err).as_deref()) {
             return self
                 .timeout_error(key, started, rolled_back.then_some(held))
                 .await;
@@ -403,13 +444,14 @@ async fn lock_in_xact(
     mode: Mode,
     deadline: Option<tokio::time::Instant>,
 ) -> Result<bool, sqlx::Error> {
-    let try_sql = match mode {
-        Mode::TryShared => keyed!(args; "SELECT pg_try_advisory_xact_lock_shared(",
+    let try_sql = if mode.shared() {
+        keyed!(args; "SELECT pg_try_advisory_xact_lock_shared(",
             concat!("), ", client_check!(xact), ", \
-             set_config('distlock.xact_lock', 'held', true), ", keepalives!(xact)); "$1", "$2"),
-        Mode::Try | Mode::Wait(_) => keyed!(args; "SELECT pg_try_advisory_xact_lock(",
+             set_config('distlock.xact_lock', 'held', true), ", keepalives!(xact)); "$1", "$2")
+    } else {
+        keyed!(args; "SELECT pg_try_advisory_xact_lock(",
             concat!("), ", client_check!(xact), ", \
-             set_config('distlock.xact_lock', 'held', true), ", keepalives!(xact)); "$1", "$2"),
+             set_config('distlock.xact_lock', 'held', true), ", keepalives!(xact)); "$1", "$2")
     };
     let row = bind_key(sqlx::query(try_sql), args)
         .fetch_one(&mut *conn)
@@ -425,12 +467,21 @@ async fn lock_in_xact(
     // One statement: remember the caller's lock_timeout, wait under ours,
     // then put theirs back (OFFSET 0 keeps the inner select from being
     // flattened, so it runs first).
-    let sql = keyed!(args;
-        "SELECT set_config('lock_timeout', s.prev, true) FROM (SELECT \
-         current_setting('lock_timeout') AS prev, \
-         set_config('lock_timeout', $1, true), \
-         pg_advisory_xact_lock(",
-        ") OFFSET 0) s"; "$2", "$3");
+    let sql = if mode.shared() {
+        keyed!(args;
+            "SELECT set_config('lock_timeout', s.prev, true) FROM (SELECT \
+             current_setting('lock_timeout') AS prev, \
+             set_config('lock_timeout', $1, true), \
+             pg_advisory_xact_lock_shared(",
+            ") OFFSET 0) s"; "$2", "$3")
+    } else {
+        keyed!(args;
+            "SELECT set_config('lock_timeout', s.prev, true) FROM (SELECT \
+             current_setting('lock_timeout') AS prev, \
+             set_config('lock_timeout', $1, true), \
+             pg_advisory_xact_lock(",
+            ") OFFSET 0) s"; "$2", "$3")
+    };
     let query = sqlx::query(sql).bind(millis_setting(remaining));
     bind_key(query, args)
         .execute(&mut *conn)

@@ -9,7 +9,10 @@
 //! trips) and *before* any lock is taken, so a refused attempt leaves nothing
 //! behind. A proxy that happens to keep one backend through the probe is
 //! caught later by the heartbeat, which compares the backend pid on every
-//! beat and reports the lock lost.
+//! beat and reports the lock lost. A proxy with a *single* server connection
+//! that renames prepared statements shows neither signal; the session
+//! marker folded into every lock statement (`sql::session_marker`) refuses a
+//! lock on a server session that already holds another client's.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -13,8 +13,6 @@
 //! Run one backend: `cargo test --all-features --test conformance redis_single::`.
 
 mod common;
-#[cfg(feature = "redis")]
-mod redis_support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -366,8 +364,8 @@ backend!(pg_multiplexed, #[sqlx::test(migrations = false)] (pool: PgPool) => Pos
 
 #[cfg(feature = "redis")]
 mod redis_backends {
-    use super::redis_support::{RedisServer, servers, urls};
     use super::*;
+    use common::redis::{RedisServer, servers, urls};
     use distlock::redis::{RedisLocker, Redlock};
 
     const TTL: Duration = Duration::from_secs(1);

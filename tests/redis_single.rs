@@ -1,14 +1,15 @@
 //! `RedisLocker` against real `redis-server` processes started by the tests.
 #![cfg(feature = "redis")]
 
-mod redis_support;
+mod common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::redis::RedisServer;
+use common::{eventually, init_tracing};
 use distlock::redis::RedisLocker;
 use distlock::{Error, LockKey, Locker, LossReason};
-use redis_support::{RedisServer, eventually, init_tracing};
 
 const SHORT_TTL: Duration = Duration::from_millis(300);
 
@@ -50,12 +51,10 @@ async fn release_after_expiry_does_not_delete_the_next_owners_key() -> anyhow::R
     // A is "paused" past its TTL (its watchdog would run only after 10 s):
     // the key expires and B takes the lock.
     let _: i64 = server.run(&["PEXPIRE", "jobs:expiring", "1"]).await;
-    assert!(
-        eventually(Duration::from_secs(1), || async {
-            server.get("jobs:expiring").await.is_none()
-        })
-        .await
-    );
+    eventually("the condition holds", Duration::from_secs(1), async || {
+        server.get("jobs:expiring").await.is_none()
+    })
+    .await;
     let current = b
         .try_lock("jobs:expiring")
         .await?
@@ -168,12 +167,10 @@ async fn dropped_lease_is_released_in_the_background() -> anyhow::Result<()> {
         started.elapsed() < Duration::from_millis(5),
         "drop must not block"
     );
-    assert!(
-        eventually(Duration::from_secs(1), || async {
-            server.get("jobs:dropped").await.is_none()
-        })
-        .await
-    );
+    eventually("the condition holds", Duration::from_secs(1), async || {
+        server.get("jobs:dropped").await.is_none()
+    })
+    .await;
     Ok(())
 }
 
@@ -239,12 +236,10 @@ async fn fencing_tokens_strictly_increase() -> anyhow::Result<()> {
         last = Some(token);
         if i % 3 == 0 {
             drop(lease);
-            assert!(
-                eventually(Duration::from_secs(1), || async {
-                    server.get("jobs:fenced").await.is_none()
-                })
-                .await
-            );
+            eventually("the condition holds", Duration::from_secs(1), async || {
+                server.get("jobs:fenced").await.is_none()
+            })
+            .await;
         } else {
             lease.release().await?;
         }
@@ -332,7 +327,7 @@ async fn works_through_the_backend_agnostic_traits() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn connect_fails_when_no_server_answers() {
-    let port = redis_support::free_port();
+    let port = common::redis::free_port();
     let err = RedisLocker::connect(&format!("redis://127.0.0.1:{port}")).await;
     assert!(matches!(err, Err(Error::Redis(_))), "{err:?}");
     let err = RedisLocker::connect("not a url").await;

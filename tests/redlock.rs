@@ -1,14 +1,15 @@
 //! `Redlock` over five real `redis-server` processes started by the tests.
 #![cfg(feature = "redis")]
 
-mod redis_support;
+mod common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::redis::{RedisServer, servers, urls};
+use common::{eventually, init_tracing};
 use distlock::redis::{Redlock, SetupWarning};
 use distlock::{Error, LockKey, Locker, LossReason};
-use redis_support::{RedisServer, eventually, init_tracing, servers, urls};
 
 const SHORT_TTL: Duration = Duration::from_millis(300);
 
@@ -150,13 +151,12 @@ async fn a_slow_node_that_comes_back_is_cleaned_by_release_on_all() -> anyhow::R
         .expect("4 of 5 granted");
     let token = servers[1].get("jobs:late").await;
     assert!(token.is_some());
-    assert!(
-        eventually(Duration::from_secs(2), || async {
-            servers[0].get("jobs:late").await == token
-        })
-        .await,
-        "the late SET landed on node 0"
-    );
+    eventually(
+        "the late SET landed on node 0",
+        Duration::from_secs(2),
+        async || servers[0].get("jobs:late").await == token,
+    )
+    .await;
 
     lease.release().await?;
     assert_eq!(values(&servers, "jobs:late").await, vec![None; 5]);
@@ -270,15 +270,13 @@ async fn deleting_the_key_on_a_majority_makes_lost_fire() -> anyhow::Result<()> 
     let reason = tokio::time::timeout(SHORT_TTL, lease.lost()).await?;
     assert_eq!(reason, LossReason::Expired);
     // The cleanup after the loss deletes the remaining keys.
-    assert!(
-        eventually(Duration::from_secs(1), || async {
-            values(&servers, "jobs:deleted")
-                .await
-                .iter()
-                .all(Option::is_none)
-        })
-        .await
-    );
+    eventually("the condition holds", Duration::from_secs(1), async || {
+        values(&servers, "jobs:deleted")
+            .await
+            .iter()
+            .all(Option::is_none)
+    })
+    .await;
     Ok(())
 }
 
@@ -288,15 +286,13 @@ async fn dropped_lease_is_released_on_all_nodes_in_the_background() -> anyhow::R
     let redlock = redlock(&servers).await;
     let lease = redlock.try_lock("jobs:dropped").await?.expect("free lock");
     drop(lease);
-    assert!(
-        eventually(Duration::from_secs(1), || async {
-            values(&servers, "jobs:dropped")
-                .await
-                .iter()
-                .all(Option::is_none)
-        })
-        .await
-    );
+    eventually("the condition holds", Duration::from_secs(1), async || {
+        values(&servers, "jobs:dropped")
+            .await
+            .iter()
+            .all(Option::is_none)
+    })
+    .await;
     Ok(())
 }
 
@@ -321,17 +317,15 @@ async fn check_setup_flags_a_replica_and_the_same_server_twice() -> anyhow::Resu
         "{report:?}"
     );
     // Once the replica has connected, its primary is flagged as well.
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            redlock
-                .check_setup()
-                .await
-                .warnings
-                .iter()
-                .any(|w| matches!(w, SetupWarning::HasReplicas { .. }))
-        })
-        .await
-    );
+    eventually("the condition holds", Duration::from_secs(5), async || {
+        redlock
+            .check_setup()
+            .await
+            .warnings
+            .iter()
+            .any(|w| matches!(w, SetupWarning::HasReplicas { .. }))
+    })
+    .await;
 
     let independent = servers(3).await;
     let report = redlock_of(&independent).await.check_setup().await;

@@ -463,9 +463,6 @@ async fn a_password_never_appears_in_output(pool: PgPool) {
     }
 }
 
-#[path = "../../tests/redis_support/mod.rs"]
-mod redis_support;
-
 /// Runs `distlock run` twice at once against Redis (`urls`), expects one run
 /// and one skip; then with `--wait`, expects the second to follow.
 async fn redis_runs_one_and_skips_one(urls: &[String]) {
@@ -494,7 +491,7 @@ async fn redis_runs_one_and_skips_one(urls: &[String]) {
 
 #[tokio::test]
 async fn run_works_with_a_single_redis_instance() {
-    let server = redis_support::RedisServer::start().await;
+    let server = common::redis::RedisServer::start().await;
     redis_runs_one_and_skips_one(&[server.url()]).await;
 }
 
@@ -502,7 +499,7 @@ async fn run_works_with_a_single_redis_instance() {
 async fn run_works_with_redlock_over_three_nodes() {
     let mut servers = Vec::new();
     for _ in 0..3 {
-        servers.push(redis_support::RedisServer::start().await);
+        servers.push(common::redis::RedisServer::start().await);
     }
     let urls: Vec<String> = servers.iter().map(|s| s.url()).collect();
     redis_runs_one_and_skips_one(&urls).await;
@@ -801,7 +798,7 @@ async fn with_fencing_the_command_gets_the_token_in_its_environment(pool: PgPool
 
 #[tokio::test]
 async fn a_single_redis_instance_hands_the_command_its_token() {
-    let server = redis_support::RedisServer::start().await;
+    let server = common::redis::RedisServer::start().await;
     let url = server.url();
     let mut cmd_args = vec!["--redis-url", url.as_str(), "redis-fenced"];
     let first: i64 = token_seen("", &cmd_args, &[])
@@ -860,9 +857,9 @@ async fn passwords_with_url_delimiters_or_common_words_are_masked_exactly(pool: 
 async fn redis_urls_can_come_from_the_environment() {
     // Not on the command line, where every user sees it in /proc/*/cmdline.
     let servers = [
-        redis_support::RedisServer::start().await,
-        redis_support::RedisServer::start().await,
-        redis_support::RedisServer::start().await,
+        common::redis::RedisServer::start().await,
+        common::redis::RedisServer::start().await,
+        common::redis::RedisServer::start().await,
     ];
     let run = |urls: String| {
         let mut cmd = distlock("", &["run", "env-redis", "--", "true"]);

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod proxy;
+pub mod redis;
 pub mod txpool;
 
 use std::future::Future;

@@ -1,4 +1,4 @@
-//! Helpers for the Redis tests: `redis-server` processes of their own, on
+//! Redis for the tests: `redis-server` processes of their own, on
 //! free loopback ports, killed when dropped.
 #![allow(dead_code)]
 
@@ -7,17 +7,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
-
-/// Installs a `tracing` subscriber once (filtered by `RUST_LOG`, silent by default).
-pub fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off")),
-        )
-        .with_test_writer()
-        .try_init();
-}
 
 /// A `redis-server` child process on 127.0.0.1, without persistence.
 #[derive(Debug)]
@@ -161,22 +150,4 @@ pub async fn servers(n: usize) -> Vec<RedisServer> {
 /// The URLs of `servers`.
 pub fn urls(servers: &[RedisServer]) -> Vec<String> {
     servers.iter().map(RedisServer::url).collect()
-}
-
-/// Polls `check` every 10 ms until it holds or `within` passes.
-pub async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let started = Instant::now();
-    loop {
-        if check().await {
-            return true;
-        }
-        if started.elapsed() > within {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }

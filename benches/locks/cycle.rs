@@ -33,9 +33,15 @@ pub enum Cycle {
     /// `try_lock` + `release()` with `.fencing(true)`: the token is issued
     /// by the lock statement, so it should cost no round trip.
     SessionDistlockFenced,
+    /// `try_lock_shared` + `release()`.
+    SessionDistlockShared,
+    /// `try_lock_all` over 1, 4 and 16 keys + `release()`.
+    Multi1,
+    Multi4,
+    Multi16,
 }
 
-pub const ALL: [Cycle; 8] = [
+pub const ALL: [Cycle; 12] = [
     Cycle::XactRaw,
     Cycle::XactPipelined,
     Cycle::XactDistlock,
@@ -44,6 +50,10 @@ pub const ALL: [Cycle; 8] = [
     Cycle::SessionDistlock,
     Cycle::SessionDistlockMux,
     Cycle::SessionDistlockFenced,
+    Cycle::SessionDistlockShared,
+    Cycle::Multi1,
+    Cycle::Multi4,
+    Cycle::Multi16,
 ];
 
 impl Cycle {
@@ -57,6 +67,10 @@ impl Cycle {
             Cycle::SessionDistlock => "distlock try_lock+release",
             Cycle::SessionDistlockMux => "distlock multiplexed try_lock+release",
             Cycle::SessionDistlockFenced => "distlock try_lock+release, fencing on",
+            Cycle::SessionDistlockShared => "distlock try_lock_shared+release",
+            Cycle::Multi1 => "distlock try_lock_all(1 key)+release",
+            Cycle::Multi4 => "distlock try_lock_all(4 keys)+release",
+            Cycle::Multi16 => "distlock try_lock_all(16 keys)+release",
         }
     }
 
@@ -71,6 +85,10 @@ impl Cycle {
             Cycle::SessionDistlock => "session: distlock",
             Cycle::SessionDistlockMux => "session: distlock mux",
             Cycle::SessionDistlockFenced => "session: distlock fenced",
+            Cycle::SessionDistlockShared => "session: distlock shared",
+            Cycle::Multi1 => "multi: 1 key",
+            Cycle::Multi4 => "multi: 4 keys",
+            Cycle::Multi16 => "multi: 16 keys",
         }
     }
 
@@ -188,6 +206,34 @@ impl Ctx {
                         true
                     }
                     Either::Right(_) => false,
+                }
+            }
+            Cycle::SessionDistlockShared => {
+                let attempt = self.locker.try_lock_shared(LockKey::id(key)).await?;
+                taken = Some(start.elapsed());
+                match attempt {
+                    Some(lock) => {
+                        lock.release().await?;
+                        true
+                    }
+                    None => false,
+                }
+            }
+            Cycle::Multi1 | Cycle::Multi4 | Cycle::Multi16 => {
+                let n = match cycle {
+                    Cycle::Multi1 => 1,
+                    Cycle::Multi4 => 4,
+                    _ => 16,
+                };
+                let keys = (0..n).map(|i| LockKey::id(key * 100 + i));
+                let attempt = self.locker.try_lock_all(keys).await?;
+                taken = Some(start.elapsed());
+                match attempt {
+                    Some(all) => {
+                        all.release().await?;
+                        true
+                    }
+                    None => false,
                 }
             }
             Cycle::SessionDistlock | Cycle::SessionDistlockMux | Cycle::SessionDistlockFenced => {

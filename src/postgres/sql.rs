@@ -68,17 +68,21 @@ pub(crate) use keyed;
 /// of every lock statement, so the bound holds from the grant on. `session`
 /// keeps them for the connection; `xact` for the transaction.
 macro_rules! keepalives {
+    // Set only where they are not set yet (a connection keeps them): the
+    // set_config calls cost more than reading one setting.
     (session) => {
-        "set_config('tcp_keepalives_idle', '10', false), \
-         set_config('tcp_keepalives_interval', '5', false), \
-         set_config('tcp_keepalives_count', '3', false), \
-         set_config('tcp_user_timeout', '30000', false)"
+        "CASE WHEN current_setting('tcp_user_timeout') <> '30000' THEN \
+         set_config('tcp_keepalives_idle', '10', false) || \
+         set_config('tcp_keepalives_interval', '5', false) || \
+         set_config('tcp_keepalives_count', '3', false) || \
+         set_config('tcp_user_timeout', '30000', false) END"
     };
     (xact) => {
-        "set_config('tcp_keepalives_idle', '10', true), \
-         set_config('tcp_keepalives_interval', '5', true), \
-         set_config('tcp_keepalives_count', '3', true), \
-         set_config('tcp_user_timeout', '30000', true)"
+        "CASE WHEN current_setting('tcp_user_timeout') <> '30000' THEN \
+         set_config('tcp_keepalives_idle', '10', true) || \
+         set_config('tcp_keepalives_interval', '5', true) || \
+         set_config('tcp_keepalives_count', '3', true) || \
+         set_config('tcp_user_timeout', '30000', true) END"
     };
 }
 pub(crate) use keepalives;
@@ -153,10 +157,12 @@ pub(crate) type PgQuery<'q> = Query<'q, Postgres, PgArguments>;
 /// the transaction.
 macro_rules! client_check {
     (session) => {
-        "set_config('client_connection_check_interval', '100ms', false)"
+        "CASE WHEN current_setting('client_connection_check_interval') <> '100ms' THEN \
+         set_config('client_connection_check_interval', '100ms', false) END"
     };
     (xact) => {
-        "set_config('client_connection_check_interval', '100ms', true)"
+        "CASE WHEN current_setting('client_connection_check_interval') <> '100ms' THEN \
+         set_config('client_connection_check_interval', '100ms', true) END"
     };
 }
 pub(crate) use client_check;

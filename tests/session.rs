@@ -372,7 +372,10 @@ async fn cancelling_try_lock_lock_release_at_random_points_leaks_no_lock(pool: P
             0 => Duration::ZERO,
             1 => Duration::from_micros(rng.random_range(50..800)),
             2 => Duration::from_micros(rng.random_range(800..3000)),
-            _ => Duration::from_millis(rng.random_range(3..15)),
+            // Long enough to outlast sqlx's occasional ~90 ms wait for a
+            // fresh pooled connection, so that locks get held and releases
+            // get cancelled too.
+            _ => Duration::from_millis(rng.random_range(3..150)),
         };
         let key = keys[rng.random_range(0..keys.len())];
         match rng.random_range(0..3) {
@@ -1047,4 +1050,43 @@ async fn bad_key_sets_are_refused(pool: PgPool) {
         granted_count(&mut obs).await == 0
     })
     .await;
+}
+
+/// A guard's keeper task starts only when its first heartbeat is due; a
+/// guard dropped before that is still released at once, in the background.
+#[sqlx::test(migrations = false)]
+async fn a_guard_dropped_before_its_first_heartbeat_is_released_at_once(pool: PgPool) {
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat(Duration::from_secs(10))
+        .build();
+    let mut obs = observer_for(&pool).await;
+    for _ in 0..3 {
+        drop(
+            locker
+                .try_lock("session:early-drop")
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+        let took = eventually(
+            "the dropped guard's lock is freed",
+            Duration::from_secs(2),
+            async || granted_count(&mut obs).await == 0,
+        )
+        .await;
+        assert!(took < Duration::from_secs(2));
+    }
+    // Held past its first heartbeat, a lock is watched: terminating its
+    // backend is noticed.
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat(Duration::from_millis(100))
+        .build();
+    let held = locker.try_lock("session:watched").await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(held.backend_pid())
+        .execute(&mut obs)
+        .await
+        .unwrap();
+    bounded("lost() fires", Duration::from_secs(3), held.lost()).await;
 }

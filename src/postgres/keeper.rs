@@ -6,12 +6,15 @@
 //! task: no hop to the keeper and back sits on the release path. The keeper
 //! holds the slot's mutex only while a heartbeat is in flight.
 
-use std::sync::Arc;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use sqlx::Row;
-use tokio::sync::{Mutex, Notify, oneshot, watch};
+use tokio::sync::{Mutex, Notify, mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep_until, timeout, timeout_at};
+use tracing::Instrument;
 
 use super::conn::HeldConn;
 use super::sql::{bind_key, keyed, session_marker};
@@ -31,15 +34,44 @@ pub(crate) struct Shared {
     /// guard does not signal: the keeper finds the slot empty at its next
     /// beat and ends, so no wake-up sits on the release path.
     dropped: Notify,
+    /// The keeper until its first heartbeat is due: a lock held for less
+    /// than one heartbeat interval never spawns a task (see [`Timer`]).
+    parked: std::sync::Mutex<Option<Keeper>>,
 }
 
 /// The shared state of one session lock.
 pub(crate) type Slot = Arc<Shared>;
 
 impl Shared {
-    /// Tells the keeper that the guard went away without `release()`.
+    /// Tells the keeper that the guard went away without `release()`: a
+    /// parked keeper is started now to release the lock in the background
+    /// (or, without a runtime, dropped, which closes the connection); a
+    /// running one is woken.
     pub(crate) fn guard_dropped(&self) {
-        self.dropped.notify_one();
+        match self.unpark() {
+            Some(keeper) => match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    let span = keeper.span();
+                    runtime.spawn(
+                        async move {
+                            let held_since = Instant::now();
+                            keeper.release_dropped(held_since).await;
+                        }
+                        .instrument(span),
+                    );
+                }
+                Err(_) => drop(keeper),
+            },
+            None => self.dropped.notify_one(),
+        }
+    }
+
+    /// Takes the parked keeper, if it has not been started.
+    fn unpark(&self) -> Option<Keeper> {
+        match self.parked.lock() {
+            Ok(mut parked) => parked.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        }
     }
 
     /// Whether the connection may still be in the slot (`true` when the
@@ -73,6 +105,15 @@ pub(crate) struct Keeper {
     loss: watch::Sender<Option<LossReason>>,
 }
 
+impl std::fmt::Debug for Keeper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keeper")
+            .field("key", &self.key)
+            .field("pid", &self.pid)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The guard's end of a session lock.
 pub(crate) struct GuardEnd {
     pub(crate) slot: Slot,
@@ -89,6 +130,7 @@ impl Keeper {
         let slot: Slot = Arc::new(Shared {
             conn: Mutex::new(Some(conn)),
             dropped: Notify::new(),
+            parked: std::sync::Mutex::new(None),
         });
         let (loss, loss_rx) = watch::channel(None);
         let keeper = Self {
@@ -112,10 +154,10 @@ impl Keeper {
     /// released here. If the task is cancelled instead (the runtime shuts
     /// down), the armed connection is closed when the last owner of the slot
     /// drops it, and the server frees the lock.
-    pub(crate) async fn run(mut self) {
+    pub(crate) async fn run(mut self, first_beat: Instant) {
         // `sleep_until` rather than `interval`: an interval's first tick fires
         // at once and would put a heartbeat in front of a quick release.
-        let mut next = crate::deadline::from_now(self.heartbeat);
+        let mut next = first_beat;
         let held_since = Instant::now();
         loop {
             tokio::select! {
@@ -133,6 +175,22 @@ impl Keeper {
                 }
             }
         }
+    }
+
+    fn span(&self) -> tracing::Span {
+        tracing::debug_span!("distlock.keeper", key = %self.key, pid = self.pid)
+    }
+
+    /// Parks the keeper in its slot until its first heartbeat is due, when
+    /// `timer` starts it; a guard released before then never spawns a task.
+    pub(crate) fn park(self, timer: &Timer) {
+        let due = crate::deadline::from_now(self.heartbeat);
+        let shared = Arc::clone(&self.slot);
+        match shared.parked.lock() {
+            Ok(mut parked) => *parked = Some(self),
+            Err(poisoned) => *poisoned.into_inner() = Some(self),
+        }
+        timer.schedule(due, Arc::downgrade(&shared));
     }
 
     /// One heartbeat, holding the slot so `release()` waits for it (within
@@ -214,6 +272,8 @@ pub(crate) async fn release_from_slot(
         });
     };
     drop(guard);
+    // A keeper that never started has nothing left to do.
+    drop(slot.unpark());
     release(conn, (key, hold), pid, deadline, budget).await
 }
 
@@ -306,4 +366,96 @@ async fn release(
     }
     conn.into_pool();
     Ok(())
+}
+
+/// Starts parked keepers when their first heartbeat is due: one task per
+/// `PgLocker`, started with its first session lock, instead of one task per
+/// lock at grant time. It ends once the locker is gone and no keeper waits.
+#[derive(Debug, Default)]
+pub(crate) struct Timer {
+    inbox: std::sync::OnceLock<mpsc::UnboundedSender<(Instant, Weak<Shared>)>>,
+}
+
+impl Timer {
+    fn schedule(&self, due: Instant, slot: Weak<Shared>) {
+        let inbox = self.inbox.get_or_init(|| {
+            let (inbox, due_keepers) = mpsc::unbounded_channel();
+            tokio::spawn(start_when_due(due_keepers));
+            inbox
+        });
+        if let Err(mpsc::error::SendError((_, slot))) = inbox.send((due, slot)) {
+            // The timer task is gone (its runtime shut down): start the
+            // keeper at once, if there is a runtime to run it.
+            if let Some(shared) = slot.upgrade()
+                && let Some(keeper) = shared.unpark()
+                && let Ok(runtime) = tokio::runtime::Handle::try_current()
+            {
+                let span = keeper.span();
+                runtime.spawn(keeper.run(due).instrument(span));
+            }
+        }
+    }
+}
+
+/// The timer task: a heap of (due, slot), ordered by due time.
+async fn start_when_due(mut inbox: mpsc::UnboundedReceiver<(Instant, Weak<Shared>)>) {
+    let mut heap: BinaryHeap<Reverse<Due>> = BinaryHeap::new();
+    let mut open = true;
+    loop {
+        let next = heap.peek().map(|Reverse(due)| due.at);
+        tokio::select! {
+            biased;
+            received = inbox.recv(), if open => match received {
+                Some((at, slot)) => heap.push(Reverse(Due { at, slot })),
+                None => open = false,
+            },
+            () = sleep_until(next.unwrap_or_else(Instant::now)), if next.is_some() => {
+                let now = Instant::now();
+                while heap.peek().is_some_and(|Reverse(due)| due.at <= now) {
+                    if let Some(Reverse(due)) = heap.pop() {
+                        start(&due);
+                    }
+                }
+            }
+            else => return,
+        }
+    }
+}
+
+/// Starts the keeper parked in `due`'s slot, if the lock is still held and
+/// its keeper still parked.
+fn start(due: &Due) {
+    if let Some(shared) = due.slot.upgrade()
+        && let Some(keeper) = shared.unpark()
+    {
+        let span = keeper.span();
+        tokio::spawn(keeper.run(due.at).instrument(span));
+    }
+}
+
+/// A parked keeper's first heartbeat.
+#[derive(Debug)]
+struct Due {
+    at: Instant,
+    slot: Weak<Shared>,
+}
+
+impl PartialEq for Due {
+    fn eq(&self, other: &Self) -> bool {
+        self.at == other.at
+    }
+}
+
+impl Eq for Due {}
+
+impl PartialOrd for Due {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Due {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.at.cmp(&other.at)
+    }
 }

@@ -44,6 +44,8 @@ pub(crate) struct Inner {
     pub(crate) pool: PgPool,
     pub(crate) config: Config,
     pub(crate) pooler: super::pooler::PoolerCheck,
+    /// Starts session locks' keepers when their first heartbeat is due.
+    pub(crate) keepers: super::keeper::Timer,
     /// Present when built with `.multiplex(n)`, n > 0.
     pub(crate) mux: Option<super::mux::Mux>,
 }
@@ -216,6 +218,7 @@ impl PgLockerBuilder {
                 pool: self.pool,
                 config: self.config,
                 pooler: super::pooler::PoolerCheck::default(),
+                keepers: super::keeper::Timer::default(),
                 mux,
             }),
         }

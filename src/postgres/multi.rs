@@ -328,7 +328,13 @@ impl PgLocker {
 
     fn multi_lock(&self, conn: HeldConn, keys: Vec<LockKey>, pid: i32) -> MultiLock {
         let label = keys[0].clone();
-        let inner = SessionLock::start(conn, (label, Hold::All), pid, None, self.config());
+        let inner = SessionLock::start(
+            conn,
+            (label, Hold::All),
+            pid,
+            None,
+            (self.config(), &self.inner.keepers),
+        );
         MultiLock { keys, inner }
     }
 }

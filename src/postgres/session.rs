@@ -101,7 +101,7 @@ impl PgLocker {
             (key, hold),
             pid,
             token,
-            self.config(),
+            (self.config(), &self.inner.keepers),
         )))
     }
 
@@ -214,7 +214,7 @@ impl PgLocker {
                     (key, hold),
                     pid,
                     token,
-                    self.config(),
+                    (self.config(), &self.inner.keepers),
                 ))
             }
             // Busy and out of time after the try: nothing was granted.

@@ -5,11 +5,10 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use tokio::sync::{oneshot, watch};
-use tracing::Instrument;
 
 use super::config::Config;
 use super::conn::HeldConn;
-use super::keeper::{Hold, Keeper, ReleaseRequest, Slot, release_from_slot};
+use super::keeper::{Hold, Keeper, ReleaseRequest, Slot, Timer, release_from_slot};
 use crate::{Error, FencingToken, LockKey, LossReason};
 
 /// A session-scoped advisory lock, held on a dedicated pooled connection until
@@ -86,11 +85,10 @@ impl SessionLock {
         (key, hold): (LockKey, Hold),
         pid: i32,
         token: Option<FencingToken>,
-        config: &Config,
+        (config, timer): (&Config, &Timer),
     ) -> Self {
         let (keeper, guard) = Keeper::new(conn, (key.clone(), hold), pid, config);
-        let span = tracing::debug_span!("distlock.keeper", key = %key, pid);
-        tokio::spawn(keeper.run().instrument(span));
+        keeper.park(timer);
         Self {
             key,
             token,

@@ -424,6 +424,20 @@ async fn cancelling_try_lock_lock_release_at_random_points_leaks_no_lock(pool: P
             );
         }
     }
+    // Releases are quick, so random budgets rarely cut one short: cut a few
+    // on purpose, at their first `.await`.
+    for _ in 0..50 {
+        if stats[5] >= 3 {
+            break;
+        }
+        let Some(g) = locker.try_lock("session:rand:cut").await.unwrap() else {
+            continue;
+        };
+        match tokio::time::timeout(Duration::ZERO, g.release()).await {
+            Ok(res) => res.expect("release"),
+            Err(_) => stats[5] += 1,
+        }
+    }
     println!(
         "try ok/cancelled {}/{}, lock done/cancelled {}/{}, release ok/cancelled {}/{}",
         stats[0], stats[1], stats[2], stats[3], stats[4], stats[5]

@@ -240,9 +240,16 @@ impl PgLocker {
         }
     }
 
-    /// Tries first (1 round trip, the common uncontended case, and it tells
-    /// the server to watch for this client going away); if busy and time is
-    /// left, waits on the server until `deadline`. `Ok(None)`: busy, no time.
+    /// Takes the lock within `deadline`, waiting on the server. `Ok(None)`:
+    /// busy, no time left.
+    ///
+    /// A wait must run on a connection that already checks for a vanished
+    /// client (`client_connection_check_interval` is read when a statement
+    /// starts), so that a dropped caller's wait ends within 100 ms. The first
+    /// statement therefore waits at once where the connection has the check
+    /// (every pooled connection after its first lock statement: 1 round trip
+    /// when the lock is contended), and elsewhere only tries, setting the
+    /// check, and waits with a second statement if the lock was busy.
     async fn try_then_wait(
         &self,
         conn: &mut HeldConn,
@@ -252,7 +259,13 @@ impl PgLocker {
         (fencing, hold): (bool, Hold),
     ) -> Result<Option<(i32, Option<FencingToken>)>, Error> {
         self.inner.pooler.ensure_session(conn.conn()).await?;
-        let row = try_lock_query(args, fencing, hold)
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let first = if remaining.is_zero() {
+            try_lock_query(args, fencing, hold)
+        } else {
+            try_or_wait_query(args, (fencing, hold), remaining)
+        };
+        let row = first
             .fetch_one(conn.conn())
             .await
             .map_err(|err| session_locking_error(err, key))?;
@@ -326,6 +339,49 @@ fn try_lock_query(args: KeyArgs<'_>, fencing: bool, hold: Hold) -> PgQuery<'_> {
             "$1", "$2"),
     };
     bind_key(sqlx::query(sql), args)
+}
+
+/// The first statement of a wait: waits at once (under a statement-local
+/// `lock_timeout` of `$1`) on a connection that already checks for a
+/// vanished client, and only tries elsewhere (setting the check for the
+/// wait that follows). Columns as [`try_lock_query`]'s; "taken" is `false`
+/// only after a try.
+fn try_or_wait_query(
+    args: KeyArgs<'_>,
+    (fencing, hold): (bool, Hold),
+    timeout: Duration,
+) -> PgQuery<'_> {
+    let sql = match (hold, fencing) {
+        (Hold::Shared, _) => keyed!(args;
+            concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), \
+               CASE WHEN NOT ", session_marker!(free), " THEN NULL \
+               WHEN current_setting('client_connection_check_interval') = '100ms' \
+               THEN (SELECT true FROM pg_advisory_lock_shared("),
+            ")) ELSE pg_try_advisory_lock_shared(",
+            concat!(") END AS ok, ", client_check!(session), ", ", keepalives!(session),
+               ") SELECT l.ok, l.pid, NULL::int8, ", session_marker!(mark), " FROM l");
+            "$2", "$3"),
+        (_, true) => keyed!(args;
+            concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), \
+               CASE WHEN NOT ", session_marker!(free), " THEN NULL \
+               WHEN current_setting('client_connection_check_interval') = '100ms' \
+               THEN (SELECT true FROM pg_advisory_lock("),
+            ")) ELSE pg_try_advisory_lock(",
+            concat!(") END AS ok, ", client_check!(session), ", ", keepalives!(session),
+               ") SELECT l.ok, l.pid, CASE WHEN l.ok THEN distlock.issue_token("),
+            concat!(") END, ", session_marker!(mark), " FROM l");
+            "$2", "$3"),
+        (_, false) => keyed!(args;
+            concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), \
+               CASE WHEN NOT ", session_marker!(free), " THEN NULL \
+               WHEN current_setting('client_connection_check_interval') = '100ms' \
+               THEN (SELECT true FROM pg_advisory_lock("),
+            ")) ELSE pg_try_advisory_lock(",
+            concat!(") END AS ok, ", client_check!(session), ", ", keepalives!(session),
+               ") SELECT l.ok, l.pid, NULL::int8, ", session_marker!(mark), " FROM l");
+            "$2", "$3"),
+    };
+    bind_key(sqlx::query(sql).bind(millis_setting(timeout)), args)
 }
 
 /// Reads a lock statement's "taken" column: NULL means the session already

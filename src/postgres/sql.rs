@@ -23,6 +23,49 @@ macro_rules! keyed {
             }
         }
     };
+    // The key three times: `$pre KEY $m1 KEY $m2 KEY $post`.
+    ($args:expr; $pre:expr, $m1:expr, $m2:expr, $post:expr; $a:literal, $b:literal) => {
+        match $args {
+            $crate::postgres::key_args::KeyArgs::Text(_) => concat!(
+                $pre,
+                "hashtext(",
+                $a,
+                ")",
+                $m1,
+                "hashtext(",
+                $a,
+                ")",
+                $m2,
+                "hashtext(",
+                $a,
+                ")",
+                $post
+            ),
+            $crate::postgres::key_args::KeyArgs::BigInt(_) => {
+                concat!(
+                    $pre, $a, "::int8", $m1, $a, "::int8", $m2, $a, "::int8", $post
+                )
+            }
+            $crate::postgres::key_args::KeyArgs::Pair(..) => concat!(
+                $pre,
+                $a,
+                "::int4, hashtext(",
+                $b,
+                ")",
+                $m1,
+                $a,
+                "::int4, hashtext(",
+                $b,
+                ")",
+                $m2,
+                $a,
+                "::int4, hashtext(",
+                $b,
+                ")",
+                $post
+            ),
+        }
+    };
     // The key twice: `$pre KEY $mid KEY $post`.
     ($args:expr; $pre:expr, $mid:expr, $post:expr; $a:literal, $b:literal) => {
         match $args {
@@ -110,6 +153,9 @@ macro_rules! session_marker {
     };
     (mark) => {
         "CASE WHEN l.ok THEN set_config('distlock.locks', '1', false) END"
+    };
+    (free) => {
+        "coalesce(current_setting('distlock.locks', true), '') IN ('', '0')"
     };
     (unmark) => {
         "set_config('distlock.locks', '0', false)"

@@ -18,7 +18,7 @@ use crate::postgres::sqlstate::{locking_error, sqlstate};
 use crate::{Error, LockKey, LossReason};
 
 /// Settings a driver needs.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(super) struct DriverConfig {
     pub(super) connect: PgConnectOptions,
     pub(super) connect_timeout: Duration,
@@ -26,6 +26,21 @@ pub(super) struct DriverConfig {
     /// Deadline of every statement on the shared connection, heartbeat or
     /// not: a connection that stalls cannot vouch for any of its locks.
     pub(super) statement_timeout: Duration,
+}
+
+/// Written by hand: `PgConnectOptions`' own `Debug` prints the password.
+impl std::fmt::Debug for DriverConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DriverConfig")
+            .field("host", &self.connect.get_host())
+            .field("port", &self.connect.get_port())
+            .field("database", &self.connect.get_database())
+            .field("user", &self.connect.get_username())
+            .field("connect_timeout", &self.connect_timeout)
+            .field("heartbeat", &self.heartbeat)
+            .field("statement_timeout", &self.statement_timeout)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Starts a driver for a new shared connection and returns its inbox. The
@@ -452,5 +467,27 @@ fn fatal(err: &sqlx::Error) -> bool {
             code.starts_with("08") || code.starts_with("57P")
         }
         _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_the_password() {
+        let connect = PgConnectOptions::new()
+            .host("db.example")
+            .username("app")
+            .password("s3cret-Pa55");
+        let config = DriverConfig {
+            connect,
+            connect_timeout: Duration::from_secs(1),
+            heartbeat: Duration::from_secs(1),
+            statement_timeout: Duration::from_secs(1),
+        };
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("db.example"), "{shown}");
     }
 }

@@ -31,6 +31,7 @@
 //! | [`postgres`] | the PostgreSQL backend: [`PgLocker`] (transaction-scoped and session locks, multiplexed mode), [`SessionLock`], holders, [`LockWaiter`], and the crate's schema: [`migrate`], [`fence`] (fencing tokens), [`idempotency`] (keys that make an effect happen once) |
 //! | `redis` | the Redis backend (feature `redis`): a single instance with a watchdog, and Redlock |
 //! | [`job`] | [`SingletonJob`]: run a job on one replica, over any [`Locker`] |
+//! | [`memory`] | an in-memory backend for your own tests, with a way to make a lease lost |
 //! | [`metrics`] | counters and histograms through the `metrics` facade (feature `metrics`) |
 //!
 //! A new backend gets a folder of its own that implements [`Locker`] and
@@ -63,6 +64,7 @@ pub mod job;
 mod key;
 pub mod lease;
 mod loss;
+pub mod memory;
 pub mod metrics;
 pub mod postgres;
 /// The Redis backend: single-instance leases with a watchdog, and Redlock

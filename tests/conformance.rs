@@ -450,6 +450,29 @@ backend!(redis_single, #[tokio::test(flavor = "multi_thread", worker_threads = 2
 #[cfg(feature = "redis")]
 backend!(redlock, #[tokio::test(flavor = "multi_thread", worker_threads = 2)] () => redis_backends::Quorum::start().await);
 
+// ---- In memory ----------------------------------------------------------
+
+/// `MemoryLocker`: two clones share one table, as two processes share a
+/// database.
+struct Memory(distlock::memory::MemoryLocker);
+
+#[async_trait]
+impl Backend for Memory {
+    fn lockers(&self) -> (Arc<dyn Locker>, Arc<dyn Locker>) {
+        (Arc::new(self.0.clone()), Arc::new(self.0.clone()))
+    }
+
+    async fn break_lease(&self, key: &LockKey) {
+        assert!(self.0.lose(key), "someone held {key}");
+    }
+
+    fn tokens(&self) -> bool {
+        true
+    }
+}
+
+backend!(memory, #[tokio::test(flavor = "multi_thread", worker_threads = 2)] () => Memory(distlock::memory::MemoryLocker::new()));
+
 // ---- The suite can fail -------------------------------------------------
 
 /// A locker that takes the lock only every other time and otherwise hands

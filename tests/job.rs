@@ -630,3 +630,30 @@ async fn metrics_count_runs_skips_losses_and_timeouts(pool: PgPool) {
     );
     close(obs).await;
 }
+
+/// The job runner against the in-memory backend: no database, and a loss
+/// caused on purpose stops the job and is reported as `Lost`.
+#[tokio::test]
+async fn a_job_on_the_memory_backend_is_stopped_when_its_lease_is_lost() {
+    let memory = distlock::memory::MemoryLocker::new();
+    let job = SingletonJob::new(Arc::new(memory.clone()), "job:memory");
+    let other = SingletonJob::new(Arc::new(memory.clone()), "job:memory");
+    let running = tokio::spawn(async move {
+        job.run(async |ctx| {
+            ctx.cancellation_token().cancelled().await;
+            Ok::<_, Error>("stopped")
+        })
+        .await
+    });
+    // While it runs, a second runner skips.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let skipped = other.run(async |_| Ok::<_, Error>("no")).await.unwrap();
+    assert!(skipped.is_skipped(), "{skipped:?}");
+    assert!(memory.lose(&"job:memory".into()));
+    let outcome = tokio::time::timeout(Duration::from_secs(5), running)
+        .await
+        .expect("the job stops")
+        .unwrap()
+        .unwrap();
+    assert_eq!(outcome.name(), "lost", "{outcome:?}");
+}

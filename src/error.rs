@@ -147,6 +147,16 @@ pub enum Error {
         key: String,
     },
 
+    /// A lock inside the caller's transaction (`try_lock_xact`, `lock_xact`)
+    /// was asked for on a connection that is not inside a transaction
+    /// begun through sqlx: the lock would end with the statement that took
+    /// it.
+    #[error(
+        "not inside a transaction: a transaction-scoped lock would end with the statement; \
+         call it on a sqlx::Transaction (&mut *tx)"
+    )]
+    NotInTransaction,
+
     /// A configuration value is out of range.
     #[error("invalid configuration: {0}")]
     InvalidConfig(&'static str),

@@ -80,7 +80,7 @@ pub use lease::{Lease, Locker};
 pub use loss::LossReason;
 pub use postgres::{
     AdvisoryKey, Holder, LockMode, LockWaiter, MultiLock, PgLocker, PgLockerBuilder, SCHEMA,
-    SessionLock, WaitReport, fence, idempotency, migrate,
+    SessionLock, WaitReport, fence, idempotency, lock_xact, migrate, try_lock_xact,
 };
 pub use token::FencingToken;
 

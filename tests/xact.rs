@@ -1,5 +1,7 @@
 //! Transaction-scoped locks: `with_advisory_lock` and its wait and shared
 //! variants.
+// `f(&mut *tx)` is the documented way to pass a transaction's connection.
+#![allow(clippy::explicit_auto_deref)]
 
 mod common;
 
@@ -925,4 +927,130 @@ async fn shared_wait_variant_waits_for_an_exclusive_holder(pool: PgPool) {
         .unwrap();
     assert_eq!(both, 1);
     r.release().await.unwrap();
+}
+
+// ---- A lock inside the caller's own transaction ----------------------------
+
+#[sqlx::test(migrations = false)]
+async fn try_lock_xact_holds_until_the_callers_transaction_ends(pool: PgPool) {
+    use sqlx::Connection;
+    let mut obs = observer_for(&pool).await;
+    let raw = Raw::text("own:tx");
+    for end_with_commit in [true, false] {
+        let mut tx = pool.begin().await.unwrap();
+        assert!(distlock::try_lock_xact(&mut *tx, "own:tx").await.unwrap());
+        assert!(
+            !raw_can_take(&mut obs, &raw).await,
+            "held inside the transaction"
+        );
+        sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+        assert!(
+            !raw_can_take(&mut obs, &raw).await,
+            "still held after more statements"
+        );
+        if end_with_commit {
+            tx.commit().await.unwrap();
+        } else {
+            tx.rollback().await.unwrap();
+        }
+        assert!(
+            raw_can_take(&mut obs, &raw).await,
+            "released with the transaction"
+        );
+    }
+    // Busy elsewhere: false, and the transaction goes on.
+    assert!(raw_try_lock(&mut obs, &raw).await);
+    let mut tx = pool.begin().await.unwrap();
+    assert!(!distlock::try_lock_xact(&mut *tx, "own:tx").await.unwrap());
+    sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+    // Inside a savepoint too.
+    let mut sp = tx.begin().await.unwrap();
+    assert!(
+        distlock::try_lock_xact(&mut *sp, "own:other")
+            .await
+            .unwrap()
+    );
+    sp.commit().await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_connection_outside_a_transaction_is_refused(pool: PgPool) {
+    let mut conn = pool.acquire().await.unwrap();
+    let err = distlock::try_lock_xact(&mut conn, "own:none")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::NotInTransaction), "{err:?}");
+    let err = distlock::lock_xact(&mut conn, "own:none", Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::NotInTransaction), "{err:?}");
+    let mut obs = observer_for(&pool).await;
+    assert_eq!(granted_count(&mut obs).await, 0, "nothing was taken");
+    // Bad keys are refused before anything else.
+    let mut tx = pool.begin().await.unwrap();
+    let err = distlock::try_lock_xact(&mut *tx, "").await.unwrap_err();
+    assert!(matches!(err, Error::InvalidKey { .. }), "{err:?}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn lock_xact_waits_keeps_the_callers_settings_and_a_savepoint_survives_a_timeout(
+    pool: PgPool,
+) {
+    use sqlx::Connection;
+    let mut obs = observer_for(&pool).await;
+    let raw = Raw::text("own:wait");
+    assert!(raw_try_lock(&mut obs, &raw).await);
+    // Waits on the server, and the caller's lock_timeout is as it was.
+    let waiter = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query("SET LOCAL lock_timeout = '7s'")
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            distlock::lock_xact(&mut *tx, "own:wait", Duration::MAX)
+                .await
+                .unwrap();
+            let after: String = sqlx::query_scalar("SHOW lock_timeout")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            after
+        }
+    });
+    wait_for_waiters(&mut obs, 1, Duration::from_secs(5)).await;
+    assert!(raw_unlock(&mut obs, &raw).await);
+    let after = bounded("lock_xact returns", Duration::from_secs(10), waiter)
+        .await
+        .unwrap();
+    assert_eq!(after, "7s");
+    // A timeout aborts the transaction; inside a savepoint it does not.
+    assert!(raw_try_lock(&mut obs, &raw).await);
+    let mut tx = pool.begin().await.unwrap();
+    let mut sp = tx.begin().await.unwrap();
+    let err = distlock::lock_xact(&mut *sp, "own:wait", Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    sp.rollback().await.unwrap();
+    let usable: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(usable, 1, "the enclosing transaction is still usable");
+    tx.commit().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let err = distlock::lock_xact(&mut *tx, "own:wait", Duration::from_millis(200))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    let aborted = sqlx::query("SELECT 1").execute(&mut *tx).await;
+    assert!(
+        aborted.is_err(),
+        "without a savepoint the transaction is aborted"
+    );
+    tx.rollback().await.unwrap();
 }

@@ -21,6 +21,7 @@ pub(crate) mod sqlstate;
 mod timeout;
 mod waiter;
 mod xact;
+mod xact_lock;
 
 pub use config::{DEFAULT_HEARTBEAT, DEFAULT_RELEASE_TIMEOUT};
 pub use holders::{AdvisoryKey, Holder, LockMode};
@@ -29,3 +30,4 @@ pub use migrate::{SCHEMA, migrate};
 pub use multi::MultiLock;
 pub use session_lock::SessionLock;
 pub use waiter::{LockWaiter, WaitReport};
+pub use xact_lock::{lock_xact, try_lock_xact};

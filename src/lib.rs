@@ -30,6 +30,7 @@
 //! | the crate root | what every backend shares: [`LockKey`], [`Error`], [`FencingToken`], [`LossReason`], and the [`Locker`]/[`Lease`] traits ([`lease`]) |
 //! | [`postgres`] | the PostgreSQL backend: [`PgLocker`] (transaction-scoped and session locks, multiplexed mode), [`SessionLock`], holders, [`LockWaiter`], and the crate's schema: [`migrate`], [`fence`] (fencing tokens), [`idempotency`] (keys that make an effect happen once) |
 //! | `redis` | the Redis backend (feature `redis`): a single instance with a watchdog, and Redlock |
+//! | kinds ([`Semaphore`], [`LeaderElection`]) | kinds of locks over any backend's `Arc<dyn Locker>` |
 //! | [`job`] | [`SingletonJob`]: run a job on one replica, over any [`Locker`] |
 //! | [`memory`] | an in-memory backend for your own tests, with a way to make a lease lost |
 //! | [`metrics`] | counters and histograms through the `metrics` facade (feature `metrics`) |
@@ -62,6 +63,7 @@ mod deadline;
 mod error;
 pub mod job;
 mod key;
+mod kinds;
 pub mod lease;
 mod loss;
 pub mod memory;
@@ -76,6 +78,7 @@ mod token;
 pub use error::{Error, Result};
 pub use job::{JobContext, JobOutcome, SingletonJob};
 pub use key::LockKey;
+pub use kinds::{Campaign, LeaderElection, Semaphore};
 pub use lease::{Lease, Locker};
 pub use loss::LossReason;
 pub use postgres::{

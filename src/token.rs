@@ -4,11 +4,11 @@ use std::fmt;
 
 /// A fencing token: strictly increasing per lock across all holders.
 ///
-/// On PostgreSQL it is counted per lock as the server sees it (the bigint,
-/// or the `(int, int)` pair), so every spelling of one lock
-/// (`LockKey::from("x")`, `LockKey::id(hashtext('x'))`) shares one sequence
-/// (see [`fence`](crate::fence)); on a single Redis instance it is counted
-/// per lock name.
+/// On PostgreSQL every lock draws from one counter per database, so a
+/// token is higher than every token issued before it, of any lock, also
+/// after a crash or a failover (its high bits carry an epoch that grows
+/// with both; the README's "Fencing token layout" has the bits). On a
+/// single Redis instance it is counted per lock name.
 ///
 /// Present it with every write to the protected resource; the resource keeps
 /// the highest token it has seen and rejects older ones.

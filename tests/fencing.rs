@@ -27,8 +27,9 @@ async fn tokens_strictly_increase_per_key(pool: PgPool) {
         assert!(token > last, "{token} after {last}");
         last = token;
     }
-    // Another key has its own counter.
-    assert_eq!(token_of(&locker, "fence:b").await, 1);
+    // Another key draws from the same counter: its tokens go on increasing.
+    let other = token_of(&locker, "fence:b").await;
+    assert_eq!(other, last + 1);
     // The waiting path issues tokens too.
     let lock = locker
         .lock("fence:a", Duration::from_secs(5))
@@ -36,23 +37,49 @@ async fn tokens_strictly_increase_per_key(pool: PgPool) {
         .expect("lock");
     assert_eq!(
         lock.fencing_token().map(FencingToken::value),
-        Some(last + 1)
+        Some(other + 1)
     );
     lock.release().await.expect("release");
 }
 
+/// The layout: the epoch (the server's timeline << 16, plus restarts) in
+/// bits 62..32, the counter in bits 31..0.
 #[sqlx::test(migrations = false)]
-async fn each_server_lock_has_its_own_counter(pool: PgPool) {
+async fn tokens_carry_the_timeline_in_their_epoch(pool: PgPool) {
     let locker = fenced(&pool).await;
-    // Three different server locks, although all are spelt "42": one
-    // counter each.
-    assert_eq!(token_of(&locker, LockKey::id(42)).await, 1);
-    assert_eq!(token_of(&locker, LockKey::from("42")).await, 1);
-    assert_eq!(token_of(&locker, LockKey::hashed64("42")).await, 1);
-    assert_eq!(token_of(&locker, LockKey::id(42)).await, 2);
-    assert_eq!(token_of(&locker, LockKey::namespaced(3, "x")).await, 1);
-    assert_eq!(token_of(&locker, LockKey::namespaced(4, "x")).await, 1);
-    assert_eq!(token_of(&locker, LockKey::namespaced(3, "x")).await, 2);
+    let token = token_of(&locker, "fence:layout").await;
+    let timeline: i64 = sqlx::query_scalar("SELECT distlock.current_timeline()")
+        .fetch_one(&pool)
+        .await
+        .expect("timeline");
+    assert!(token > 0);
+    assert_eq!(token >> 48, timeline, "{token:#x}");
+    assert_eq!(
+        token & 0xffff_ffff,
+        1,
+        "the first token of an epoch: {token:#x}"
+    );
+}
+
+/// Tokens of every lock come from one counter, so they increase across
+/// locks too: locks that share a spelling ("42") never share a token.
+#[sqlx::test(migrations = false)]
+async fn tokens_of_every_lock_increase_together(pool: PgPool) {
+    let locker = fenced(&pool).await;
+    let mut last = 0;
+    for key in [
+        LockKey::id(42),
+        LockKey::from("42"),
+        LockKey::hashed64("42"),
+        LockKey::id(42),
+        LockKey::namespaced(3, "x"),
+        LockKey::namespaced(4, "x"),
+        LockKey::namespaced(3, "x"),
+    ] {
+        let token = token_of(&locker, key.clone()).await;
+        assert!(token > last, "{key:?}: {token} after {last}");
+        last = token;
+    }
 }
 
 /// `from("x")` and `id(hashtext('x'))` are one PostgreSQL lock, so they
@@ -136,10 +163,10 @@ async fn upgrading_from_name_keyed_counters_never_reissues_a_token(pool: PgPool)
 async fn busy_try_issues_no_token(pool: PgPool) {
     let locker = fenced(&pool).await;
     let held = locker.try_lock("fence:busy").await.unwrap().unwrap();
-    assert_eq!(held.fencing_token().map(FencingToken::value), Some(1));
+    let first = held.fencing_token().map(FencingToken::value).unwrap();
     assert!(locker.try_lock("fence:busy").await.unwrap().is_none());
     held.release().await.unwrap();
-    assert_eq!(token_of(&locker, "fence:busy").await, 2);
+    assert_eq!(token_of(&locker, "fence:busy").await, first + 1);
 }
 
 #[sqlx::test(migrations = false)]
@@ -197,9 +224,12 @@ async fn tokens_increase_across_lockers_and_pools(
         all.extend(seen);
     }
     all.sort_unstable();
+    let epoch = all[0] >> 32;
+    assert!(all.iter().all(|t| t >> 32 == epoch), "one epoch: {all:?}");
+    let counters: Vec<i64> = all.iter().map(|t| t & 0xffff_ffff).collect();
     let expected: Vec<i64> = (1..=120).collect();
     assert_eq!(
-        all, expected,
+        counters, expected,
         "every acquisition got its own, gapless token"
     );
 }
@@ -380,4 +410,45 @@ async fn overtaken_holder_is_fenced_off(pool: PgPool) {
         Err(Error::StaleFencingToken { .. })
     ));
     b.release().await.unwrap();
+}
+
+/// A counter that would wrap starts the next epoch; tokens go on
+/// increasing. An epoch past its timeline's 65535 is refused (DL002), never
+/// reused from the next timeline's numbers.
+#[sqlx::test(migrations = false)]
+async fn counter_wrap_starts_the_next_epoch_and_exhaustion_is_an_error(pool: PgPool) {
+    let locker = fenced(&pool).await;
+    let before = token_of(&locker, "fence:wrap").await;
+    // Pretend 2^32 - 1 tokens were issued in this epoch.
+    sqlx::query(
+        "UPDATE distlock.token_epoch SET counter_base = \
+         (SELECT last_value FROM distlock.token_counter) - 4294967295",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let after = token_of(&locker, "fence:wrap").await;
+    assert!(after > before, "{after:#x} after {before:#x}");
+    assert_eq!(after >> 32, (before >> 32) + 1, "the next epoch");
+    assert_eq!(after & 0xffff_ffff, 1);
+
+    // The last epoch of this timeline, and a restart-like mismatch.
+    sqlx::query(
+        "UPDATE distlock.token_epoch SET epoch = (distlock.current_timeline() << 16) + 65535, \
+         server_started = '2000-01-01'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let err = sqlx::query_scalar::<_, i64>("SELECT distlock.next_token()")
+        .fetch_one(&pool)
+        .await
+        .unwrap_err();
+    let code = err.as_database_error().and_then(|e| e.code()).unwrap();
+    assert_eq!(code, "DL002", "{err}");
+    assert!(locker.try_lock("fence:wrap").await.is_err());
+    assert!(
+        distlock::migrate(&pool).await.is_ok(),
+        "the schema itself stays usable"
+    );
 }

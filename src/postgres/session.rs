@@ -310,7 +310,7 @@ fn is_lock_timeout(err: &Error) -> bool {
 
 /// The try statement: lock attempt and backend pid in one round trip; with
 /// fencing, the token is issued by the same statement, only if the lock was
-/// taken (`distlock.issue_token`, one counter per server lock).
+/// taken (`distlock.issue_token`: a sequence draw, no durable write).
 ///
 /// The lock is attempted only on a session that holds no distlock lock yet
 /// (see [`session_marker`]); on any other the first column is NULL and

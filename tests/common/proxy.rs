@@ -33,6 +33,7 @@ pub struct Proxy {
     conns: Arc<Mutex<Vec<AbortHandle>>>,
     accepted: Arc<AtomicUsize>,
     listener: AbortHandle,
+    upstream: Arc<Mutex<(String, u16)>>,
 }
 
 impl Proxy {
@@ -43,8 +44,9 @@ impl Proxy {
         let (mode, _) = watch::channel(Mode::Pass);
         let conns: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
         let accepted = Arc::new(AtomicUsize::new(0));
-        let upstream = (upstream_host.to_owned(), upstream_port);
+        let upstream = Arc::new(Mutex::new((upstream_host.to_owned(), upstream_port)));
         let task = {
+            let upstream = upstream.clone();
             let mode = mode.clone();
             let conns = conns.clone();
             let accepted = accepted.clone();
@@ -54,7 +56,8 @@ impl Proxy {
                         continue;
                     };
                     accepted.fetch_add(1, Ordering::SeqCst);
-                    let handle = tokio::spawn(serve(client, upstream.clone(), mode.subscribe()));
+                    let target = upstream.lock().expect("proxy mutex").clone();
+                    let handle = tokio::spawn(serve(client, target, mode.subscribe()));
                     let mut conns = conns.lock().expect("proxy mutex");
                     conns.retain(|h| !h.is_finished());
                     conns.push(handle.abort_handle());
@@ -67,6 +70,7 @@ impl Proxy {
             conns,
             accepted,
             listener: task.abort_handle(),
+            upstream,
         })
     }
 
@@ -91,6 +95,13 @@ impl Proxy {
         for handle in self.conns.lock().expect("proxy mutex").drain(..) {
             handle.abort();
         }
+    }
+
+    /// Sends new connections to `127.0.0.1:port` from now on (as a DNS name
+    /// or a virtual IP moved to a promoted standby would); current
+    /// connections stay where they are.
+    pub fn set_upstream(&self, port: u16) {
+        *self.upstream.lock().expect("proxy mutex") = ("127.0.0.1".to_owned(), port);
     }
 
     /// How many client connections were accepted so far.

@@ -77,7 +77,7 @@ macro_rules! try_sql {
 
 /// The try statement: lock attempt, backend pid and resolved key in one round
 /// trip; with fencing, the token is issued by the same statement when the
-/// lock was taken (`distlock.issue_token`, one counter per server lock). The
+/// lock was taken (`distlock.issue_token`: a sequence draw, no durable write). The
 /// driver's count of held locks and the count after a grant bind after the
 /// key: the lock is attempted only if the session's marker matches the
 /// count, so a server session shared with another client takes nothing

@@ -1,0 +1,160 @@
+-- Fencing tokens that never repeat, without a durable write per token.
+--
+-- A token is a plain positive bigint laid out as
+--
+--   bit 63       0 (tokens stay positive)
+--   bits 62..32  the epoch: (timeline << 16) | restart number (31 bits)
+--   bits 31..0   the counter within the epoch (32 bits)
+--
+-- The counter is a sequence: nextval is atomic and increases in real time,
+-- and a holder calls it only after the lock is granted, so the next holder
+-- of any lock draws a larger value. A sequence is not transactional and is
+-- WAL-logged only every 32 values, so issuing a token writes no table row
+-- and, with synchronous_commit = off, flushes nothing.
+--
+-- What a crash or a failover may lose is covered by the epoch, which is
+-- written (and flushed) once per server start, promotion or counter wrap:
+--
+-- * Crash and restart: the sequence may fall back (its last WAL record was
+--   not flushed). The postmaster start time differs from the stored one, so
+--   the first token after the restart moves to the next epoch, durably,
+--   before anyone sees it.
+-- * Failover: the promoted server's stored epoch may be behind the old
+--   primary's, but its timeline is higher, and the epoch of timeline t is
+--   at least t << 16, above every epoch of any lower timeline. A timeline
+--   therefore has 65535 epochs: restarts and counter wraps past that raise
+--   DL002 rather than reuse the next timeline's numbers.
+-- * Counter wrap (2^32 tokens in one epoch): the next epoch starts.
+--
+-- The stored epoch and the start of its counter live in one row; only the
+-- functions below write it (SECURITY DEFINER, fixed search_path).
+CREATE SEQUENCE distlock.token_counter AS bigint NO CYCLE;
+
+CREATE TABLE distlock.token_epoch (
+    only_row        boolean     PRIMARY KEY DEFAULT true CHECK (only_row),
+    epoch           bigint      NOT NULL CHECK (epoch >= 0 AND epoch < 2147483648),
+    timeline        bigint      NOT NULL,
+    server_started  timestamptz NOT NULL,
+    counter_base    bigint      NOT NULL,
+    changed_at      timestamptz NOT NULL DEFAULT now()
+);
+
+-- The timeline WAL is written on now (the insert position's file name starts
+-- with it). On a standby this fails: tokens are only issued by a primary.
+CREATE FUNCTION distlock.current_timeline()
+RETURNS bigint
+LANGUAGE sql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT ('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::bit(32)::bigint $$;
+
+-- Starts the next epoch: durably (a local WAL flush even where the session
+-- runs with synchronous_commit = off), above every earlier epoch of this
+-- timeline and of every lower one.
+CREATE FUNCTION distlock.next_token_epoch(p_seen_epoch bigint, p_counter bigint)
+RETURNS void
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    tli     bigint := distlock.current_timeline();
+    seen    bigint;
+    next    bigint;
+BEGIN
+    SELECT greatest(e.epoch + 1, tli << 16), e.timeline INTO next, seen
+    FROM distlock.token_epoch AS e WHERE e.epoch = p_seen_epoch FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN; -- someone else started the next epoch first
+    END IF;
+    -- A timeline lower than the stored one (a cluster made by pg_upgrade
+    -- starts at 1) cannot order failovers any more; tokens still increase.
+    IF (tli >= seen AND next >= (tli + 1) << 16) OR next >= 2147483648 THEN
+        RAISE EXCEPTION 'distlock: fencing epochs of timeline % are used up (epoch %)', tli, next
+            USING ERRCODE = 'DL002';
+    END IF;
+    IF current_setting('synchronous_commit') = 'off' THEN
+        PERFORM set_config('synchronous_commit', 'local', true);
+    END IF;
+    UPDATE distlock.token_epoch
+    SET epoch = next, timeline = tli, server_started = pg_catalog.pg_postmaster_start_time(),
+        counter_base = p_counter, changed_at = now();
+END
+$$;
+
+-- The next fencing token. 1 nextval and a read of one row; a durable write
+-- only when an epoch starts.
+CREATE FUNCTION distlock.next_token()
+RETURNS bigint
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    e       distlock.token_epoch%ROWTYPE;
+    counter bigint;
+BEGIN
+    LOOP
+        SELECT * INTO STRICT e FROM distlock.token_epoch;
+        counter := nextval('distlock.token_counter');
+        IF e.server_started = pg_catalog.pg_postmaster_start_time()
+           AND e.timeline = distlock.current_timeline()
+           AND counter > e.counter_base
+           AND counter - e.counter_base < 4294967296 THEN
+            RETURN (e.epoch << 32) | (counter - e.counter_base);
+        END IF;
+        -- This epoch's counter may have fallen back (a crash) or run out,
+        -- or the server was promoted: start the next epoch, then draw again
+        -- (the loop ends: the new epoch matches this server and its base is
+        -- below the next draw).
+        PERFORM distlock.next_token_epoch(e.epoch, counter);
+    END LOOP;
+END
+$$;
+
+-- Tokens of every kind of lock come from the one counter: tokens of any
+-- lock strictly increase, and two spellings of one server lock can never
+-- see the same token. The arguments are kept for callers of the previous
+-- version.
+CREATE OR REPLACE FUNCTION distlock.issue_token_in(p_space smallint, p_lock_id bigint)
+RETURNS bigint
+LANGUAGE sql
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT distlock.next_token() $$;
+
+-- Epoch 0 of this server; every token above the previous counters'. The
+-- first token moves to the server's timeline epoch (>= 1 << 16), so all new
+-- tokens exceed 2^48 and every token the per-lock counters issued (checked).
+DO $$
+BEGIN
+    IF (SELECT coalesce(max(token), 0) FROM distlock.fencing_counters) >= (1::bigint << 48)
+       OR (SELECT token FROM distlock.fencing_floor) >= (1::bigint << 48) THEN
+        RAISE EXCEPTION 'distlock: existing fencing tokens exceed 2^48; the epoch layout cannot continue above them'
+            USING ERRCODE = 'DL002';
+    END IF;
+END
+$$;
+INSERT INTO distlock.token_epoch (epoch, timeline, server_started, counter_base)
+VALUES (0, 0, pg_postmaster_start_time(), 0);
+
+-- Processes of the name-keyed version still write distlock.fencing_tokens
+-- during a rolling upgrade: give them tokens from the same counter, so their
+-- tokens and ours stay ordered.
+DROP TRIGGER raise_fencing_floor ON distlock.fencing_tokens;
+CREATE FUNCTION distlock.fencing_tokens_from_epoch()
+RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    NEW.token := distlock.next_token();
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER fencing_tokens_from_epoch
+BEFORE INSERT OR UPDATE ON distlock.fencing_tokens
+FOR EACH ROW EXECUTE FUNCTION distlock.fencing_tokens_from_epoch();
+
+COMMENT ON TABLE distlock.fencing_counters IS
+    'Per-lock fencing counters of the previous version; tokens now come from '
+    'distlock.next_token() (epoch << 32 | counter) and are all above these.';

@@ -1,0 +1,292 @@
+//! Private PostgreSQL clusters for crash and failover tests.
+//!
+//! Each cluster lives in a scratch directory of its own, listens on a free
+//! loopback port and is stopped and removed when dropped; the shared server
+//! on 5432 is never touched. `initdb` refuses to run as root, so when the
+//! tests run as root every server binary runs as the `postgres` OS user
+//! through `runuser`.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use sqlx::ConnectOptions;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use tokio::process::Command;
+
+/// One private cluster: a data directory, a port, a running postmaster.
+#[derive(Debug)]
+pub struct Cluster {
+    root: PathBuf,
+    data: PathBuf,
+    port: u16,
+    name: String,
+}
+
+/// The directory of the newest installed PostgreSQL's binaries.
+fn bin_dir() -> PathBuf {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL server binaries under /usr/lib/postgresql")
+        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+        .filter(|p| p.join("initdb").exists())
+        .collect();
+    dirs.sort_by_key(|p| {
+        p.parent()
+            .and_then(|v| v.file_name())
+            .and_then(|v| v.to_str())
+            .and_then(|v| v.parse::<u32>().ok())
+            .unwrap_or(0)
+    });
+    dirs.pop()
+        .expect("an initdb under /usr/lib/postgresql/*/bin")
+}
+
+fn running_as_root() -> bool {
+    std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// A command for one of the server binaries, as `postgres` when we are root.
+fn server_command(binary: &str) -> Command {
+    let path = bin_dir().join(binary);
+    if running_as_root() {
+        let mut cmd = Command::new("runuser");
+        cmd.args(["-u", "postgres", "--"]).arg(path);
+        cmd
+    } else {
+        Command::new(path)
+    }
+}
+
+async fn run(mut cmd: Command, what: &str) {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).expect("bind 127.0.0.1:0");
+    listener.local_addr().expect("local_addr").port()
+}
+
+/// A scratch directory the `postgres` user may write.
+fn scratch(name: &str) -> PathBuf {
+    let root = std::env::temp_dir().join(format!(
+        "distlock-{name}-{}-{}",
+        std::process::id(),
+        free_port()
+    ));
+    std::fs::create_dir_all(&root).expect("scratch dir");
+    if running_as_root() {
+        let status = std::process::Command::new("chown")
+            .args(["postgres:postgres"])
+            .arg(&root)
+            .status()
+            .expect("chown");
+        assert!(status.success(), "chown scratch dir");
+    }
+    root
+}
+
+impl Cluster {
+    /// `initdb` a new cluster, append `conf` lines to its configuration and
+    /// start it.
+    pub async fn primary(name: &str, conf: &[&str]) -> Cluster {
+        let root = scratch(name);
+        let data = root.join("data");
+        let mut initdb = server_command("initdb");
+        initdb.arg("-D").arg(&data).args([
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        ]);
+        run(initdb, "initdb").await;
+        let cluster = Cluster {
+            root,
+            data,
+            port: free_port(),
+            name: name.to_owned(),
+        };
+        cluster.configure(&[
+            "wal_level = replica",
+            "max_wal_senders = 5",
+            "hot_standby = on",
+        ]);
+        cluster.configure(conf);
+        cluster.start().await;
+        cluster
+    }
+
+    /// A streaming standby of `primary` (`pg_basebackup -R`), started.
+    pub async fn standby_of(primary: &Cluster, name: &str, conf: &[&str]) -> Cluster {
+        let root = scratch(name);
+        let data = root.join("data");
+        let mut backup = server_command("pg_basebackup");
+        backup
+            .arg("-D")
+            .arg(&data)
+            .args(["-h", "127.0.0.1", "-U", "postgres", "-R", "-X", "stream"])
+            .args(["-p", &primary.port.to_string()]);
+        run(backup, "pg_basebackup").await;
+        let cluster = Cluster {
+            root,
+            data,
+            port: free_port(),
+            name: name.to_owned(),
+        };
+        // The standby names itself, so a primary can list it in
+        // synchronous_standby_names.
+        cluster.configure(&[&format!(
+            "primary_conninfo = 'host=127.0.0.1 port={} user=postgres application_name={name}'",
+            primary.port
+        )]);
+        cluster.configure(conf);
+        cluster.start().await;
+        cluster
+    }
+
+    fn configure(&self, lines: &[&str]) {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.data.join("postgresql.auto.conf"))
+            .expect("postgresql.auto.conf");
+        for line in lines {
+            writeln!(file, "{line}").expect("write conf");
+        }
+    }
+
+    /// Appends configuration and reloads it.
+    pub async fn reconfigure(&self, lines: &[&str]) {
+        self.configure(lines);
+        self.pg_ctl(&["reload"]).await;
+    }
+
+    async fn pg_ctl(&self, args: &[&str]) {
+        let mut cmd = server_command("pg_ctl");
+        cmd.arg("-D").arg(&self.data).args(args);
+        run(cmd, &format!("pg_ctl {args:?} ({})", self.name)).await;
+    }
+
+    /// Starts the postmaster and waits until it accepts connections.
+    pub async fn start(&self) {
+        let options = format!(
+            "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories={}",
+            self.port,
+            self.root.display()
+        );
+        let log = self.root.join("log");
+        self.pg_ctl(&["start", "-w", "-t", "60", "-o", &options, "-l", path(&log)])
+            .await;
+    }
+
+    /// `pg_ctl stop -m immediate`: a crash, WAL that was not flushed is lost.
+    pub async fn crash(&self) {
+        self.pg_ctl(&["stop", "-m", "immediate", "-w"]).await;
+    }
+
+    /// A clean shutdown.
+    pub async fn stop(&self) {
+        self.pg_ctl(&["stop", "-m", "fast", "-w"]).await;
+    }
+
+    /// Promotes a standby and waits until it accepts writes.
+    pub async fn promote(&self) {
+        self.pg_ctl(&["promote", "-w", "-t", "60"]).await;
+    }
+
+    /// The port it listens on (127.0.0.1).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Connect options for its `postgres` database.
+    pub fn options(&self) -> PgConnectOptions {
+        PgConnectOptions::new()
+            .host("127.0.0.1")
+            .port(self.port)
+            .username("postgres")
+            .database("postgres")
+            .disable_statement_logging()
+    }
+
+    /// A small pool on its `postgres` database.
+    pub async fn pool(&self) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(self.options())
+            .await
+            .expect("pool on private cluster")
+    }
+
+    /// Waits until `sql` returns true on a fresh connection.
+    pub async fn wait_until(&self, sql: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            if self.holds(sql).await {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: `{sql}` not true within {within:?}",
+                self.name
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Cluster {
+    async fn holds(&self, sql: &str) -> bool {
+        let Ok(mut conn) = self.options().connect().await else {
+            return false;
+        };
+        sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(sql.to_owned()))
+            .fetch_one(&mut conn)
+            .await
+            .unwrap_or(false)
+    }
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("utf-8 scratch path")
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // Blocking on purpose: the cluster must be gone before the test
+        // process exits, whatever the runtime is doing.
+        let bin = bin_dir().join("pg_ctl");
+        let mut cmd = if running_as_root() {
+            let mut c = std::process::Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(bin);
+            c
+        } else {
+            std::process::Command::new(bin)
+        };
+        let _ = cmd
+            .arg("-D")
+            .arg(&self.data)
+            .args(["stop", "-m", "immediate", "-w"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}

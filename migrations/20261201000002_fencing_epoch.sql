@@ -29,6 +29,17 @@
 -- The stored epoch and the start of its counter live in one row; only the
 -- functions below write it (SECURITY DEFINER, fixed search_path).
 CREATE SEQUENCE distlock.token_counter AS bigint NO CYCLE;
+-- From PostgreSQL 15 on the counter can skip WAL altogether (a logged
+-- sequence writes a record, and under synchronous_commit = on waits for a
+-- flush, every 32 values). A crash resets an unlogged sequence, and a
+-- standby does not have it; both already start the next epoch.
+DO $$
+BEGIN
+    IF current_setting('server_version_num')::int >= 150000 THEN
+        EXECUTE 'ALTER SEQUENCE distlock.token_counter SET UNLOGGED';
+    END IF;
+END
+$$;
 
 CREATE TABLE distlock.token_epoch (
     only_row        boolean     PRIMARY KEY DEFAULT true CHECK (only_row),
@@ -97,8 +108,11 @@ BEGIN
     LOOP
         SELECT * INTO STRICT e FROM distlock.token_epoch;
         counter := nextval('distlock.token_counter');
+        -- The timeline inline (a call of current_timeline() would cost a
+        -- function call with its own search_path, per token).
         IF e.server_started = pg_catalog.pg_postmaster_start_time()
-           AND e.timeline = distlock.current_timeline()
+           AND e.timeline = ('x' || substr(pg_catalog.pg_walfile_name(
+                   pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::bit(32)::bigint
            AND counter > e.counter_base
            AND counter - e.counter_base < 4294967296 THEN
             RETURN (e.epoch << 32) | (counter - e.counter_base);
@@ -117,6 +131,20 @@ $$;
 -- see the same token. The arguments are kept for callers of the previous
 -- version.
 CREATE OR REPLACE FUNCTION distlock.issue_token_in(p_space smallint, p_lock_id bigint)
+RETURNS bigint
+LANGUAGE sql
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT distlock.next_token() $$;
+
+-- The lock statements call these; each goes straight to next_token (a
+-- function with a search_path of its own costs a few µs per call).
+CREATE OR REPLACE FUNCTION distlock.issue_token(p_key bigint)
+RETURNS bigint
+LANGUAGE sql
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT distlock.next_token() $$;
+
+CREATE OR REPLACE FUNCTION distlock.issue_token(p_a int, p_b int)
 RETURNS bigint
 LANGUAGE sql
 SET search_path = pg_catalog, pg_temp

@@ -14,6 +14,9 @@ use sqlx::PgPool;
 #[path = "../examples/cron_worker.rs"]
 mod cron_worker;
 #[allow(dead_code)]
+#[path = "../examples/leader.rs"]
+mod leader;
+#[allow(dead_code)]
 #[path = "../examples/migration_runner.rs"]
 mod migration_runner;
 #[allow(dead_code)]
@@ -41,6 +44,13 @@ async fn cron_worker_sends_each_reminder_once_and_the_others_skip(pool: PgPool) 
     assert_eq!(summary.runs + summary.skips, 12, "{summary:?}");
     assert!(summary.runs >= 3, "{summary:?}");
     assert!(summary.skips >= 4, "the other workers skip: {summary:?}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn leader_example_schedules_under_one_leader_and_takes_over(pool: PgPool) {
+    let summary = leader::run(&url_of(&pool)).await.expect("example");
+    assert!(summary.one_leader_at_a_time(), "{summary:?}");
+    assert!(summary.rounds.len() >= 5, "{summary:?}");
 }
 
 #[sqlx::test(migrations = false)]

@@ -22,6 +22,9 @@ pub enum Cycle {
     XactPipelined,
     /// `locker.with_advisory_lock(key, async |_| Ok(()))`.
     XactDistlock,
+    /// `pool.begin()`, `distlock::try_lock_xact(&mut *tx, key)`, `COMMIT`:
+    /// the lock inside the caller's own transaction.
+    XactCaller,
     /// `pool.acquire()`, `pg_try_advisory_lock($1)`, `pg_advisory_unlock($1)`.
     SessionRaw,
     /// sqlx's `PgAdvisoryLock::try_acquire(pool.acquire())` + `release_now()`.
@@ -35,22 +38,26 @@ pub enum Cycle {
     SessionDistlockFenced,
     /// `try_lock_shared` + `release()`.
     SessionDistlockShared,
+    /// `Semaphore::try_acquire` (4 permits, all free) + `release()`.
+    Semaphore,
     /// `try_lock_all` over 1, 4 and 16 keys + `release()`.
     Multi1,
     Multi4,
     Multi16,
 }
 
-pub const ALL: [Cycle; 12] = [
+pub const ALL: [Cycle; 14] = [
     Cycle::XactRaw,
     Cycle::XactPipelined,
     Cycle::XactDistlock,
+    Cycle::XactCaller,
     Cycle::SessionRaw,
     Cycle::SessionSqlx,
     Cycle::SessionDistlock,
     Cycle::SessionDistlockMux,
     Cycle::SessionDistlockFenced,
     Cycle::SessionDistlockShared,
+    Cycle::Semaphore,
     Cycle::Multi1,
     Cycle::Multi4,
     Cycle::Multi16,
@@ -62,12 +69,14 @@ impl Cycle {
             Cycle::XactRaw => "sqlx hand-written BEGIN / try / COMMIT",
             Cycle::XactPipelined => "pipelined `BEGIN; try` + COMMIT (reference)",
             Cycle::XactDistlock => "distlock with_advisory_lock",
+            Cycle::XactCaller => "distlock try_lock_xact in the caller's BEGIN / COMMIT",
             Cycle::SessionRaw => "sqlx hand-written try/unlock",
             Cycle::SessionSqlx => "sqlx PgAdvisoryLock",
             Cycle::SessionDistlock => "distlock try_lock+release",
             Cycle::SessionDistlockMux => "distlock multiplexed try_lock+release",
             Cycle::SessionDistlockFenced => "distlock try_lock+release, fencing on",
             Cycle::SessionDistlockShared => "distlock try_lock_shared+release",
+            Cycle::Semaphore => "distlock Semaphore(4) try_acquire+release",
             Cycle::Multi1 => "distlock try_lock_all(1 key)+release",
             Cycle::Multi4 => "distlock try_lock_all(4 keys)+release",
             Cycle::Multi16 => "distlock try_lock_all(16 keys)+release",
@@ -80,12 +89,14 @@ impl Cycle {
             Cycle::XactRaw => "xact: sqlx BEGIN/try/COMMIT",
             Cycle::XactPipelined => "xact: pipelined BEGIN+try (ref)",
             Cycle::XactDistlock => "xact: distlock",
+            Cycle::XactCaller => "xact: distlock in caller's tx",
             Cycle::SessionRaw => "session: sqlx raw",
             Cycle::SessionSqlx => "session: PgAdvisoryLock",
             Cycle::SessionDistlock => "session: distlock",
             Cycle::SessionDistlockMux => "session: distlock mux",
             Cycle::SessionDistlockFenced => "session: distlock fenced",
             Cycle::SessionDistlockShared => "session: distlock shared",
+            Cycle::Semaphore => "semaphore: 4 permits",
             Cycle::Multi1 => "multi: 1 key",
             Cycle::Multi4 => "multi: 4 keys",
             Cycle::Multi16 => "multi: 16 keys",
@@ -95,7 +106,7 @@ impl Cycle {
     pub fn is_xact(self) -> bool {
         matches!(
             self,
-            Cycle::XactRaw | Cycle::XactPipelined | Cycle::XactDistlock
+            Cycle::XactRaw | Cycle::XactPipelined | Cycle::XactDistlock | Cycle::XactCaller
         )
     }
 
@@ -119,6 +130,7 @@ pub struct Ctx {
     locker: PgLocker,
     mux: PgLocker,
     fenced: PgLocker,
+    semaphore: distlock::Semaphore,
 }
 
 impl Ctx {
@@ -130,7 +142,13 @@ impl Ctx {
             .connect_with(opts.clone())
             .await?;
         distlock::migrate(&pool).await?;
+        let semaphore = distlock::Semaphore::new(
+            std::sync::Arc::new(PgLocker::new(pool.clone())),
+            "bench-semaphore",
+            4,
+        );
         Ok(Self {
+            semaphore,
             locker: PgLocker::new(pool.clone()),
             mux: PgLocker::builder(pool.clone()).multiplex(2).build(),
             fenced: PgLocker::builder(pool.clone()).fencing(true).build(),
@@ -139,7 +157,7 @@ impl Ctx {
     }
 
     pub async fn close(self) {
-        drop((self.locker, self.mux, self.fenced));
+        drop((self.locker, self.mux, self.fenced, self.semaphore));
         self.pool.close().await;
     }
 
@@ -181,6 +199,23 @@ impl Ctx {
                 .with_advisory_lock(LockKey::id(key), async |_| Ok::<_, distlock::Error>(()))
                 .await?
                 .is_some(),
+            Cycle::XactCaller => {
+                let mut tx = self.pool.begin().await?;
+                let got = distlock::try_lock_xact(&mut tx, LockKey::id(key)).await?;
+                tx.commit().await?;
+                got
+            }
+            Cycle::Semaphore => {
+                let attempt = self.semaphore.try_acquire().await?;
+                taken = Some(start.elapsed());
+                match attempt {
+                    Some(permit) => {
+                        permit.release().await?;
+                        true
+                    }
+                    None => false,
+                }
+            }
             Cycle::SessionRaw => {
                 let mut conn = self.pool.acquire().await?;
                 let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")

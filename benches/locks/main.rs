@@ -10,6 +10,7 @@ mod counting;
 mod cycle;
 mod handoff;
 mod hops;
+mod kinds;
 mod many;
 mod pgbench;
 mod stats;
@@ -157,6 +158,13 @@ async fn main() -> anyhow::Result<()> {
     let handoffs = measure_handoffs(&opts, &settings).await?;
     let pgbench_rates = run_pgbench(&admin, &settings);
     report.push_str(&handoff_tables(&settings, &handoffs, &pgbench_rates));
+
+    eprintln!("== lock kinds");
+    let trials = if settings.rounds <= 2 { 30 } else { 200 };
+    report.push_str(&kinds::table(&[
+        kinds::permit_handoff(&opts, trials).await?,
+        kinds::leader_takeover(&opts, trials / 2).await?,
+    ]));
 
     eprintln!("== many keys");
     report.push_str(&many_table(&opts, &settings).await?);

@@ -310,7 +310,7 @@ fn is_lock_timeout(err: &Error) -> bool {
 
 /// The try statement: lock attempt and backend pid in one round trip; with
 /// fencing, the token is issued by the same statement, only if the lock was
-/// taken (`distlock.issue_token`: a sequence draw, no durable write).
+/// taken (`distlock.next_token()`: a sequence draw, no durable write).
 ///
 /// The lock is attempted only on a session that holds no distlock lock yet
 /// (see [`session_marker`]); on any other the first column is NULL and
@@ -328,8 +328,8 @@ fn try_lock_query(args: KeyArgs<'_>, fencing: bool, hold: Hold) -> PgQuery<'_> {
             concat!("WITH l AS (SELECT ", session_marker!(unmarked), " THEN pg_try_advisory_lock("),
             concat!(") END AS ok, pg_backend_pid() AS pid, \
              ", client_check!(session), ", ", keepalives!(session),
-             ") SELECT l.ok, l.pid, CASE WHEN l.ok THEN distlock.issue_token("),
-            concat!(") END, ", session_marker!(mark), " FROM l");
+             ") SELECT l.ok, l.pid, CASE WHEN l.ok THEN distlock.next_token() END, ",
+             session_marker!(mark), " FROM l");
             "$1", "$2"),
         (_, false) => keyed!(args;
             concat!("WITH l AS (SELECT ", session_marker!(unmarked), " THEN pg_try_advisory_lock("),
@@ -368,8 +368,8 @@ fn try_or_wait_query(
                THEN (SELECT true FROM pg_advisory_lock("),
             ")) ELSE pg_try_advisory_lock(",
             concat!(") END AS ok, ", client_check!(session), ", ", keepalives!(session),
-               ") SELECT l.ok, l.pid, CASE WHEN l.ok THEN distlock.issue_token("),
-            concat!(") END, ", session_marker!(mark), " FROM l");
+               ") SELECT l.ok, l.pid, CASE WHEN l.ok THEN distlock.next_token() END, ",
+             session_marker!(mark), " FROM l");
             "$2", "$3"),
         (_, false) => keyed!(args;
             concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), \
@@ -421,8 +421,8 @@ async fn wait_for_lock(
         (_, true) => keyed!(args;
             concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), ",
                 session_marker!(unmarked), " THEN (SELECT true FROM pg_advisory_lock("),
-            concat!(")) END AS ok) SELECT l.pid, CASE WHEN l.ok THEN distlock.issue_token("),
-            concat!(") END, l.ok, ", session_marker!(mark), " FROM l");
+            concat!(")) END AS ok) SELECT l.pid, CASE WHEN l.ok THEN distlock.next_token() END, \
+                l.ok, ", session_marker!(mark), " FROM l");
             "$2", "$3"),
         (_, false) => keyed!(args;
             concat!("WITH l AS (SELECT pg_backend_pid() AS pid, set_config('lock_timeout', $1, true), ",

@@ -254,14 +254,17 @@ pub async fn close(conn: PgConnection) {
     let _ = conn.close().await;
 }
 
-/// A transaction on its own connection that keeps every existing fencing
-/// counter from being written (until the connection is dropped or the
-/// transaction ends), so a token write waits, and times out, *after* its
-/// lock was granted. Row locks, not a table lock: a table lock would be
-/// waited for when the statement is planned, before anything is granted.
+/// A transaction on its own connection that keeps fencing tokens from being
+/// issued (until the connection is dropped or the transaction ends), so a
+/// token's issue waits, and times out, *after* its lock was granted. The
+/// lock statement itself does not name the epoch table (only the function
+/// `distlock.next_token()` reads it, when it runs), so planning the
+/// statement does not wait for this lock.
 pub async fn block_fencing_counters(pool: &PgPool) -> PgConnection {
     let mut conn = observer_for(pool).await;
-    sqlx::raw_sql("BEGIN; SELECT * FROM distlock.fencing_counters FOR UPDATE")
+    // Every token reads the epoch row; an exclusive table lock makes that
+    // read wait (and fail at the session's lock_timeout).
+    sqlx::raw_sql("BEGIN; LOCK TABLE distlock.token_epoch IN ACCESS EXCLUSIVE MODE")
         .execute(&mut conn)
         .await
         .expect("block the fencing counters");

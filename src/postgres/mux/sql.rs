@@ -77,7 +77,7 @@ macro_rules! try_sql {
 
 /// The try statement: lock attempt, backend pid and resolved key in one round
 /// trip; with fencing, the token is issued by the same statement when the
-/// lock was taken (`distlock.issue_token`: a sequence draw, no durable write). The
+/// lock was taken (`distlock.next_token()`: a sequence draw, no durable write). The
 /// driver's count of held locks and the count after a grant bind after the
 /// key: the lock is attempted only if the session's marker matches the
 /// count, so a server session shared with another client takes nothing
@@ -97,7 +97,7 @@ pub(super) fn try_lock(args: KeyArgs<'_>, fencing: bool, held: usize) -> PgQuery
         (KeyArgs::Text(_), true) => try_sql!(
             "pg_try_advisory_lock(k)",
             "FROM (SELECT hashtext($1)::int8 AS k) s",
-            "CASE WHEN l.ok THEN distlock.issue_token(l.k) END",
+            "CASE WHEN l.ok THEN distlock.next_token() END",
             "$2",
             "$3"
         ),
@@ -111,7 +111,7 @@ pub(super) fn try_lock(args: KeyArgs<'_>, fencing: bool, held: usize) -> PgQuery
         (KeyArgs::BigInt(_), true) => try_sql!(
             "pg_try_advisory_lock(k)",
             "FROM (SELECT $1::int8 AS k) s",
-            "CASE WHEN l.ok THEN distlock.issue_token(l.k) END",
+            "CASE WHEN l.ok THEN distlock.next_token() END",
             "$2",
             "$3"
         ),
@@ -125,7 +125,7 @@ pub(super) fn try_lock(args: KeyArgs<'_>, fencing: bool, held: usize) -> PgQuery
         (KeyArgs::Pair(..), true) => try_sql!(
             "pg_try_advisory_lock($1::int4, k)",
             "FROM (SELECT hashtext($2) AS k) s",
-            "CASE WHEN l.ok THEN distlock.issue_token($1::int4, l.k) END",
+            "CASE WHEN l.ok THEN distlock.next_token() END",
             "$3",
             "$4"
         ),

@@ -157,6 +157,21 @@ pub enum Error {
     )]
     NotInTransaction,
 
+    /// Schema `distlock` is owned by a role that is neither the current one,
+    /// a superuser, nor allowed by
+    /// [`MigrateOptions::allow_schema_owner`](crate::MigrateOptions::allow_schema_owner):
+    /// that role could replace the crate's functions (for example a fence
+    /// that accepts every token), so `migrate` refuses to use it.
+    #[error(
+        "schema {schema} is owned by role {owner:?}, which is not trusted;          drop it, change its owner, or allow that owner in MigrateOptions"
+    )]
+    UntrustedSchema {
+        /// The schema (`distlock`).
+        schema: String,
+        /// The role that owns it.
+        owner: String,
+    },
+
     /// A configuration value is out of range.
     #[error("invalid configuration: {0}")]
     InvalidConfig(&'static str),

@@ -305,7 +305,12 @@ fn checker_matches_a_fault_by_key_only_if_no_known_holder_was_on_its_backend() {
 fn checker_ends_a_killed_processes_section_at_the_kill() {
     let mut open = section(0, 1, 7, 0, 10, "released", 100);
     open.truncate(3); // entered, then kill -9
-    let kill = vec![ev(50, CONTROL, "fault", json!({"kind": "kill", "target": 0}))];
+    let kill = vec![ev(
+        50,
+        CONTROL,
+        "fault",
+        json!({"kind": "kill", "target": 0}),
+    )];
     // A successor after the kill is fine ...
     let h = history(vec![
         open.clone(),
@@ -328,7 +333,10 @@ fn history_skips_a_torn_last_line_but_not_a_bad_line_inside() {
     let events = parse_lines(torn.as_bytes()).expect("a torn last line is skipped");
     assert_eq!(events.len(), 1);
     let inside = format!("{}\n{good}\n", &good[..20]);
-    assert_eq!(parse_lines(inside.as_bytes()).map(|e| e.len()), Err((1, good[..20].to_owned())));
+    assert_eq!(
+        parse_lines(inside.as_bytes()).map(|e| e.len()),
+        Err((1, good[..20].to_owned()))
+    );
     // A complete last line that does not parse is not torn: an error.
     let bad = format!("{good}\nnot json\n");
     assert!(parse_lines(bad.as_bytes()).is_err());

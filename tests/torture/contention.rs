@@ -84,7 +84,10 @@ async fn contention(name: &str, mode: Mode, broken: Broken) {
         .take(5)
         .collect();
     assert_eq!(timeouts, 0, "waits timed out with nothing injected");
-    assert!(failed.is_empty(), "calls failed with nothing injected: {failed:?}");
+    assert!(
+        failed.is_empty(),
+        "calls failed with nothing injected: {failed:?}"
+    );
     let expected = usize::try_from(target * PROCESSES as u64).expect("target");
     assert!(
         acquired >= expected,

@@ -81,7 +81,8 @@ async fn start(dir: &RunDir, db: &TestDb, overrides: &[(&str, &str)]) -> PgBounc
     )
     .await;
     // A scenario that cannot run must not pass: `.ci/run` installs it.
-    bouncer.expect("pgbouncer is not installed (apt-get install pgbouncer): the scenario cannot run")
+    bouncer
+        .expect("pgbouncer is not installed (apt-get install pgbouncer): the scenario cannot run")
 }
 
 #[test]

@@ -22,14 +22,12 @@ pub fn name() -> &'static str {
 /// can be repeated (timing on a shared machine cannot).
 pub fn seed() -> u64 {
     static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *SEED.get_or_init(|| {
-        match std::env::var("DISTLOCK_TORTURE_SEED") {
-            Ok(text) => text
-                .trim()
-                .parse()
-                .unwrap_or_else(|_| panic!("DISTLOCK_TORTURE_SEED={text:?} is not a u64")),
-            Err(_) => super::clock::now_ns() ^ u64::from(std::process::id()) << 40,
-        }
+    *SEED.get_or_init(|| match std::env::var("DISTLOCK_TORTURE_SEED") {
+        Ok(text) => text
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("DISTLOCK_TORTURE_SEED={text:?} is not a u64")),
+        Err(_) => super::clock::now_ns() ^ u64::from(std::process::id()) << 40,
     })
 }
 

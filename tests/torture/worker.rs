@@ -628,7 +628,11 @@ async fn xact_task(ctx: &Ctx, w: usize) {
         let section = async |conn: &mut PgConnection| {
             ctx.acquired.fetch_add(1, Ordering::Relaxed);
             ctx.emit(w, s, "acquired", json!({}));
-            let mark = if broken { json!({"broken": "skip"}) } else { json!({}) };
+            let mark = if broken {
+                json!({"broken": "skip"})
+            } else {
+                json!({})
+            };
             ctx.emit(w, s, "entered", mark);
             entered.store(true, Ordering::Relaxed);
             let outcome = xact_register(ctx, w, s, k, hold, conn).await;

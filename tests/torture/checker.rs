@@ -17,7 +17,7 @@
 //! - **unknown**: no outcome recorded; treated like clean (possibly holding).
 //! - **killed**: no outcome recorded, and its process was killed (`kill -9`,
 //!   a recorded fault) after it entered: its section ended at the kill, the
-//!   moment the kill call returned.
+//!   moment the `kill` call returned (the process runs no code after it).
 //!
 //! Two sections of one key that overlap are a **violation** unless one of
 //! them, `Z`, was lost, invoked before the other (`W`) was granted, and a
@@ -173,6 +173,9 @@ pub struct Fault {
     pub target: Option<i64>,
     /// The key the targeted backend held, when known.
     pub key: Option<i64>,
+    /// For a kill: when the `kill` call returned (the process ran no code
+    /// after it); the event's time is when it was reaped.
+    pub dead: Option<u64>,
     /// An operation that knew its backend pid was on the targeted backend
     /// when the fault began: the fault was aimed at it, not at a holder
     /// that never learnt its pid.
@@ -227,6 +230,7 @@ impl History {
                     backend_pid: ev.int("bp"),
                     target: ev.int("target"),
                     key: ev.int("k"),
+                    dead: ev.int("dead").and_then(|t| u64::try_from(t).ok()),
                     claimed: false,
                 }),
                 "leakcheck" => h.leakchecks.push((ev.p, ev.int("n").unwrap_or(-1))),
@@ -290,8 +294,9 @@ impl History {
             acq.killed = h
                 .faults
                 .iter()
-                .filter(|f| f.kind == "kill" && f.target == Some(acq.op.0) && f.end >= entered)
-                .map(|f| f.end)
+                .filter(|f| f.kind == "kill" && f.target == Some(acq.op.0))
+                .map(|f| f.dead.unwrap_or(f.end))
+                .filter(|&dead| dead >= entered)
                 .min();
         }
         for fault in &mut h.faults {

@@ -98,6 +98,14 @@ pub enum Error {
         key: String,
     },
 
+    /// A multiplexed locker already holds as many locks as its
+    /// [`max_locks`](crate::PgLockerBuilder::max_locks) allows.
+    #[error("this locker already holds {limit} locks, its max_locks")]
+    TooManyLocks {
+        /// The configured cap.
+        limit: usize,
+    },
+
     /// Releasing a lock did not finish before its deadline; the connection
     /// was closed so that PostgreSQL frees the lock when it notices.
     #[error("releasing lock {key} did not finish within {after:?}; its connection was closed")]

@@ -213,7 +213,6 @@ impl PgLockerBuilder {
     /// }
     /// # Ok(()) }
     /// ```
-    #[must_use]
     pub fn max_locks(mut self, limit: usize) -> Self {
         self.config.max_locks = Some(limit);
         self

@@ -142,7 +142,7 @@ async fn check_owner(conn: &mut sqlx::PgConnection, options: &MigrateOptions) ->
     .bind(SCHEMA)
     .fetch_one(&mut *conn)
     .await?;
-    if trusted || options.allowed_owners.iter().any(|r| *r == owner) {
+    if trusted || options.allowed_owners.contains(&owner) {
         Ok(())
     } else {
         Err(Error::UntrustedSchema {

@@ -98,6 +98,14 @@ pub enum Error {
         key: String,
     },
 
+    /// A multiplexed locker already holds as many locks as its
+    /// [`max_locks`](crate::PgLockerBuilder::max_locks) allows.
+    #[error("this locker already holds {limit} locks, its max_locks")]
+    TooManyLocks {
+        /// The configured cap.
+        limit: usize,
+    },
+
     /// Releasing a lock did not finish before its deadline; the connection
     /// was closed so that PostgreSQL frees the lock when it notices.
     #[error("releasing lock {key} did not finish within {after:?}; its connection was closed")]
@@ -156,6 +164,21 @@ pub enum Error {
          call it on a sqlx::Transaction (&mut *tx)"
     )]
     NotInTransaction,
+
+    /// Schema `distlock` is owned by a role that is neither the current one,
+    /// a superuser, nor allowed by
+    /// [`MigrateOptions::allow_schema_owner`](crate::MigrateOptions::allow_schema_owner):
+    /// that role could replace the crate's functions (for example a fence
+    /// that accepts every token), so `migrate` refuses to use it.
+    #[error(
+        "schema {schema} is owned by role {owner:?}, which is not trusted;          drop it, change its owner, or allow that owner in MigrateOptions"
+    )]
+    UntrustedSchema {
+        /// The schema (`distlock`).
+        schema: String,
+        /// The role that owns it.
+        owner: String,
+    },
 
     /// A configuration value is out of range.
     #[error("invalid configuration: {0}")]

@@ -82,8 +82,9 @@ pub use kinds::{Campaign, LeaderElection, Semaphore};
 pub use lease::{Lease, Locker};
 pub use loss::LossReason;
 pub use postgres::{
-    AdvisoryKey, Holder, LockMode, LockWaiter, MultiLock, PgLocker, PgLockerBuilder, SCHEMA,
-    SessionLock, WaitReport, fence, idempotency, lock_xact, migrate, try_lock_xact,
+    AdvisoryKey, Holder, LockMode, LockWaiter, MigrateOptions, MultiLock, PgLocker,
+    PgLockerBuilder, SCHEMA, SessionLock, WaitReport, fence, idempotency, lock_xact, migrate,
+    migrate_with, try_lock_xact,
 };
 pub use token::FencingToken;
 

@@ -669,3 +669,56 @@ async fn a_fenced_try_whose_token_write_fails_leaves_no_lock_on_the_shared_sessi
     let again = locker.try_lock("mux:leak").await.unwrap();
     assert!(again.is_some(), "the key stayed on the shared session");
 }
+
+#[sqlx::test(migrations = false)]
+async fn max_locks_caps_the_locks_held_with_a_typed_error(pool: PgPool) {
+    let locker = PgLocker::builder(pool.clone())
+        .multiplex(2)
+        .max_locks(3)
+        .build();
+    let mut held = Vec::new();
+    for i in 0..3 {
+        held.push(locker.try_lock(format!("cap:{i}")).await.unwrap().unwrap());
+    }
+    // The fourth fails at once, try or wait, and holds nothing.
+    let started = Instant::now();
+    assert!(matches!(
+        locker.try_lock("cap:3").await,
+        Err(Error::TooManyLocks { limit: 3 })
+    ));
+    assert!(matches!(
+        locker.lock("cap:3", Duration::from_secs(5)).await,
+        Err(Error::TooManyLocks { limit: 3 })
+    ));
+    assert!(started.elapsed() < Duration::from_secs(1));
+    // A clone shares the cap.
+    assert!(matches!(
+        locker.clone().try_lock("cap:3").await,
+        Err(Error::TooManyLocks { .. })
+    ));
+    // Busy keys do not use up places.
+    let other = PgLocker::new(pool.clone());
+    let foreign = other.try_lock("cap:busy").await.unwrap().unwrap();
+    held.pop().unwrap().release().await.unwrap();
+    for _ in 0..5 {
+        assert!(locker.try_lock("cap:busy").await.unwrap().is_none());
+    }
+    foreign.release().await.unwrap();
+    // Released and dropped guards give their place back.
+    held.push(locker.try_lock("cap:3").await.unwrap().unwrap());
+    drop(held.pop());
+    let mut again = None;
+    eventually(
+        "a dropped guard's place is given back",
+        Duration::from_secs(5),
+        async || {
+            again = locker.try_lock("cap:4").await.ok().flatten();
+            again.is_some()
+        },
+    )
+    .await;
+    again.unwrap().release().await.unwrap();
+    for lock in held {
+        lock.release().await.unwrap();
+    }
+}

@@ -12,6 +12,9 @@ pub(crate) struct Config {
     pub(crate) fencing: bool,
     /// Shared connections for multiplexed session locks; 0 = one per lock.
     pub(crate) multiplex: usize,
+    /// Multiplexed mode: at most this many locks held at once (`None`: no
+    /// cap).
+    pub(crate) max_locks: Option<usize>,
 }
 
 /// Default interval between two heartbeats of a session lock.
@@ -27,6 +30,7 @@ impl Default for Config {
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
             fencing: false,
             multiplex: 0,
+            max_locks: None,
         }
     }
 }

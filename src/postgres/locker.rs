@@ -195,6 +195,29 @@ impl PgLockerBuilder {
         self
     }
 
+    /// Multiplexed mode: at most `limit` session locks held at once through
+    /// this locker (and its clones). An acquisition beyond it fails at once
+    /// with [`Error::TooManyLocks`], without a round trip, instead of growing
+    /// PostgreSQL's shared lock table (`max_locks_per_transaction` ×
+    /// connections, shared by the whole cluster) until it is full for
+    /// everyone. A released or dropped guard frees its place once its unlock
+    /// has been handed to its connection. No effect without
+    /// [`multiplex`](Self::multiplex); default: no cap.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
+    /// let locker = distlock::PgLocker::builder(pool).multiplex(2).max_locks(1_000).build();
+    /// match locker.try_lock("shard:1").await {
+    ///     Err(distlock::Error::TooManyLocks { limit }) => eprintln!("holding {limit} already"),
+    ///     other => drop(other?),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn max_locks(mut self, limit: usize) -> Self {
+        self.config.max_locks = Some(limit);
+        self
+    }
+
     /// Builds the locker.
     ///
     /// A holder must give up its lock before the server frees it: a holder

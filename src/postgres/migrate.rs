@@ -23,8 +23,33 @@ fn migrator() -> Migrator {
     migrator
 }
 
+/// Options of [`migrate_with`].
+///
+/// ```
+/// let options = distlock::MigrateOptions::default().allow_schema_owner("distlock_owner");
+/// # let _ = options;
+/// ```
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct MigrateOptions {
+    allowed_owners: Vec<String>,
+}
+
+impl MigrateOptions {
+    /// Trusts schema `distlock` when it is owned by `role` (besides the
+    /// current role and superusers, which are always trusted). Use it when
+    /// an administrator's role owns the schema and applications call
+    /// `migrate` at startup.
+    #[must_use]
+    pub fn allow_schema_owner(mut self, role: impl Into<String>) -> Self {
+        self.allowed_owners.push(role.into());
+        self
+    }
+}
+
 /// Applies the crate's migrations (fencing tokens, fence, idempotency keys,
-/// job runs), creating schema `distlock` if it does not exist.
+/// job runs), creating schema `distlock` if it does not exist. The same as
+/// [`migrate_with`] with the default options.
 ///
 /// Idempotent, and safe to run from many processes at once: they queue on an
 /// advisory lock and the later ones find nothing to do.
@@ -39,11 +64,36 @@ fn migrator() -> Migrator {
 /// `GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA distlock TO other;`
 /// and `GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA distlock TO other;`.
 ///
+/// # Trusted schema
+///
+/// Whoever owns schema `distlock` can replace the functions in it (a
+/// `fence_advance` that accepts every token, say). `migrate` therefore
+/// refuses, with [`Error::UntrustedSchema`], a schema owned by a role other
+/// than the current one or a superuser, unless [`MigrateOptions`] allows
+/// that owner; it checks this before it reads or runs anything in the
+/// schema.
+///
 /// # Cancel safety
 ///
 /// Dropping the future closes its connection, which frees the lock it holds;
 /// a migration in progress is rolled back by the server.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
+    migrate_with(pool, &MigrateOptions::default()).await
+}
+
+/// [`migrate`] with options: which other roles may own schema `distlock`.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
+/// let options = distlock::MigrateOptions::default().allow_schema_owner("distlock_owner");
+/// distlock::migrate_with(&pool, &options).await?;
+/// # Ok(()) }
+/// ```
+///
+/// # Cancel safety
+///
+/// As [`migrate`].
+pub async fn migrate_with(pool: &PgPool, options: &MigrateOptions) -> Result<(), Error> {
     // Armed: if this future is dropped, the session (and its lock) ends.
     let mut conn = HeldConn::new(pool.acquire().await?, true);
     sqlx::query("SELECT pg_advisory_lock($1, $2)")
@@ -51,7 +101,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
         .bind(MIGRATE_LOCK.1)
         .execute(conn.conn())
         .await?;
-    create_and_run(conn.conn()).await?;
+    create_and_run(conn.conn(), options).await?;
     let unlocked: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1, $2)")
         .bind(MIGRATE_LOCK.0)
         .bind(MIGRATE_LOCK.1)
@@ -83,17 +133,45 @@ async fn up_to_date(conn: &mut sqlx::PgConnection) -> Result<bool, Error> {
     }))
 }
 
-async fn create_and_run(conn: &mut sqlx::PgConnection) -> Result<(), Error> {
-    let exists: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
-            .bind(SCHEMA)
-            .fetch_one(&mut *conn)
-            .await?;
+/// Fails with [`Error::UntrustedSchema`] unless schema `distlock` is owned
+/// by the current role, a superuser, or an allowed role.
+async fn check_owner(conn: &mut sqlx::PgConnection, options: &MigrateOptions) -> Result<(), Error> {
+    let (owner, trusted): (String, bool) = sqlx::query_as(
+        "SELECT r.rolname::text, r.rolname = current_user OR r.rolsuper          FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r ON r.oid = n.nspowner          WHERE n.nspname = $1",
+    )
+    .bind(SCHEMA)
+    .fetch_one(&mut *conn)
+    .await?;
+    if trusted || options.allowed_owners.contains(&owner) {
+        Ok(())
+    } else {
+        Err(Error::UntrustedSchema {
+            schema: SCHEMA.to_owned(),
+            owner,
+        })
+    }
+}
+
+async fn create_and_run(
+    conn: &mut sqlx::PgConnection,
+    options: &MigrateOptions,
+) -> Result<(), Error> {
+    let exists: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)",
+    )
+    .bind(SCHEMA)
+    .fetch_one(&mut *conn)
+    .await?;
     if !exists {
+        // Another role may create it between the check and here (the
+        // advisory lock only queues distlock's own callers): the owner is
+        // checked below either way.
         sqlx::query("CREATE SCHEMA IF NOT EXISTS distlock")
             .execute(&mut *conn)
             .await?;
-    } else if up_to_date(conn).await? {
+    }
+    check_owner(conn, options).await?;
+    if exists && up_to_date(conn).await? {
         // Nothing to do, and nothing that needs DDL privileges: a role with
         // only the usage grants may call `migrate` at startup too.
         return Ok(());

@@ -26,7 +26,7 @@ mod xact_lock;
 pub use config::{DEFAULT_HEARTBEAT, DEFAULT_RELEASE_TIMEOUT};
 pub use holders::{AdvisoryKey, Holder, LockMode};
 pub use locker::{PgLocker, PgLockerBuilder};
-pub use migrate::{SCHEMA, migrate};
+pub use migrate::{MigrateOptions, SCHEMA, migrate, migrate_with};
 pub use multi::MultiLock;
 pub use session_lock::SessionLock;
 pub use waiter::{LockWaiter, WaitReport};

@@ -15,12 +15,25 @@
 //! - **lost**: `lost()` fired, release failed, or the transaction failed
 //!   after the lock was granted;
 //! - **unknown**: no outcome recorded; treated like clean (possibly holding).
+//! - **killed**: no outcome recorded, and its process was killed (`kill -9`,
+//!   a recorded fault) after it entered: its section ended at the kill, the
+//!   moment the `kill` call returned (the process runs no code after it).
 //!
 //! Two sections of one key that overlap are a **violation** unless one of
 //! them, `Z`, was lost, invoked before the other (`W`) was granted, and a
 //! recorded fault aimed at `Z` (its backend pid, the key its backend held,
 //! or its process) happened after `Z` was invoked and before `W` was
-//! granted: then `Z` may have lost its lock before `W` got it. The order in
+//! granted: then `Z` may have lost its lock before `W` got it. A fault is
+//! matched by key only when `Z` never learnt its backend pid *and* no
+//! operation that did learn it was on that backend at the time (one backend
+//! serves one acquisition at a time, so the fault was aimed at that one).
+//!
+//! What the excuse cannot tighten: `W`'s grant time is when its client heard
+//! the answer, which may be later than the server's grant. So the excuse
+//! forgives a `W` granted just before the fault and told just after it. The
+//! broken-locker controls (`broken.rs`) measure what these rules forgive:
+//! each scenario's fault schedule run with a locker that skips the lock or
+//! releases it early must still fail. The order in
 //! which the two *entered* does not matter: a holder may learn of its grant
 //! late (a terminated backend's last answer), after its successor entered.
 //! A lost holder whose loss has no recorded cause (a server-side timeout,
@@ -39,7 +52,17 @@
 //! holders ever read the same value and both committed, the log holds that
 //! value twice: a **lost update**. With fencing, the log's tokens must not
 //! decrease along the register's values: a decrease is a **stale write
-//! accepted**.
+//! accepted**, and one token on two writes of different operations is a
+//! **token reused**. A fence refusal of a holder that released cleanly (it
+//! held the lock throughout, by the server's account) is a finding too: a
+//! newer token was issued while it held the lock.
+//!
+//! # Tokens
+//!
+//! Fencing tokens of one key must be issued once each (two acquisitions with
+//! one token: **duplicate token**) and grow with the grant order: an
+//! acquisition invoked after an earlier one released cleanly must get a
+//! higher token (else a **token inversion**).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -71,6 +94,10 @@ pub struct Acq {
     pub timeout: bool,
     pub token: Option<i64>,
     pub backend_pid: Option<i64>,
+    /// The broken locker's mark on this section (`skip`, `early`).
+    pub broken: Option<String>,
+    /// Its process was killed inside the section, at this time.
+    pub killed: Option<u64>,
 }
 
 /// How an acquisition that entered its critical section ended.
@@ -79,6 +106,7 @@ pub enum Status {
     Clean,
     Lost,
     Unknown,
+    Killed,
 }
 
 impl Acq {
@@ -91,6 +119,8 @@ impl Acq {
             Status::Lost
         } else if self.released.is_some() {
             Status::Clean
+        } else if self.killed.is_some() {
+            Status::Killed
         } else {
             Status::Unknown
         }
@@ -115,7 +145,17 @@ impl Acq {
     }
 
     fn end(&self) -> u64 {
-        self.exited.unwrap_or(u64::MAX)
+        self.exited.or(self.killed).unwrap_or(u64::MAX)
+    }
+
+    /// Whether this operation was on backend `pid` at time `t`.
+    fn on_backend(&self, pid: i64, t: u64) -> bool {
+        let until = [self.detected(), self.released, self.exited.or(self.killed)]
+            .into_iter()
+            .flatten()
+            .max()
+            .unwrap_or(u64::MAX);
+        self.backend_pid == Some(pid) && self.invoke <= t && t <= until
     }
 }
 
@@ -133,6 +173,13 @@ pub struct Fault {
     pub target: Option<i64>,
     /// The key the targeted backend held, when known.
     pub key: Option<i64>,
+    /// For a kill: when the `kill` call returned (the process ran no code
+    /// after it); the event's time is when it was reaped.
+    pub dead: Option<u64>,
+    /// An operation that knew its backend pid was on the targeted backend
+    /// when the fault began: the fault was aimed at it, not at a holder
+    /// that never learnt its pid.
+    pub claimed: bool,
 }
 
 impl Fault {
@@ -142,7 +189,7 @@ impl Fault {
         let backend = match (self.backend_pid, acq.backend_pid) {
             (None, _) => true,
             (Some(bp), Some(own)) => bp == own,
-            (Some(_), None) => self.key.is_none_or(|k| k == acq.key),
+            (Some(_), None) => !self.claimed && self.key.is_none_or(|k| k == acq.key),
         };
         backend && self.target.is_none_or(|p| acq.op.0 == p)
     }
@@ -160,7 +207,7 @@ pub struct History {
     /// Register events: reads, acknowledged writes, refusals, unknowns.
     pub reads: usize,
     pub writes_acked: Vec<(i64, i64, i64)>,
-    pub read_rejected: usize,
+    pub read_rejected: Vec<(u64, (i64, i64, i64))>,
     pub write_rejected: Vec<(u64, (i64, i64, i64))>,
     pub reg_failed: usize,
     /// Every event, by time.
@@ -183,12 +230,14 @@ impl History {
                     backend_pid: ev.int("bp"),
                     target: ev.int("target"),
                     key: ev.int("k"),
+                    dead: ev.int("dead").and_then(|t| u64::try_from(t).ok()),
+                    claimed: false,
                 }),
                 "leakcheck" => h.leakchecks.push((ev.p, ev.int("n").unwrap_or(-1))),
                 "done" => h.done.push(ev.p),
                 "read" => h.reads += 1,
                 "write" => h.writes_acked.extend(ev.op()),
-                "read_rejected" => h.read_rejected += 1,
+                "read_rejected" => h.read_rejected.extend(ev.op().map(|op| (ev.t, op))),
                 "write_rejected" => h.write_rejected.extend(ev.op().map(|op| (ev.t, op))),
                 "reg_failed" => h.reg_failed += 1,
                 _ => {}
@@ -211,7 +260,10 @@ impl History {
                     acq.backend_pid = acq.backend_pid.or(ev.int("bp"));
                 }
                 "read" => acq.backend_pid = acq.backend_pid.or(ev.int("bp")),
-                "entered" => acq.entered = Some(ev.t),
+                "entered" => {
+                    acq.entered = Some(ev.t);
+                    acq.broken = ev.text("broken").map(str::to_owned);
+                }
                 "exited" => acq.exited = Some(ev.t),
                 "released" => acq.released = Some(ev.t),
                 "busy" => acq.busy = true,
@@ -232,6 +284,26 @@ impl History {
         }
         h.acqs = acqs.into_values().collect();
         h.acqs.sort_by_key(|a| (a.invoke, a.op));
+        // A section without an outcome whose process was killed after it
+        // entered ended at the kill.
+        for acq in &mut h.acqs {
+            let no_outcome = acq.released.is_none() && acq.detected().is_none();
+            let Some(entered) = acq.entered.filter(|_| no_outcome) else {
+                continue;
+            };
+            acq.killed = h
+                .faults
+                .iter()
+                .filter(|f| f.kind == "kill" && f.target == Some(acq.op.0))
+                .map(|f| f.dead.unwrap_or(f.end))
+                .filter(|&dead| dead >= entered)
+                .min();
+        }
+        for fault in &mut h.faults {
+            if let Some(pid) = fault.backend_pid {
+                fault.claimed = h.acqs.iter().any(|a| a.on_backend(pid, fault.t));
+            }
+        }
         h.events = events;
         h
     }
@@ -268,7 +340,7 @@ impl History {
     /// no recorded cause.
     fn excuses(&self, z: &Acq, w: &Acq) -> Option<bool> {
         if z.status() != Status::Lost {
-            return Some(false);
+            return Some(false); // a killed holder's section ended at the kill
         }
         let w_granted = w.acquired.or(w.entered).unwrap_or(0);
         let fault = self.first_fault(z)?;
@@ -284,6 +356,8 @@ pub struct Overlap {
     pub second: (i64, i64, i64),
     /// How long they overlapped.
     pub ns: u64,
+    /// One of them was the broken locker's.
+    pub broken: bool,
 }
 
 /// The mutual-exclusion verdict.
@@ -293,11 +367,30 @@ pub struct Exclusion {
     pub clean: usize,
     pub lost: usize,
     pub unknown: usize,
+    pub killed: usize,
     pub violations: Vec<Overlap>,
     /// Overlaps after the first holder's recorded fault: expected.
     pub excused: Vec<Overlap>,
     /// Overlaps with a lost holder whose loss has no recorded cause.
     pub unattributed: Vec<Overlap>,
+    /// Fencing tokens of one key issued to two acquisitions.
+    pub duplicate_tokens: usize,
+    /// Acquisitions invoked after an earlier one released cleanly whose
+    /// token is not higher than that one's.
+    pub token_inversions: usize,
+}
+
+impl Exclusion {
+    /// Overlaps with a broken-locker section: (caught as violations,
+    /// forgiven as excused, forgiven as unattributed).
+    pub fn broken_overlaps(&self) -> (usize, usize, usize) {
+        let count = |v: &[Overlap]| v.iter().filter(|o| o.broken).count();
+        (
+            count(&self.violations),
+            count(&self.excused),
+            count(&self.unattributed),
+        )
+    }
 }
 
 pub fn check_exclusion(h: &History) -> Exclusion {
@@ -309,9 +402,13 @@ pub fn check_exclusion(h: &History) -> Exclusion {
             Status::Clean => verdict.clean += 1,
             Status::Lost => verdict.lost += 1,
             Status::Unknown => verdict.unknown += 1,
+            Status::Killed => verdict.killed += 1,
         }
         by_key.entry(acq.key).or_default().push(acq);
     }
+    let (duplicates, inversions) = check_tokens(h);
+    verdict.duplicate_tokens = duplicates;
+    verdict.token_inversions = inversions;
     for (key, mut sections) in by_key {
         sections.sort_by_key(|a| a.entered);
         let mut active: Vec<&Acq> = Vec::new();
@@ -324,6 +421,7 @@ pub fn check_exclusion(h: &History) -> Exclusion {
                     first: a.op,
                     second: b.op,
                     ns: a.end().min(b.end()).saturating_sub(start),
+                    broken: a.broken.is_some() || b.broken.is_some(),
                 };
                 match (h.excuses(a, b), h.excuses(b, a)) {
                     (Some(true), _) | (_, Some(true)) => verdict.excused.push(overlap),
@@ -335,6 +433,41 @@ pub fn check_exclusion(h: &History) -> Exclusion {
         }
     }
     verdict
+}
+
+/// Duplicate tokens and token inversions among the acquisitions of each key.
+fn check_tokens(h: &History) -> (usize, usize) {
+    let mut by_key: BTreeMap<i64, Vec<&Acq>> = BTreeMap::new();
+    for acq in h.acqs.iter().filter(|a| a.token.is_some()) {
+        by_key.entry(acq.key).or_default().push(acq);
+    }
+    let (mut duplicates, mut inversions) = (0, 0);
+    for acqs in by_key.values() {
+        let mut tokens: Vec<i64> = acqs.iter().filter_map(|a| a.token).collect();
+        tokens.sort_unstable();
+        duplicates += tokens.windows(2).filter(|p| p[0] == p[1]).count();
+        // Cleanly released ones by release time; every acquisition invoked
+        // later must have a higher token than all of them.
+        let mut released: Vec<(u64, i64)> = acqs
+            .iter()
+            .filter(|a| a.status() == Status::Clean)
+            .filter_map(|a| Some((a.released?, a.token?)))
+            .collect();
+        released.sort_unstable();
+        let mut by_invoke: Vec<&&Acq> = acqs.iter().collect();
+        by_invoke.sort_by_key(|a| a.invoke);
+        let (mut next, mut highest) = (0, i64::MIN);
+        for acq in by_invoke {
+            while next < released.len() && released[next].0 < acq.invoke {
+                highest = highest.max(released[next].1);
+                next += 1;
+            }
+            if acq.token.is_some_and(|t| t <= highest) {
+                inversions += 1;
+            }
+        }
+    }
+    (duplicates, inversions)
 }
 
 /// How long a holder took to learn that its lock was gone.
@@ -431,6 +564,10 @@ pub struct RegisterVerdict {
     pub gaps: usize,
     /// Writes accepted with a token older than an earlier accepted one.
     pub stale_accepted: usize,
+    /// Consecutive writes of two operations with one token.
+    pub token_reused: usize,
+    /// Fence refusals (reads or writes) of holders that released cleanly.
+    pub refused_clean: usize,
     /// Keys whose final value is not the number of committed writes.
     pub final_mismatch: usize,
     /// Writes acknowledged to the client that are not in the log.
@@ -447,6 +584,8 @@ impl RegisterVerdict {
         self.lost_updates == 0
             && self.gaps == 0
             && self.stale_accepted == 0
+            && self.token_reused == 0
+            && self.refused_clean == 0
             && self.final_mismatch == 0
             && self.acked_missing == 0
     }
@@ -456,7 +595,7 @@ pub fn check_register(log: &[LoggedWrite], finals: &[(i64, i64)], h: &History) -
     let mut verdict = RegisterVerdict {
         keys: finals.len(),
         committed: log.len(),
-        read_rejected: h.read_rejected,
+        read_rejected: h.read_rejected.len(),
         write_rejected: h.write_rejected.len(),
         unknown: h.reg_failed,
         ..RegisterVerdict::default()
@@ -468,6 +607,7 @@ pub fn check_register(log: &[LoggedWrite], finals: &[(i64, i64)], h: &History) -
     for writes in by_key.values_mut() {
         writes.sort_by_key(|w| w.value);
         let mut newest_token = i64::MIN;
+        let mut newest_op = None;
         let mut expected = 1;
         for pair in writes.windows(2) {
             if pair[0].value == pair[1].value {
@@ -482,8 +622,13 @@ pub fn check_register(log: &[LoggedWrite], finals: &[(i64, i64)], h: &History) -
             if let Some(token) = w.token {
                 if token < newest_token {
                     verdict.stale_accepted += 1;
+                } else if token == newest_token && newest_op != Some(w.op) {
+                    verdict.token_reused += 1;
                 }
-                newest_token = newest_token.max(token);
+                if token >= newest_token {
+                    newest_token = token;
+                    newest_op = Some(w.op);
+                }
             }
         }
     }
@@ -497,6 +642,18 @@ pub fn check_register(log: &[LoggedWrite], finals: &[(i64, i64)], h: &History) -
             verdict.final_mismatch += 1;
         }
     }
+    let clean: std::collections::HashSet<_> = h
+        .acqs
+        .iter()
+        .filter(|a| a.held() && a.status() == Status::Clean)
+        .map(|a| a.op)
+        .collect();
+    verdict.refused_clean = h
+        .read_rejected
+        .iter()
+        .chain(&h.write_rejected)
+        .filter(|(_, op)| clean.contains(op))
+        .count();
     let logged: std::collections::HashSet<_> = log.iter().map(|w| w.op).collect();
     verdict.acked_missing = h
         .writes_acked

@@ -202,10 +202,144 @@ fn register_check_passes_a_clean_sequence() {
     let log = [
         write(0, 1, Some(1), 1),
         write(0, 2, Some(2), 2),
-        write(0, 3, Some(2), 3),
+        write(0, 3, Some(3), 3),
     ];
     let verdict = check_register(&log, &[(0, 3), (1, 0)], &History::default());
     assert!(verdict.is_sound(), "{verdict:?}");
+}
+
+#[test]
+fn register_check_flags_one_token_on_two_operations_writes() {
+    // Not a decrease, yet two acquisitions wrote with one token: a token
+    // issued twice, or a holder that shared its token.
+    let log = [
+        write(0, 1, Some(1), 1),
+        write(0, 2, Some(2), 2),
+        write(0, 3, Some(2), 3),
+    ];
+    let verdict = check_register(&log, &[(0, 3)], &History::default());
+    assert_eq!(verdict.token_reused, 1);
+    assert_eq!(verdict.stale_accepted, 0);
+    assert!(!verdict.is_sound());
+}
+
+/// `section` with fencing token `tok` on its `acquired` event.
+fn with_token(mut events: Vec<Event>, tok: i64) -> Vec<Event> {
+    for e in events.iter_mut().filter(|e| e.e == "acquired") {
+        e.fields.insert("tok".into(), tok.into());
+    }
+    events
+}
+
+#[test]
+fn checker_flags_one_token_issued_to_two_acquisitions() {
+    let h = history(vec![
+        with_token(section(0, 1, 7, 0, 10, "released", 100), 5),
+        with_token(section(1, 1, 7, 20, 30, "released", 101), 5),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert!(verdict.violations.is_empty());
+    assert_eq!(verdict.duplicate_tokens, 1);
+}
+
+#[test]
+fn checker_flags_a_token_lower_than_a_cleanly_released_predecessors() {
+    let h = history(vec![
+        with_token(section(0, 1, 7, 0, 10, "released", 100), 6),
+        with_token(section(1, 1, 7, 20, 30, "released", 101), 5),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert_eq!(verdict.token_inversions, 1);
+    assert_eq!(verdict.duplicate_tokens, 0);
+    // Growing tokens pass.
+    let h = history(vec![
+        with_token(section(0, 1, 7, 0, 10, "released", 100), 5),
+        with_token(section(1, 1, 7, 20, 30, "released", 101), 6),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert_eq!((verdict.token_inversions, verdict.duplicate_tokens), (0, 0));
+}
+
+#[test]
+fn register_check_flags_a_fence_refusal_of_a_clean_holder() {
+    // The fence refused a holder that released cleanly: a newer token was
+    // issued while it held the lock.
+    let mut events = section(0, 1, 7, 0, 10, "released", 100);
+    events.push(ev(5, 0, "write_rejected", json!({"w": 0, "s": 1})));
+    let h = history(vec![events]);
+    let verdict = check_register(&[], &[(7, 0)], &h);
+    assert_eq!(verdict.refused_clean, 1);
+    assert!(!verdict.is_sound());
+    // A lost holder's refusal is the fence doing its job.
+    let mut events = section(0, 1, 7, 0, 10, "lost", 100);
+    events.push(ev(5, 0, "write_rejected", json!({"w": 0, "s": 1})));
+    let verdict = check_register(&[], &[(7, 0)], &history(vec![events]));
+    assert_eq!(verdict.refused_clean, 0);
+}
+
+#[test]
+fn checker_matches_a_fault_by_key_only_if_no_known_holder_was_on_its_backend() {
+    // Holder 0 never learnt its pid; the termination was aimed at backend
+    // 101, on which operation (1, 0, 1) was running (it knew its pid): the
+    // fault was not holder 0's: its overlap with holder 2 is not excused
+    // (its loss has no recorded cause left).
+    let mut blind = section(0, 1, 7, 0, 100, "lost", 0);
+    blind.retain(|e| e.e != "acquired");
+    let h = history(vec![
+        blind,
+        section(1, 1, 9, 1, 60, "lost", 101),
+        vec![ev(
+            50,
+            CONTROL,
+            "fault",
+            json!({"kind": "terminate", "bp": 101, "k": 7}),
+        )],
+        section(2, 1, 7, 55, 70, "released", 102),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert!(verdict.excused.is_empty(), "{verdict:?}");
+    assert_eq!(verdict.unattributed.len(), 1, "{verdict:?}");
+}
+
+#[test]
+fn checker_ends_a_killed_processes_section_at_the_kill() {
+    let mut open = section(0, 1, 7, 0, 10, "released", 100);
+    open.truncate(3); // entered, then kill -9
+    let kill = vec![ev(
+        50,
+        CONTROL,
+        "fault",
+        json!({"kind": "kill", "target": 0}),
+    )];
+    // A successor after the kill is fine ...
+    let h = history(vec![
+        open.clone(),
+        kill.clone(),
+        section(1, 1, 7, 60, 70, "released", 101),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert_eq!((verdict.killed, verdict.unknown), (1, 0));
+    assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+    // ... one that entered before it is a violation.
+    let h = history(vec![open, kill, section(1, 1, 7, 30, 70, "released", 101)]);
+    assert_eq!(check_exclusion(&h).violations.len(), 1);
+}
+
+#[test]
+fn history_skips_a_torn_last_line_but_not_a_bad_line_inside() {
+    use super::history::parse_lines;
+    let good = r#"{"t":1,"p":0,"e":"invoke","w":0,"s":1,"k":3,"m":"try"}"#;
+    let torn = format!("{good}\n{}", &good[..20]);
+    let events = parse_lines(torn.as_bytes()).expect("a torn last line is skipped");
+    assert_eq!(events.len(), 1);
+    let inside = format!("{}\n{good}\n", &good[..20]);
+    assert_eq!(
+        parse_lines(inside.as_bytes()).map(|e| e.len()),
+        Err((1, good[..20].to_owned()))
+    );
+    // A complete last line that does not parse is not torn: an error.
+    let bad = format!("{good}\nnot json\n");
+    assert!(parse_lines(bad.as_bytes()).is_err());
 }
 
 #[test]

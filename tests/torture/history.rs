@@ -23,6 +23,10 @@
 //! | `fault` | injected by the control process (`kind`, optional `bp`/`target`) |
 //! | `leakcheck` | a worker's own advisory locks after all its guards ended (`n`) |
 //! | `done` | a worker finished |
+//!
+//! `entered` and `exited` reach the file before the section starts (and
+//! before the lock is released), so a history survives `kill -9`: a killed
+//! process leaves at most one torn last line, which [`load`] skips.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, BufWriter, Write};
@@ -68,6 +72,12 @@ impl Recorder {
         let line = Value::Object(obj).to_string();
         let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
         writeln!(out, "{line}").expect("write history");
+        // A section's bounds must be on disk before the section starts (or
+        // the lock is released): a process killed inside it still leaves
+        // `entered` behind, and one killed after it leaves `exited`.
+        if matches!(event, "entered" | "exited") {
+            out.flush().expect("flush history");
+        }
         t
     }
 
@@ -118,7 +128,9 @@ impl Event {
     }
 }
 
-/// Reads every history file in `dir`, sorted by time.
+/// Reads every history file in `dir`, sorted by time. The last line of a
+/// file may be torn (its process was killed while writing it) and is then
+/// skipped; a bad line anywhere else is an error.
 pub fn load(dir: &Path) -> Vec<Event> {
     let mut events = Vec::new();
     let mut entries: Vec<_> = std::fs::read_dir(dir)
@@ -134,18 +146,40 @@ pub fn load(dir: &Path) -> Vec<Event> {
     entries.sort();
     for path in entries {
         let file = File::open(&path).unwrap_or_else(|e| panic!("open {path:?}: {e}"));
-        for (n, line) in BufReader::new(file).lines().enumerate() {
-            let line = line.unwrap_or_else(|e| panic!("read {path:?}: {e}"));
-            if line.is_empty() {
-                continue;
-            }
-            let value: Value = serde_json::from_str(&line)
-                .unwrap_or_else(|e| panic!("{path:?} line {}: {e}: {line}", n + 1));
-            events.push(parse(value).unwrap_or_else(|| panic!("{path:?} line {}: {line}", n + 1)));
-        }
+        events.extend(
+            parse_lines(BufReader::new(file))
+                .unwrap_or_else(|(n, line)| panic!("{path:?} line {n}: {line}")),
+        );
     }
     events.sort_by_key(|e| e.t);
     events
+}
+
+/// The events of one history, skipping a torn last line (a line without its
+/// newline that does not parse). `Err((line number, line))` for any other
+/// line that does not parse.
+pub fn parse_lines(mut input: impl BufRead) -> Result<Vec<Event>, (usize, String)> {
+    let mut events = Vec::new();
+    let mut n = 0;
+    loop {
+        let mut raw = Vec::new();
+        let read = input.read_until(b'\n', &mut raw).unwrap_or(0);
+        if read == 0 {
+            break;
+        }
+        n += 1;
+        let complete = raw.last() == Some(&b'\n');
+        let line = String::from_utf8_lossy(&raw).trim_end().to_owned();
+        if line.is_empty() {
+            continue;
+        }
+        match serde_json::from_str(&line).ok().and_then(parse) {
+            Some(event) => events.push(event),
+            None if !complete => break, // torn by a kill: the last line
+            None => return Err((n, line)),
+        }
+    }
+    Ok(events)
 }
 
 fn parse(value: Value) -> Option<Event> {

@@ -29,6 +29,7 @@ mod cancel;
 mod checker_tests;
 mod contention;
 mod idle;
+mod kill9;
 mod network;
 mod pgbouncer;
 mod pooler;

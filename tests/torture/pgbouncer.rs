@@ -1,7 +1,7 @@
 //! A PgBouncer in transaction-pooling mode, started by the test on a free
 //! loopback port with a generated configuration, and killed when dropped.
-//! Debian's package (`apt-get install pgbouncer`, 1.18 on bookworm); tests
-//! that need it skip with a note when the binary is missing.
+//! Debian's package (`apt-get install pgbouncer`, 1.18 on bookworm; `.ci/run`
+//! installs it); tests that need it fail when the binary is missing.
 
 use std::fs;
 use std::net::TcpListener;

@@ -26,7 +26,7 @@ use super::db::{TestDb, admin_options};
 use super::pgbouncer::PgBouncer;
 use super::procs::{Fleet, RunDir};
 use super::report::Outcome;
-use super::worker::{Config, Mode};
+use super::worker::{Broken, Config, Mode};
 use super::{scale, scenario};
 
 /// The PgBouncer settings of the recipe above.
@@ -70,7 +70,7 @@ async fn open_server_connections(pool: &PgPool, n: usize) {
     }
 }
 
-async fn start(dir: &RunDir, db: &TestDb, overrides: &[(&str, &str)]) -> Option<PgBouncer> {
+async fn start(dir: &RunDir, db: &TestDb, overrides: &[(&str, &str)]) -> PgBouncer {
     let admin = admin_options();
     let bouncer = PgBouncer::start(
         &dir.path,
@@ -80,10 +80,9 @@ async fn start(dir: &RunDir, db: &TestDb, overrides: &[(&str, &str)]) -> Option<
         overrides,
     )
     .await;
-    if bouncer.is_none() {
-        println!("note: pgbouncer is not installed (apt-get install pgbouncer); skipping");
-    }
+    // A scenario that cannot run must not pass: `.ci/run` installs it.
     bouncer
+        .expect("pgbouncer is not installed (apt-get install pgbouncer): the scenario cannot run")
 }
 
 #[test]
@@ -94,9 +93,7 @@ fn pgbouncer_transaction_pooling_refuses_session_locks() {
         // sqlx's own startup parameter; nothing of distlock's (the
         // multiplexed mode sets its keepalives by statement).
         let ignore = [("ignore_startup_parameters", "extra_float_digits")];
-        let Some(bouncer) = start(&dir, &db, &ignore).await else {
-            return;
-        };
+        let bouncer = start(&dir, &db, &ignore).await;
         let pool = pool_through(&bouncer, &db, None).await;
         open_server_connections(&pool, 3).await;
         let attempts = scale::pick(12, 60);
@@ -200,82 +197,103 @@ fn foreign_prepared_statement_on_the_session_is_reported_as_pooler() {
 
 #[test]
 fn pgbouncer_transaction_pooling_keeps_with_advisory_lock_working() {
-    scenario(async {
-        let name = "pgbouncer_xact";
-        let db = TestDb::create(name).await;
-        db.prepare(16).await;
-        let dir = RunDir::new(name);
-        let Some(bouncer) = start(&dir, &db, RECIPE).await else {
-            return;
-        };
-        // Without the recipe's client half, sqlx's cached statements break.
-        let plain = pool_through(&bouncer, &db, None).await;
-        let locker = PgLocker::new(plain.clone());
-        let mut broken = 0;
-        for _ in 0..5 {
-            let r = locker
-                .with_advisory_lock("torture:plain", async |conn| {
-                    sqlx::query("SELECT $1::int")
-                        .bind(1)
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok::<_, Error>(())
-                })
-                .await;
-            broken += usize::from(r.is_err());
-        }
-        plain.close().await;
+    scenario(pgbouncer_xact(Broken::No));
+}
 
-        let pg = admin_options().get_port();
-        let configs: Vec<Config> = (0..3)
-            .map(|p| {
-                // 0 and 1 through PgBouncer, 2 directly, on the same keys.
-                let port = if p < 2 { bouncer.port } else { pg };
-                Config {
-                    tasks: 8,
-                    hold_us: (0, 5_000),
-                    lock_pool: 4,
-                    statement_cache: (p < 2).then_some(0),
-                    duration_ms: scale::pick(5_000, 60_000),
-                    ..Config::new(p, &dir.path, &db.name, port, Mode::Xact)
-                }
+/// The control: the same run with a locker that skips the lock now and then
+/// must fail.
+#[test]
+fn broken_locker_fails_behind_pgbouncer() {
+    scenario(pgbouncer_xact(Broken::SkipLock(0.1)));
+}
+
+async fn pgbouncer_xact(broken: Broken) {
+    let name = if broken == Broken::No {
+        "pgbouncer_xact"
+    } else {
+        "pgbouncer_xact_broken"
+    };
+    let db = TestDb::create(name).await;
+    db.prepare(16).await;
+    let dir = RunDir::new(name);
+    let bouncer = start(&dir, &db, RECIPE).await;
+    // Without the recipe's client half, sqlx's cached statements break.
+    let plain = pool_through(&bouncer, &db, None).await;
+    let locker = PgLocker::new(plain.clone());
+    let mut failing = 0;
+    for _ in 0..5 {
+        let r = locker
+            .with_advisory_lock("torture:plain", async |conn| {
+                sqlx::query("SELECT $1::int")
+                    .bind(1)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok::<_, Error>(())
             })
-            .collect();
-        let mut fleet = Fleet::spawn(&dir.path, &configs);
-        fleet.wait(Duration::from_secs(300)).await;
-        let outcome = Outcome::analyse(&db, &dir.path, configs.len()).await;
-        let h = &outcome.history;
-        let through = |p: i64| h.held().filter(|a| a.op.0 == p).count();
-        let failed: Vec<_> = h
-            .acqs
-            .iter()
-            .filter(|a| a.op.0 < 2 && a.failed.is_some())
-            .map(|a| a.failed.clone())
-            .take(3)
-            .collect();
-        outcome.print(
-            "PgBouncer (transaction pooling), with_advisory_lock",
-            &[
-                format!(
-                    "through PgBouncer: {} + {} acquisitions; directly: {}",
-                    through(0),
-                    through(1),
-                    through(2)
-                ),
-                format!(
-                    "with sqlx's default statement cache, {broken} of 5 calls failed (prepared statements)"
-                ),
-            ],
-        );
-        outcome.assert_sound();
-        assert!(
-            through(0) > 0 && through(1) > 0,
-            "nothing went through PgBouncer"
-        );
-        assert!(
-            failed.is_empty(),
-            "calls through PgBouncer failed: {failed:?}"
-        );
-        assert_eq!(db.advisory_locks().await, 0);
-    });
+            .await;
+        failing += usize::from(r.is_err());
+    }
+    plain.close().await;
+
+    let pg = admin_options().get_port();
+    let configs: Vec<Config> = (0..3)
+        .map(|p| {
+            // 0 and 1 through PgBouncer, 2 directly, on the same keys.
+            let port = if p < 2 { bouncer.port } else { pg };
+            Config {
+                tasks: 8,
+                hold_us: (0, 5_000),
+                lock_pool: 4,
+                statement_cache: (p < 2).then_some(0),
+                duration_ms: if broken == Broken::No {
+                    scale::pick(5_000, 60_000)
+                } else {
+                    5_000
+                },
+                broken,
+                ..Config::new(p, &dir.path, &db.name, port, Mode::Xact)
+            }
+        })
+        .collect();
+    let mut fleet = Fleet::spawn(&dir.path, &configs);
+    fleet.wait(Duration::from_secs(300)).await;
+    let outcome = Outcome::analyse(&db, &dir.path, configs.len()).await;
+    let h = &outcome.history;
+    let through = |p: i64| h.held().filter(|a| a.op.0 == p).count();
+    let failed: Vec<_> = h
+        .acqs
+        .iter()
+        .filter(|a| a.op.0 < 2 && a.failed.is_some())
+        .map(|a| a.failed.clone())
+        .take(3)
+        .collect();
+    outcome.print(
+        "PgBouncer (transaction pooling), with_advisory_lock",
+        &[
+            format!(
+                "through PgBouncer: {} + {} acquisitions; directly: {}",
+                through(0),
+                through(1),
+                through(2)
+            ),
+            format!(
+                "with sqlx's default statement cache, {failing} of 5 calls failed (prepared statements)"
+            ),
+        ],
+    );
+    if broken != Broken::No {
+        outcome.assert_caught("PgBouncer");
+        return;
+    }
+    outcome.assert_sound();
+    outcome.assert_attributed();
+    assert!(
+        through(0) > 0 && through(1) > 0,
+        "nothing went through PgBouncer"
+    );
+    assert!(
+        failed.is_empty(),
+        "calls through PgBouncer failed: {failed:?}"
+    );
+    assert_eq!(db.advisory_locks().await, 0);
 }

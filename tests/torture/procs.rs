@@ -51,6 +51,8 @@ pub struct Worker {
     pub proc: i64,
     child: Child,
     status: Option<ExitStatus>,
+    /// Killed on purpose (`kill -9`): its exit status is not judged.
+    killed: bool,
 }
 
 impl Worker {
@@ -81,23 +83,61 @@ impl Fleet {
             dir: dir.to_owned(),
         };
         for cfg in configs {
-            let out = File::create(dir.join(format!("worker-{}.out", cfg.proc))).expect("out");
-            let err = File::create(dir.join(format!("worker-{}.err", cfg.proc))).expect("err");
-            let child = Command::new(&exe)
-                .args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
-                .env(ENV, cfg.to_json())
-                .stdin(Stdio::null())
-                .stdout(out)
-                .stderr(err)
-                .spawn()
-                .expect("spawn worker");
-            fleet.workers.push(Worker {
-                proc: cfg.proc,
-                child,
-                status: None,
-            });
+            fleet.add(cfg);
         }
         fleet
+    }
+
+    /// Starts one more worker.
+    pub fn add(&mut self, cfg: &Config) {
+        let dir = &self.dir;
+        let exe = dir.join(WORKER_BINARY);
+        let out = File::create(dir.join(format!("worker-{}.out", cfg.proc))).expect("out");
+        let err = File::create(dir.join(format!("worker-{}.err", cfg.proc))).expect("err");
+        let child = Command::new(&exe)
+            .args(["--exact", "worker_entry", "--nocapture", "--test-threads=1"])
+            .env(ENV, cfg.to_json())
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .expect("spawn worker");
+        self.workers.push(Worker {
+            proc: cfg.proc,
+            child,
+            status: None,
+            killed: false,
+        });
+    }
+
+    /// `kill -9` of worker `proc`, reaped before this returns. Returns the
+    /// time (`CLOCK_MONOTONIC`) at which `kill` returned: the process runs
+    /// no code of its own after it (its sockets close later, as the kernel
+    /// tears it down).
+    pub fn kill9(&mut self, proc: i64) -> u64 {
+        let worker = self
+            .workers
+            .iter_mut()
+            .find(|w| w.proc == proc)
+            .expect("no such worker");
+        kill(worker.pid(), Signal::SIGKILL).expect("SIGKILL worker");
+        let sent = super::clock::now_ns();
+        worker.killed = true;
+        worker.status = Some(worker.child.wait().expect("reap killed worker"));
+        sent
+    }
+
+    /// Workers not killed on purpose.
+    pub fn survivors(&self) -> usize {
+        self.workers.iter().filter(|w| !w.killed).count()
+    }
+
+    /// Whether worker `proc` is still running.
+    pub fn running(&mut self, proc: i64) -> bool {
+        self.workers
+            .iter_mut()
+            .find(|w| w.proc == proc)
+            .is_some_and(|w| matches!(w.child.try_wait(), Ok(None)))
     }
 
     /// Asks every worker to finish its current operation and stop.
@@ -137,7 +177,7 @@ impl Fleet {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        for w in &self.workers {
+        for w in self.workers.iter().filter(|w| !w.killed) {
             let status = w.status.expect("exited");
             if !status.success() {
                 let err = std::fs::read_to_string(self.dir.join(format!("worker-{}.err", w.proc)))

@@ -106,15 +106,23 @@ impl Outcome {
         }
         let ex = &self.exclusion;
         let reg = &self.register;
-        println!("=== torture: {title} ({}) ===", super::scale::name());
+        println!(
+            "=== torture: {title} ({}, DISTLOCK_TORTURE_SEED={}) ===",
+            super::scale::name(),
+            super::scale::seed()
+        );
         for (method, [calls, held, busy, timeout, failed]) in by_method {
             println!(
                 "  {method:>5}: {calls} calls, {held} acquired, {busy} busy, {timeout} timed out, {failed} failed before the grant"
             );
         }
         println!(
-            "  critical sections: {} ({} clean, {} lost, {} unknown)",
-            ex.held, ex.clean, ex.lost, ex.unknown
+            "  critical sections: {} ({} clean, {} lost, {} unknown, {} killed)",
+            ex.held, ex.clean, ex.lost, ex.unknown, ex.killed
+        );
+        println!(
+            "  fencing tokens: {} duplicates, {} inversions",
+            ex.duplicate_tokens, ex.token_inversions
         );
         println!(
             "  mutual exclusion: {} violations; {} overlaps after a holder's fault (excused), {} with an unattributed loss",
@@ -123,18 +131,19 @@ impl Outcome {
             ex.unattributed.len()
         );
         println!(
-            "  register: {} keys, {} committed writes, {} lost updates, {} gaps, {} stale writes accepted, {} final mismatches, {} acknowledged but missing",
+            "  register: {} keys, {} committed writes, {} lost updates, {} gaps, {} stale writes accepted, {} tokens reused, {} final mismatches, {} acknowledged but missing",
             reg.keys,
             reg.committed,
             reg.lost_updates,
             reg.gaps,
             reg.stale_accepted,
+            reg.token_reused,
             reg.final_mismatch,
             reg.acked_missing
         );
         println!(
-            "  fence: {} stale reads and {} stale writes refused; {} register statements with unknown outcome",
-            reg.read_rejected, reg.write_rejected, reg.unknown
+            "  fence: {} stale reads and {} stale writes refused ({} of holders that released cleanly); {} register statements with unknown outcome",
+            reg.read_rejected, reg.write_rejected, reg.refused_clean, reg.unknown
         );
         println!(
             "  leaked locks: {} (workers without a leak check: {})",
@@ -183,9 +192,51 @@ impl Outcome {
             &ex.violations[..ex.violations.len().min(5)]
         );
         assert_eq!(ex.unknown, 0, "critical sections without an outcome");
+        assert_eq!(ex.duplicate_tokens, 0, "one fencing token issued twice");
+        assert_eq!(ex.token_inversions, 0, "fencing tokens out of grant order");
         assert!(self.register.is_sound(), "register: {:?}", self.register);
         assert_eq!(self.leaked, 0, "advisory locks leaked by workers");
         assert_eq!(self.unchecked, 0, "workers that did not check for leaks");
+    }
+}
+
+impl Outcome {
+    /// For scenarios where every fault is recorded: no overlap with a loss
+    /// that has no recorded cause.
+    pub fn assert_attributed(&self) {
+        let un = &self.exclusion.unattributed;
+        assert!(
+            un.is_empty(),
+            "{} overlaps with a loss that has no recorded cause, first: {:?}",
+            un.len(),
+            &un[..un.len().min(5)]
+        );
+    }
+
+    /// Whether the checker found anything wrong.
+    pub fn failed(&self) -> bool {
+        let ex = &self.exclusion;
+        !ex.violations.is_empty()
+            || ex.unknown > 0
+            || ex.duplicate_tokens > 0
+            || ex.token_inversions > 0
+            || !self.register.is_sound()
+    }
+
+    /// For the broken-locker controls: the run must fail. Prints how many
+    /// of the broken sections' overlaps the excuse rules forgave.
+    pub fn assert_caught(&self, scenario: &str) {
+        let broken = self.history.held().filter(|a| a.broken.is_some()).count();
+        let (caught, excused, unattributed) = self.exclusion.broken_overlaps();
+        println!(
+            "  broken locker under {scenario}: {broken} broken sections; their overlaps: {caught} violations, {excused} forgiven as excused, {unattributed} forgiven as unattributed; register: {} lost updates, {} refusals of clean holders",
+            self.register.lost_updates, self.register.refused_clean
+        );
+        assert!(broken > 0, "the broken locker never broke a rule");
+        assert!(
+            self.failed(),
+            "a locker that skips or drops the lock passed under {scenario}: the scenario cannot fail"
+        );
     }
 }
 

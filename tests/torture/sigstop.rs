@@ -20,7 +20,7 @@ use super::db::{TestDb, admin_options, advisory_holders};
 use super::history::{CONTROL, Recorder};
 use super::procs::{Fleet, RunDir};
 use super::report::Outcome;
-use super::worker::{Config, Mode};
+use super::worker::{Broken, Config, Mode};
 use super::{scale, scenario};
 
 const HEARTBEAT: Duration = Duration::from_millis(200);
@@ -29,125 +29,148 @@ const STOPPED: Duration = Duration::from_millis(2_500);
 
 #[test]
 fn sigstopped_holder_is_reported_lost_and_fenced() {
-    scenario(async {
-        let name = "sigstop";
-        let db = TestDb::create(name).await;
-        db.prepare(16).await;
-        db.set("idle_session_timeout", "1s").await;
-        let dir = RunDir::new(name);
-        let port = admin_options().get_port();
-        let configs: Vec<Config> = (0..4)
-            .map(|p| Config {
-                heartbeat_ms: 200,
-                heartbeat_timeout_ms: 500,
-                // Mostly asleep between read and write, so a stop usually
-                // catches holders there.
-                hold_us: (50_000, 150_000),
-                tasks: 8,
-                ..Config::new(p, &dir.path, &db.name, port, Mode::Session)
-            })
-            .collect();
-        let mut fleet = Fleet::spawn(&dir.path, &configs);
-        let control = Recorder::create(&dir.path, CONTROL);
-        let mut conn = db.connect("distlock-torture-control").await;
-        let stops = scale::pick(3, 30);
-        let mut pauses = Vec::new();
-        tokio::time::sleep(Duration::from_millis(1_500)).await;
-        for i in 0..stops {
-            let victim = i % 4;
-            let app = Config::lock_app(victim);
-            // Stop it while it holds something (bounded wait).
-            for _ in 0..200 {
-                let holding = advisory_holders(&mut conn)
-                    .await
-                    .iter()
-                    .any(|l| l.application == app);
-                if holding {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            let stopped = control.emit("fault", json!({"kind": "sigstop", "target": victim}));
-            fleet.signal(victim, Signal::SIGSTOP);
-            tokio::time::sleep(STOPPED).await;
-            fleet.signal(victim, Signal::SIGCONT);
-            let resumed = control.emit("phase", json!({"kind": "sigcont", "target": victim}));
-            pauses.push((victim, stopped, resumed));
-            tokio::time::sleep(Duration::from_millis(1_500)).await;
-        }
-        control.flush();
-        fleet.stop();
-        fleet.wait(Duration::from_secs(120)).await;
-        let outcome = Outcome::analyse(&db, &dir.path, configs.len()).await;
-        let h = &outcome.history;
+    scenario(sigstop(Broken::No));
+}
 
-        // Holders caught by a stop: granted before it, not released before it.
-        let mut caught = Vec::new();
-        for &(victim, stopped, resumed) in &pauses {
-            for a in h.held().filter(|a| a.op.0 == victim) {
-                let granted_before = a.acquired.is_some_and(|t| t < stopped);
-                let still_held = a.released.is_none_or(|t| t > stopped)
-                    && a.detected().is_none_or(|t| t > stopped);
-                if granted_before && still_held {
-                    caught.push((a, resumed));
-                }
+/// The control: the same schedule with a locker that releases early must
+/// fail.
+#[test]
+fn broken_locker_fails_under_sigstop() {
+    scenario(sigstop(Broken::ReleaseEarly(0.1)));
+}
+
+async fn sigstop(broken: Broken) {
+    let name = if broken == Broken::No {
+        "sigstop"
+    } else {
+        "sigstop_broken"
+    };
+    let db = TestDb::create(name).await;
+    db.prepare(16).await;
+    db.set("idle_session_timeout", "1s").await;
+    let dir = RunDir::new(name);
+    let port = admin_options().get_port();
+    let configs: Vec<Config> = (0..4)
+        .map(|p| Config {
+            heartbeat_ms: 200,
+            heartbeat_timeout_ms: 500,
+            // Mostly asleep between read and write, so a stop usually
+            // catches holders there.
+            hold_us: (50_000, 150_000),
+            tasks: 8,
+            broken,
+            ..Config::new(p, &dir.path, &db.name, port, Mode::Session)
+        })
+        .collect();
+    let mut fleet = Fleet::spawn(&dir.path, &configs);
+    let control = Recorder::create(&dir.path, CONTROL);
+    let mut conn = db.connect("distlock-torture-control").await;
+    let stops = if broken == Broken::No {
+        scale::pick(3, 30)
+    } else {
+        3
+    };
+    let mut pauses = Vec::new();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    for i in 0..stops {
+        let victim = i % 4;
+        let app = Config::lock_app(victim);
+        // Stop it while it holds something (bounded wait).
+        for _ in 0..200 {
+            let holding = advisory_holders(&mut conn)
+                .await
+                .iter()
+                .any(|l| l.application == app);
+            if holding {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let stopped = control.emit("fault", json!({"kind": "sigstop", "target": victim}));
+        fleet.signal(victim, Signal::SIGSTOP);
+        tokio::time::sleep(STOPPED).await;
+        fleet.signal(victim, Signal::SIGCONT);
+        let resumed = control.emit("phase", json!({"kind": "sigcont", "target": victim}));
+        pauses.push((victim, stopped, resumed));
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+    }
+    control.flush();
+    fleet.stop();
+    fleet.wait(Duration::from_secs(120)).await;
+    let outcome = Outcome::analyse(&db, &dir.path, configs.len()).await;
+    let h = &outcome.history;
+
+    // Holders caught by a stop: granted before it, not released before it.
+    let mut caught = Vec::new();
+    for &(victim, stopped, resumed) in &pauses {
+        for a in h.held().filter(|a| a.op.0 == victim) {
+            let granted_before = a.acquired.is_some_and(|t| t < stopped);
+            let still_held =
+                a.released.is_none_or(|t| t > stopped) && a.detected().is_none_or(|t| t > stopped);
+            if granted_before && still_held {
+                caught.push((a, resumed));
             }
         }
-        let trusted: Vec<_> = caught
+    }
+    let trusted: Vec<_> = caught
+        .iter()
+        .filter(|(a, _)| a.status() != Status::Lost)
+        .map(|(a, _)| a.op)
+        .collect();
+    let after_resume = Percentiles::of(
+        caught
             .iter()
-            .filter(|(a, _)| a.status() != Status::Lost)
-            .map(|(a, _)| a.op)
-            .collect();
-        let after_resume = Percentiles::of(
-            caught
-                .iter()
-                .filter_map(|(a, resumed)| Some(a.detected()?.saturating_sub(*resumed)))
-                .collect(),
-        );
-        // Refusals of the victims' operations after they woke up.
-        let refused_after_resume = h
-            .write_rejected
-            .iter()
-            .filter(|(t, op)| pauses.iter().any(|&(v, _, r)| op.0 == v && *t >= r))
-            .count();
-        let overlapped = outcome.exclusion.excused.len();
-        outcome.print(
-            "SIGSTOP (holder stopped 2.5 s; heartbeat 200 ms; idle_session_timeout 1 s)",
-            &[
-                format!(
-                    "{stops} stops, {} holders caught inside their critical section, {} of them still trusting their lock afterwards",
-                    caught.len(),
-                    trusted.len()
-                ),
-                format!("loss detected after SIGCONT: {after_resume}"),
-                format!(
-                    "overlaps of a woken holder with its successor: {overlapped}; its writes refused by the fence after waking: {refused_after_resume}"
-                ),
-            ],
-        );
-        outcome.assert_sound();
-        assert!(!caught.is_empty(), "no stop caught a holder");
-        assert!(
-            trusted.is_empty(),
-            "paused past its loss, never told: {trusted:?}"
-        );
-        // Documented: at most about one heartbeat interval plus its deadline
-        // once the holder runs again; slack for a loaded machine.
-        let bound = HEARTBEAT + HEARTBEAT_TIMEOUT + Duration::from_millis(1_500);
-        assert!(
-            after_resume.max <= bound.as_secs_f64() * 1e3,
-            "loss reported up to {:.0} ms after SIGCONT, bound {bound:?}",
-            after_resume.max
-        );
-        assert!(
-            refused_after_resume > 0,
-            "no woken holder's write was refused by the fence"
-        );
-        assert_eq!(
-            db.advisory_locks().await,
-            0,
-            "advisory locks left after the run"
-        );
-        let _ = conn.close().await;
-    });
+            .filter_map(|(a, resumed)| Some(a.detected()?.saturating_sub(*resumed)))
+            .collect(),
+    );
+    // Refusals of the victims' operations after they woke up.
+    let refused_after_resume = h
+        .write_rejected
+        .iter()
+        .filter(|(t, op)| pauses.iter().any(|&(v, _, r)| op.0 == v && *t >= r))
+        .count();
+    let overlapped = outcome.exclusion.excused.len();
+    outcome.print(
+        "SIGSTOP (holder stopped 2.5 s; heartbeat 200 ms; idle_session_timeout 1 s)",
+        &[
+            format!(
+                "{stops} stops, {} holders caught inside their critical section, {} of them still trusting their lock afterwards",
+                caught.len(),
+                trusted.len()
+            ),
+            format!("loss detected after SIGCONT: {after_resume}"),
+            format!(
+                "overlaps of a woken holder with its successor: {overlapped}; its writes refused by the fence after waking: {refused_after_resume}"
+            ),
+        ],
+    );
+    if broken != Broken::No {
+        outcome.assert_caught("SIGSTOP");
+        return;
+    }
+    outcome.assert_sound();
+    outcome.assert_attributed();
+    assert!(!caught.is_empty(), "no stop caught a holder");
+    assert!(
+        trusted.is_empty(),
+        "paused past its loss, never told: {trusted:?}"
+    );
+    // Documented: at most about one heartbeat interval plus its deadline
+    // once the holder runs again; slack for a loaded machine.
+    let bound = HEARTBEAT + HEARTBEAT_TIMEOUT + Duration::from_millis(1_500);
+    assert!(
+        after_resume.max <= bound.as_secs_f64() * 1e3,
+        "loss reported up to {:.0} ms after SIGCONT, bound {bound:?}",
+        after_resume.max
+    );
+    assert!(
+        refused_after_resume > 0,
+        "no woken holder's write was refused by the fence"
+    );
+    assert_eq!(
+        db.advisory_locks().await,
+        0,
+        "advisory locks left after the run"
+    );
+    let _ = conn.close().await;
 }

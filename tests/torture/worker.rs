@@ -38,6 +38,21 @@ pub enum Mode {
     Unlocked,
 }
 
+/// A deliberately broken locker, the control that shows a scenario (its
+/// fault schedule and the checker's excuse rules) can still fail.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Broken {
+    /// Every acquisition is real.
+    No,
+    /// This share of acquisitions skips the lock and runs the section
+    /// anyway, recorded like a real acquisition (without token or pid).
+    SkipLock(f64),
+    /// This share of session acquisitions releases the lock as soon as it is
+    /// granted and runs the section anyway, recorded as held to the end
+    /// (with its token and pid). Transaction mode skips the lock instead.
+    ReleaseEarly(f64),
+}
+
 /// What one worker process does.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -66,7 +81,12 @@ pub struct Config {
     pub lock_pool: u32,
     pub register_pool: u32,
     pub fencing: bool,
+    /// Whether session holders' register reads and writes go through the
+    /// fence. Without it only the lock keeps two writers apart (the token
+    /// is still logged with the write).
+    pub fence_register: bool,
     pub register: bool,
+    pub broken: Broken,
     pub multiplex: usize,
     /// sqlx's statement cache capacity, when not the default (0 through a
     /// transaction-pooling PgBouncer older than 1.21; see RELIABILITY.md).
@@ -97,10 +117,12 @@ impl Config {
             lock_pool: 6,
             register_pool: 3,
             fencing: mode == Mode::Session,
+            fence_register: true,
             register: true,
+            broken: Broken::No,
             multiplex: 0,
             statement_cache: None,
-            seed: 0x7047_7572,
+            seed: super::scale::seed(),
         }
     }
 
@@ -120,6 +142,12 @@ impl Config {
             "wait_share": self.wait_share, "wait_ms": self.wait_ms,
             "lock_pool": self.lock_pool, "register_pool": self.register_pool,
             "fencing": self.fencing, "register": self.register,
+            "fence_register": self.fence_register,
+            "broken": match self.broken {
+                Broken::No => json!(null),
+                Broken::SkipLock(share) => json!(["skip", share]),
+                Broken::ReleaseEarly(share) => json!(["early", share]),
+            },
             "multiplex": self.multiplex, "statement_cache": self.statement_cache,
             "seed": self.seed,
         })
@@ -158,7 +186,13 @@ impl Config {
             lock_pool: u32::try_from(u("lock_pool")).expect("lock_pool"),
             register_pool: u32::try_from(u("register_pool")).expect("register_pool"),
             fencing: b("fencing"),
+            fence_register: b("fence_register"),
             register: b("register"),
+            broken: match (v["broken"][0].as_str(), v["broken"][1].as_f64()) {
+                (Some("skip"), Some(share)) => Broken::SkipLock(share),
+                (Some("early"), Some(share)) => Broken::ReleaseEarly(share),
+                _ => Broken::No,
+            },
             multiplex: usize::try_from(u("multiplex")).expect("multiplex"),
             statement_cache: v["statement_cache"]
                 .as_u64()
@@ -332,9 +366,24 @@ async fn held_by(conn: &mut PgConnection, app: &str) -> i64 {
     .unwrap_or(-1)
 }
 
+/// Each task's choices follow from the run's seed (`DISTLOCK_TORTURE_SEED`).
 fn rng_for(cfg: &Config, w: usize) -> StdRng {
     let proc = u64::try_from(cfg.proc).unwrap_or(0);
-    StdRng::seed_from_u64(cfg.seed ^ (proc << 24) ^ (w as u64) ^ super::clock::now_ns())
+    StdRng::seed_from_u64(cfg.seed ^ (proc << 24) ^ (w as u64) ^ 0x7047_7572)
+}
+
+/// Whether this acquisition breaks the rules (see [`Broken`]).
+fn breaks(cfg: &Config, rng: &mut StdRng) -> Broken {
+    match cfg.broken {
+        Broken::No => Broken::No,
+        b @ (Broken::SkipLock(share) | Broken::ReleaseEarly(share)) => {
+            if rng.random_bool(share) {
+                b
+            } else {
+                Broken::No
+            }
+        }
+    }
 }
 
 fn hold(cfg: &Config, rng: &mut StdRng) -> Duration {
@@ -354,7 +403,18 @@ async fn session_task(ctx: &Ctx, w: usize) {
         let k = ctx.cfg.key_base + rng.random_range(0..ctx.cfg.keys);
         let wait = rng.random_bool(ctx.cfg.wait_share);
         let method = if wait { "lock" } else { "try" };
+        let broken = breaks(&ctx.cfg, &mut rng);
         ctx.emit(w, s, "invoke", json!({"k": k, "m": method}));
+        if matches!(broken, Broken::SkipLock(_)) {
+            ctx.acquired.fetch_add(1, Ordering::Relaxed);
+            let hold = hold(&ctx.cfg, &mut rng);
+            ctx.emit(w, s, "acquired", json!({}));
+            ctx.emit(w, s, "entered", json!({"broken": "skip"}));
+            session_register(ctx, w, s, k, None, hold).await;
+            ctx.emit(w, s, "exited", json!({}));
+            ctx.emit(w, s, "released", json!({}));
+            continue;
+        }
         let attempt = if wait {
             let timeout = Duration::from_millis(ctx.cfg.wait_ms);
             ctx.locker.lock(key_for(k), timeout).await.map(Some)
@@ -365,7 +425,11 @@ async fn session_task(ctx: &Ctx, w: usize) {
             Ok(Some(lock)) => {
                 ctx.acquired.fetch_add(1, Ordering::Relaxed);
                 let hold = hold(&ctx.cfg, &mut rng);
-                session_held(ctx, w, s, k, lock, hold).await;
+                if broken == Broken::No {
+                    session_held(ctx, w, s, k, lock, hold).await;
+                } else {
+                    released_early(ctx, w, s, k, lock, hold).await;
+                }
             }
             Ok(None) => {
                 ctx.emit(w, s, "busy", json!({}));
@@ -427,14 +491,33 @@ async fn session_held(ctx: &Ctx, w: usize, s: u64, k: i64, lock: SessionLock, ho
     }
 }
 
+/// The broken locker's early release: the lock is let go at once, the
+/// section runs anyway and is recorded as if held to the end.
+async fn released_early(ctx: &Ctx, w: usize, s: u64, k: i64, lock: SessionLock, hold: Duration) {
+    let token = lock.fencing_token();
+    ctx.emit(
+        w,
+        s,
+        "acquired",
+        json!({"tok": token.map(FencingToken::value), "bp": lock.backend_pid()}),
+    );
+    let _ = lock.release().await;
+    ctx.emit(w, s, "entered", json!({"broken": "early"}));
+    session_register(ctx, w, s, k, token, hold).await;
+    ctx.emit(w, s, "exited", json!({}));
+    ctx.emit(w, s, "released", json!({}));
+}
+
 const REGISTER_WRITE: &str = "WITH u AS (UPDATE torture_register SET value = $2 WHERE k = $1 \
      RETURNING k) INSERT INTO torture_register_log (k, value, token, proc, task, seq) \
      SELECT k, $2, $3, $4, $5, $6 FROM u";
 
 /// Read, sleep, write back incremented, on the register's own connections.
-/// With a fencing token the read first registers the token with the fence
-/// (so an older holder's late write is refused from then on) and the write
-/// checks it in its own transaction.
+/// With a fencing token (and `fence_register`) the read first registers the
+/// token with the fence (so an older holder's late write is refused from
+/// then on) and the write checks it in its own transaction; without
+/// `fence_register` the token is only logged, and the lock alone keeps two
+/// writers apart.
 async fn session_register(
     ctx: &Ctx,
     w: usize,
@@ -449,9 +532,10 @@ async fn session_register(
     }
     let resource = format!("reg:{k}");
     let key = i32::try_from(k).expect("key index");
+    let fence = token.filter(|_| ctx.cfg.fence_register);
     let read = async {
         let mut conn = ctx.register.acquire().await?;
-        if let Some(token) = token {
+        if let Some(token) = fence {
             distlock::fence::check(&mut conn, &resource, token).await?;
         }
         let value: i64 = sqlx::query_scalar("SELECT value FROM torture_register WHERE k = $1")
@@ -479,7 +563,7 @@ async fn session_register(
     tokio::time::sleep(hold).await;
     let write = async {
         let mut tx = ctx.register.begin().await?;
-        if let Some(token) = token {
+        if let Some(token) = fence {
             distlock::fence::check(&mut tx, &resource, token).await?;
         }
         sqlx::query(REGISTER_WRITE)
@@ -537,13 +621,19 @@ async fn xact_task(ctx: &Ctx, w: usize) {
         let wait = rng.random_bool(ctx.cfg.wait_share);
         let hold = hold(&ctx.cfg, &mut rng);
         let method = if wait { "xwait" } else { "xact" };
+        let broken = breaks(&ctx.cfg, &mut rng) != Broken::No;
         ctx.emit(w, s, "invoke", json!({"k": k, "m": method}));
         let entered = AtomicBool::new(false);
         let wrote = AtomicU64::new(0);
         let section = async |conn: &mut PgConnection| {
             ctx.acquired.fetch_add(1, Ordering::Relaxed);
             ctx.emit(w, s, "acquired", json!({}));
-            ctx.emit(w, s, "entered", json!({}));
+            let mark = if broken {
+                json!({"broken": "skip"})
+            } else {
+                json!({})
+            };
+            ctx.emit(w, s, "entered", mark);
             entered.store(true, Ordering::Relaxed);
             let outcome = xact_register(ctx, w, s, k, hold, conn).await;
             if let Ok(Some(value)) = outcome {
@@ -552,7 +642,9 @@ async fn xact_task(ctx: &Ctx, w: usize) {
             ctx.emit(w, s, "exited", json!({}));
             outcome.map(|_| ())
         };
-        let outcome = if wait {
+        let outcome = if broken {
+            unlocked_transaction(ctx, section).await
+        } else if wait {
             let timeout = Duration::from_millis(ctx.cfg.wait_ms);
             ctx.locker
                 .with_advisory_lock_wait(key_for(k), timeout, section)
@@ -585,6 +677,18 @@ async fn xact_task(ctx: &Ctx, w: usize) {
             }
         }
     }
+}
+
+/// The broken locker in transaction mode: the section's transaction, on a
+/// lock connection, without the advisory lock.
+async fn unlocked_transaction(
+    ctx: &Ctx,
+    section: impl AsyncFnOnce(&mut PgConnection) -> Result<(), Error>,
+) -> Result<Option<()>, Error> {
+    let mut tx = ctx.locker.pool().begin().await?;
+    section(&mut tx).await?;
+    tx.commit().await?;
+    Ok(Some(()))
 }
 
 /// Read, sleep, write back incremented, inside the lock's transaction; no

@@ -41,7 +41,8 @@ mod sql;
 mod wait;
 
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use sqlx::PgPool;
 use tokio::sync::oneshot;
@@ -66,6 +67,22 @@ pub(crate) struct Mux {
     slots: Box<[Mutex<Option<Inbox>>]>,
     /// Where this process's waiters for one key queue (see `gate`).
     gates: gate::Gates,
+    /// Locks held (or being acquired) through this multiplexer, against
+    /// `config.max_locks`.
+    held: Arc<AtomicUsize>,
+}
+
+/// One place under `max_locks`, given back when dropped: by the attempt
+/// that did not get the lock, or by the guard's release task when it ends.
+#[derive(Debug)]
+pub(super) struct Place(Option<Arc<AtomicUsize>>);
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if let Some(held) = &self.0 {
+            held.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 impl Mux {
@@ -78,7 +95,22 @@ impl Mux {
             config,
             slots,
             gates: gate::Gates::default(),
+            held: Arc::new(AtomicUsize::new(0)),
         }
+    }
+
+    /// Takes a place under `max_locks`, or fails with
+    /// [`Error::TooManyLocks`].
+    fn place(&self) -> Result<Place, Error> {
+        let Some(limit) = self.config.max_locks else {
+            return Ok(Place(None));
+        };
+        let before = self.held.fetch_add(1, Ordering::AcqRel);
+        let place = Place(Some(self.held.clone()));
+        if before >= limit {
+            return Err(Error::TooManyLocks { limit });
+        }
+        Ok(place)
     }
 
     /// `try_lock` on a shared connection. Costs 1 round trip, queued behind
@@ -108,6 +140,7 @@ impl Mux {
     /// when the shared one fails under it. Records nothing.
     async fn attempt(&self, key: &LockKey) -> Result<Option<SessionLock>, Error> {
         key.validate()?;
+        let place = self.place()?;
         let fencing = self.config.fencing;
         for _ in 0..ATTEMPTS {
             let (reply, answer) = oneshot::channel();
@@ -120,7 +153,9 @@ impl Mux {
                 continue; // the driver just ended; the next call opens a new one
             }
             match answer.await {
-                Ok(Ok(Some(granted))) => return Ok(Some(self.guard(key.clone(), granted))),
+                Ok(Ok(Some(granted))) => {
+                    return Ok(Some(self.guard(key.clone(), granted, place)));
+                }
                 Ok(Ok(None)) => return Ok(None),
                 Ok(Err(TryError::Failed(err))) => return Err(err),
                 // The shared connection failed under the try; nothing is
@@ -164,7 +199,7 @@ impl Mux {
     }
 
     /// Turns a grant into the public guard; a task waits for its release.
-    fn guard(&self, key: LockKey, granted: Granted) -> SessionLock {
+    fn guard(&self, key: LockKey, granted: Granted, place: Place) -> SessionLock {
         let Granted {
             ticket,
             pid,
@@ -179,6 +214,7 @@ impl Mux {
             loss.clone(),
             request,
             self.config.release_timeout,
+            place,
         );
         tokio::spawn(task.instrument(span));
         SessionLock::from_parts(key, token, pid, loss, release)

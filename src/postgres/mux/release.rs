@@ -20,7 +20,11 @@ pub(super) async fn run(
     loss: watch::Receiver<Option<LossReason>>,
     request: oneshot::Receiver<ReleaseRequest>,
     deadline: Duration,
+    place: super::Place,
 ) {
+    // The place under `max_locks` is given back when this task ends, after
+    // the unlock was handed to the driver.
+    let _place = place;
     let Ok(reply) = request.await else {
         drop(ticket);
         return;

@@ -59,42 +59,9 @@ STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT ('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::bit(32)::bigint $$;
 
--- Starts the next epoch: durably (a local WAL flush even where the session
--- runs with synchronous_commit = off), above every earlier epoch of this
--- timeline and of every lower one.
-CREATE FUNCTION distlock.next_token_epoch(p_seen_epoch bigint, p_counter bigint)
-RETURNS void
-LANGUAGE plpgsql
-SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    tli     bigint := distlock.current_timeline();
-    seen    bigint;
-    next    bigint;
-BEGIN
-    SELECT greatest(e.epoch + 1, tli << 16), e.timeline INTO next, seen
-    FROM distlock.token_epoch AS e WHERE e.epoch = p_seen_epoch FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN; -- someone else started the next epoch first
-    END IF;
-    -- A timeline lower than the stored one (a cluster made by pg_upgrade
-    -- starts at 1) cannot order failovers any more; tokens still increase.
-    IF (tli >= seen AND next >= (tli + 1) << 16) OR next >= 2147483648 THEN
-        RAISE EXCEPTION 'distlock: fencing epochs of timeline % are used up (epoch %)', tli, next
-            USING ERRCODE = 'DL002';
-    END IF;
-    IF current_setting('synchronous_commit') = 'off' THEN
-        PERFORM set_config('synchronous_commit', 'local', true);
-    END IF;
-    UPDATE distlock.token_epoch
-    SET epoch = next, timeline = tli, server_started = pg_catalog.pg_postmaster_start_time(),
-        counter_base = p_counter, changed_at = now();
-END
-$$;
-
 -- The next fencing token. 1 nextval and a read of one row; a durable write
--- only when an epoch starts.
+-- only when an epoch starts. Starting an epoch is part of this function
+-- (not a function of its own) so that no role can call it to use epochs up.
 CREATE FUNCTION distlock.next_token()
 RETURNS bigint
 LANGUAGE plpgsql
@@ -104,15 +71,19 @@ AS $$
 DECLARE
     e       distlock.token_epoch%ROWTYPE;
     counter bigint;
+    tli     bigint;
+    next    bigint;
 BEGIN
     LOOP
         SELECT * INTO STRICT e FROM distlock.token_epoch;
         counter := nextval('distlock.token_counter');
-        -- The timeline inline (a call of current_timeline() would cost a
-        -- function call with its own search_path, per token).
+        -- The timeline WAL is written on now (the insert position's file
+        -- name starts with it), inline: a call of current_timeline() would
+        -- cost a function call with its own search_path, per token.
+        tli := ('x' || substr(pg_catalog.pg_walfile_name(
+                   pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::bit(32)::bigint;
         IF e.server_started = pg_catalog.pg_postmaster_start_time()
-           AND e.timeline = ('x' || substr(pg_catalog.pg_walfile_name(
-                   pg_catalog.pg_current_wal_insert_lsn()), 1, 8))::bit(32)::bigint
+           AND e.timeline = tli
            AND counter > e.counter_base
            AND counter - e.counter_base < 4294967296 THEN
             RETURN (e.epoch << 32) | (counter - e.counter_base);
@@ -120,8 +91,25 @@ BEGIN
         -- This epoch's counter may have fallen back (a crash) or run out,
         -- or the server was promoted: start the next epoch, then draw again
         -- (the loop ends: the new epoch matches this server and its base is
-        -- below the next draw).
-        PERFORM distlock.next_token_epoch(e.epoch, counter);
+        -- below the next draw). Above every earlier epoch of this timeline
+        -- and, as epochs of timeline t start at t << 16, of every lower one.
+        SELECT greatest(x.epoch + 1, tli << 16) INTO next
+        FROM distlock.token_epoch AS x WHERE x.epoch = e.epoch FOR UPDATE;
+        CONTINUE WHEN NOT FOUND; -- someone else started the next epoch first
+        -- A timeline lower than the stored one (a cluster made by pg_upgrade
+        -- starts at 1) cannot order failovers any more; tokens still increase.
+        IF (tli >= e.timeline AND next >= (tli + 1) << 16) OR next >= 2147483648 THEN
+            RAISE EXCEPTION 'distlock: fencing epochs of timeline % are used up (epoch %)', tli, next
+                USING ERRCODE = 'DL002';
+        END IF;
+        -- Durable even where the session runs with synchronous_commit = off:
+        -- a token of this epoch must never be issued again after a crash.
+        IF current_setting('synchronous_commit') = 'off' THEN
+            PERFORM set_config('synchronous_commit', 'local', true);
+        END IF;
+        UPDATE distlock.token_epoch
+        SET epoch = next, timeline = tli, server_started = pg_catalog.pg_postmaster_start_time(),
+            counter_base = counter, changed_at = now();
     END LOOP;
 END
 $$;

@@ -48,7 +48,7 @@ BEGIN
         SELECT DISTINCT t.table_name, t.grantee
           FROM information_schema.role_table_grants AS t
          WHERE t.table_schema = 'distlock'
-           AND t.table_name IN ('fencing_counters', 'fencing_floor', 'fence_seen')
+           AND t.table_name IN ('fencing_counters', 'fencing_floor', 'fence_seen', 'token_epoch')
            AND t.privilege_type IN ('INSERT', 'UPDATE', 'DELETE', 'TRUNCATE')
            AND t.grantee <> (SELECT pg_catalog.pg_get_userbyid(c.relowner)
                                FROM pg_catalog.pg_class AS c
@@ -58,6 +58,26 @@ BEGIN
             'REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON distlock.%I FROM %s',
             g.table_name,
             CASE WHEN g.grantee = 'PUBLIC' THEN 'PUBLIC' ELSE pg_catalog.quote_ident(g.grantee) END);
+    END LOOP;
+END
+$$;
+
+-- The token counter: setval would let a role move it back within an epoch.
+DO $$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN
+        SELECT DISTINCT a.grantee
+          FROM pg_catalog.pg_class AS c, pg_catalog.aclexplode(c.relacl) AS a
+         WHERE c.oid = 'distlock.token_counter'::regclass
+           AND a.grantee <> c.relowner
+           AND a.privilege_type = 'UPDATE'
+    LOOP
+        EXECUTE pg_catalog.format(
+            'REVOKE UPDATE ON SEQUENCE distlock.token_counter FROM %s',
+            CASE WHEN g.grantee = 0 THEN 'PUBLIC'
+                 ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END);
     END LOOP;
 END
 $$;

@@ -230,6 +230,11 @@ const ATTACKS: &[&str] = &[
     "CREATE FUNCTION distlock.fence_advance(p_resource text, p_token numeric) \
      RETURNS bigint LANGUAGE sql AS 'SELECT 0::bigint'",
     "ALTER FUNCTION distlock.issue_token_in(smallint, bigint) SECURITY INVOKER",
+    "UPDATE distlock.token_epoch SET epoch = 0",
+    "UPDATE distlock.token_epoch SET counter_base = 0",
+    "DELETE FROM distlock.token_epoch",
+    "SELECT setval('distlock.token_counter', 1)",
+    "ALTER FUNCTION distlock.next_token() SECURITY INVOKER",
 ];
 
 /// The attacks that succeed for `pool`'s role, each in a transaction that is
@@ -315,7 +320,8 @@ async fn an_application_role_cannot_lower_or_delete_fencing_state(
     let ok = successful_attacks(&app_pool).await;
     assert!(
         ok.contains(&"UPDATE distlock.fencing_counters SET token = 0")
-            && ok.contains(&"DELETE FROM distlock.fence_seen"),
+            && ok.contains(&"DELETE FROM distlock.fence_seen")
+            && ok.contains(&"UPDATE distlock.token_epoch SET epoch = 0"),
         "{ok:?}"
     );
     // ... and the hardening migration revokes them where they were given

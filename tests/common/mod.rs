@@ -5,6 +5,7 @@
 //! only ever look at locks of the *current* database.
 #![allow(dead_code)]
 
+pub mod pgbouncer;
 pub mod proxy;
 pub mod redis;
 pub mod txpool;

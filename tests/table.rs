@@ -705,7 +705,13 @@ async fn bad_settings_and_huge_timeouts_are_clear_errors_not_panics(pool: PgPool
             .await
             .unwrap()
             .expect("free");
-        lease.release().await.unwrap();
+        // A 100 ms lease may already be lost on a loaded machine; either
+        // way it is an answer, not a panic.
+        let released = lease.release().await;
+        assert!(
+            matches!(released, Ok(()) | Err(Error::LockLost { .. })),
+            "{released:?}"
+        );
     }
 
     let locker = locker(&pool, Duration::from_secs(5));

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::pgbouncer::PgBouncer;
 use common::proxy::Proxy;
 use common::{bounded, init_tracing};
-use distlock::postgres::{TableLease, TableLocker};
+use distlock::postgres::TableLocker;
 use distlock::{Error, JobOutcome, LockKey, LossReason, SingletonJob};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Row};
@@ -820,5 +820,4 @@ async fn the_trait_object_carries_the_token(pool: PgPool) {
         .expect("free");
     assert!(lease.fencing_token().is_some());
     lease.release().await.unwrap();
-    let _: Option<TableLease> = None;
 }

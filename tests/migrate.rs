@@ -50,7 +50,8 @@ async fn migrate_is_idempotent_and_keeps_its_own_table(pool: PgPool) {
             "fencing_floor",
             "fencing_tokens",
             "idempotency_keys",
-            "job_runs"
+            "job_runs",
+            "leases"
         ]
     );
 }

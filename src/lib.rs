@@ -28,7 +28,7 @@
 //! | module | what it holds |
 //! |---|---|
 //! | the crate root | what every backend shares: [`LockKey`], [`Error`], [`FencingToken`], [`LossReason`], and the [`Locker`]/[`Lease`] traits ([`lease`]) |
-//! | [`postgres`] | the PostgreSQL backend: [`PgLocker`] (transaction-scoped and session locks, multiplexed mode), [`SessionLock`], holders, [`LockWaiter`], and the crate's schema: [`migrate`], [`fence`] (fencing tokens), [`idempotency`] (keys that make an effect happen once) |
+//! | [`postgres`] | the PostgreSQL backend: [`PgLocker`] (transaction-scoped and session locks, multiplexed mode), [`SessionLock`], holders, [`LockWaiter`], [`TableLocker`] (leases in a table, for transaction poolers and failover), and the crate's schema: [`migrate`], [`fence`] (fencing tokens), [`idempotency`] (keys that make an effect happen once) |
 //! | `redis` | the Redis backend (feature `redis`): a single instance with a watchdog, and Redlock |
 //! | kinds ([`Semaphore`], [`LeaderElection`]) | kinds of locks over any backend's `Arc<dyn Locker>` |
 //! | [`job`] | [`SingletonJob`]: run a job on one replica, over any [`Locker`] |
@@ -83,8 +83,8 @@ pub use lease::{Lease, Locker};
 pub use loss::LossReason;
 pub use postgres::{
     AdvisoryKey, Holder, LockMode, LockWaiter, MigrateOptions, MultiLock, PgLocker,
-    PgLockerBuilder, SCHEMA, SessionLock, WaitReport, fence, idempotency, lock_xact, migrate,
-    migrate_with, try_lock_xact,
+    PgLockerBuilder, SCHEMA, SessionLock, TableLease, TableLocker, TableLockerBuilder, WaitReport,
+    fence, idempotency, lock_xact, migrate, migrate_with, try_lock_xact,
 };
 pub use token::FencingToken;
 

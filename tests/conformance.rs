@@ -360,6 +360,64 @@ impl Backend for Postgres {
 backend!(pg_default, #[sqlx::test(migrations = false)] (pool: PgPool) => Postgres::new(pool, 0).await);
 backend!(pg_multiplexed, #[sqlx::test(migrations = false)] (pool: PgPool) => Postgres::new(pool, 2).await);
 
+// ---- PostgreSQL lease table ----------------------------------------------
+
+/// `TableLocker` over two pools of the test's own database, with a TTL of
+/// one second (renewed every 333 ms).
+struct Table {
+    a: Arc<dyn Locker>,
+    b: Arc<dyn Locker>,
+    pool: PgPool,
+}
+
+impl Table {
+    const TTL: Duration = Duration::from_secs(1);
+
+    async fn new(pool: PgPool) -> Self {
+        distlock::migrate(&pool).await.expect("migrate");
+        let make = |pool: PgPool| -> Arc<dyn Locker> {
+            Arc::new(
+                distlock::TableLocker::builder(pool)
+                    .ttl(Self::TTL)
+                    .build()
+                    .expect("valid ttl"),
+            )
+        };
+        let second = sqlx::postgres::PgPoolOptions::new()
+            .connect_with(pool.connect_options().as_ref().clone())
+            .await
+            .expect("second pool");
+        Self {
+            a: make(pool.clone()),
+            b: make(second),
+            pool,
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for Table {
+    fn lockers(&self) -> (Arc<dyn Locker>, Arc<dyn Locker>) {
+        (Arc::clone(&self.a), Arc::clone(&self.b))
+    }
+
+    async fn break_lease(&self, key: &LockKey) {
+        // The row goes: the holder's next renewal finds nothing of its own.
+        let gone = sqlx::query("DELETE FROM distlock.leases WHERE key_text = $1")
+            .bind(key.to_string())
+            .execute(&self.pool)
+            .await
+            .expect("delete the holder's row");
+        assert_eq!(gone.rows_affected(), 1, "someone held {key}");
+    }
+
+    fn tokens(&self) -> bool {
+        true
+    }
+}
+
+backend!(table, #[sqlx::test(migrations = false)] (pool: PgPool) => Table::new(pool).await);
+
 // ---- Redis --------------------------------------------------------------
 
 #[cfg(feature = "redis")]

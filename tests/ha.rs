@@ -252,7 +252,10 @@ async fn session_worker(id: i32, cluster_opts: PgConnectOptions, load: Shared, s
             continue;
         };
         let token = lock.fencing_token().expect("fenced");
-        load.lock().unwrap().tokens.push((Instant::now(), token.value()));
+        load.lock()
+            .unwrap()
+            .tokens
+            .push((Instant::now(), token.value()));
         seq += 1;
         let write = async {
             let mut tx = pool.begin().await?;
@@ -333,10 +336,20 @@ async fn crash_under_load(conf: &[&str], crashes: usize) -> usize {
     let stop = Instant::now() + Duration::from_secs(3 * crashes as u64 + 2);
     let mut workers = Vec::new();
     for id in 0..4 {
-        workers.push(tokio::spawn(session_worker(id, cluster.options(), load.clone(), stop)));
+        workers.push(tokio::spawn(session_worker(
+            id,
+            cluster.options(),
+            load.clone(),
+            stop,
+        )));
     }
     for id in 0..2 {
-        workers.push(tokio::spawn(xact_worker(id, cluster.options(), load.clone(), stop)));
+        workers.push(tokio::spawn(xact_worker(
+            id,
+            cluster.options(),
+            load.clone(),
+            stop,
+        )));
     }
     let mut restarts = Vec::new();
     for _ in 0..crashes {
@@ -349,15 +362,28 @@ async fn crash_under_load(conf: &[&str], crashes: usize) -> usize {
         worker.await.expect("worker");
     }
 
-    let load = load.lock().unwrap();
+    let load = std::mem::take(&mut *load.lock().unwrap());
     // Tokens: every token received after a restart exceeds every token
     // received before it (the server was down in between, so those were all
     // issued before the crash).
     for (i, restart) in restarts.iter().enumerate() {
-        let before = load.tokens.iter().filter(|(at, _)| at < restart).map(|t| t.1).max();
-        let after = load.tokens.iter().filter(|(at, _)| at > restart).map(|t| t.1).min();
+        let before = load
+            .tokens
+            .iter()
+            .filter(|(at, _)| at < restart)
+            .map(|t| t.1)
+            .max();
+        let after = load
+            .tokens
+            .iter()
+            .filter(|(at, _)| at > restart)
+            .map(|t| t.1)
+            .min();
         if let (Some(before), Some(after)) = (before, after) {
-            assert!(after > before, "crash {i}: token {after} after, {before} before");
+            assert!(
+                after > before,
+                "crash {i}: token {after} after, {before} before"
+            );
         } else {
             panic!("crash {i}: no tokens on one side ({before:?}, {after:?})");
         }
@@ -367,7 +393,11 @@ async fn crash_under_load(conf: &[&str], crashes: usize) -> usize {
     tokens.sort_unstable();
     tokens.dedup();
     assert_eq!(tokens.len(), issued, "a token was issued twice");
-    assert_eq!(load.not_told, 0, "holders not told of their loss (told: {})", load.told);
+    assert_eq!(
+        load.not_told, 0,
+        "holders not told of their loss (told: {})",
+        load.told
+    );
 
     // The pool recovered: work was acknowledged after the last restart.
     let last = *restarts.last().expect("a crash");
@@ -408,7 +438,10 @@ async fn crash_under_load(conf: &[&str], crashes: usize) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_under_load_keeps_tokens_increasing_and_acknowledged_writes() {
     let lost = crash_under_load(&[], 2).await;
-    assert_eq!(lost, 0, "acknowledged writes lost with synchronous_commit on");
+    assert_eq!(
+        lost, 0,
+        "acknowledged writes lost with synchronous_commit on"
+    );
 }
 
 /// With `synchronous_commit = off` acknowledged writes may be lost (that is
@@ -416,4 +449,76 @@ async fn crash_under_load_keeps_tokens_increasing_and_acknowledged_writes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_under_load_with_asynchronous_commit_keeps_tokens_increasing() {
     crash_under_load(LOSSY, 2).await;
+}
+
+/// With a synchronous standby, a `TableLocker` lease survives a failover:
+/// the holder's next renewal reaches the promoted server and succeeds, the
+/// lease is never lost, and nobody else is granted it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_lease_survives_a_synchronous_failover() {
+    common::init_tracing();
+    let primary = Cluster::primary("lease-primary", &[]).await;
+    distlock::migrate(&primary.pool().await).await.expect("migrate");
+    let standby = Cluster::standby_of(&primary, "lease_standby", &[]).await;
+    // Synchronous from now on: every commit waits until the standby applied it.
+    primary
+        .reconfigure(&[
+            "synchronous_standby_names = 'lease_standby'",
+            "synchronous_commit = remote_apply",
+        ])
+        .await;
+    primary
+        .wait_until(
+            "SELECT sync_state = 'sync' FROM pg_stat_replication \
+             WHERE application_name = 'lease_standby'",
+            Duration::from_secs(30),
+        )
+        .await;
+    let proxy = Proxy::start("127.0.0.1", primary.port())
+        .await
+        .expect("proxy");
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_lazy_with(primary.options().port(proxy.port()));
+    let ttl = Duration::from_secs(6);
+    let locker = distlock::TableLocker::builder(pool)
+        .ttl(ttl)
+        .listen(false)
+        .build()
+        .expect("locker");
+    let lease = locker.try_lock("lease").await.expect("try").expect("free");
+    let token = lease.fencing_token().expect("token").value();
+
+    let failover = Instant::now();
+    primary.crash().await;
+    standby.promote().await;
+    proxy.set_upstream(standby.port());
+    println!("failover took {:?}", failover.elapsed());
+
+    // Past the deadline the holder would have given up at without a
+    // renewal, and past the TTL itself.
+    tokio::time::sleep(ttl + ttl / 2).await;
+    assert!(!lease.is_lost(), "the lease was lost across the failover");
+    let renewed_after: bool =
+        sqlx::query_scalar("SELECT renewed_at > now() - interval '5 seconds' FROM distlock.leases")
+            .fetch_one(&standby.pool().await)
+            .await
+            .expect("lease row on the new primary");
+    assert!(
+        renewed_after,
+        "the lease was not renewed on the promoted server"
+    );
+    let other = distlock::TableLocker::builder(standby.pool().await)
+        .listen(false)
+        .build()
+        .expect("other locker");
+    assert!(
+        other.try_lock("lease").await.expect("try").is_none(),
+        "someone else was granted a lease that is held"
+    );
+    lease.release().await.expect("release");
+    let next = other.try_lock("lease").await.expect("try").expect("free");
+    assert!(next.fencing_token().expect("token").value() > token);
+    next.release().await.expect("release");
 }

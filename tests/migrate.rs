@@ -51,6 +51,7 @@ async fn migrate_is_idempotent_and_keeps_its_own_table(pool: PgPool) {
             "fencing_tokens",
             "idempotency_keys",
             "job_runs",
+            "leases",
             "token_epoch",
         ]
     );

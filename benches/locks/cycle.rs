@@ -44,9 +44,15 @@ pub enum Cycle {
     Multi1,
     Multi4,
     Multi16,
+    /// `TableLocker::try_lock` + `release()`: a lease row (one statement
+    /// each, a durable write each).
+    TableDistlock,
+    /// Hand-written lease row: `INSERT ... ON CONFLICT DO UPDATE ... WHERE
+    /// expired`, then `DELETE ... WHERE owner`.
+    TableRaw,
 }
 
-pub const ALL: [Cycle; 14] = [
+pub const ALL: [Cycle; 16] = [
     Cycle::XactRaw,
     Cycle::XactPipelined,
     Cycle::XactDistlock,
@@ -61,6 +67,8 @@ pub const ALL: [Cycle; 14] = [
     Cycle::Multi1,
     Cycle::Multi4,
     Cycle::Multi16,
+    Cycle::TableDistlock,
+    Cycle::TableRaw,
 ];
 
 impl Cycle {
@@ -80,6 +88,8 @@ impl Cycle {
             Cycle::Multi1 => "distlock try_lock_all(1 key)+release",
             Cycle::Multi4 => "distlock try_lock_all(4 keys)+release",
             Cycle::Multi16 => "distlock try_lock_all(16 keys)+release",
+            Cycle::TableDistlock => "distlock TableLocker try_lock+release",
+            Cycle::TableRaw => "sqlx hand-written INSERT ON CONFLICT lease + DELETE",
         }
     }
 
@@ -100,6 +110,8 @@ impl Cycle {
             Cycle::Multi1 => "multi: 1 key",
             Cycle::Multi4 => "multi: 4 keys",
             Cycle::Multi16 => "multi: 16 keys",
+            Cycle::TableDistlock => "table: distlock TableLocker",
+            Cycle::TableRaw => "table: sqlx INSERT ON CONFLICT",
         }
     }
 
@@ -131,6 +143,7 @@ pub struct Ctx {
     mux: PgLocker,
     fenced: PgLocker,
     semaphore: distlock::Semaphore,
+    table: distlock::TableLocker,
 }
 
 impl Ctx {
@@ -147,8 +160,17 @@ impl Ctx {
             "bench-semaphore",
             4,
         );
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS bench_leases (
+                 key bigint PRIMARY KEY, owner uuid NOT NULL, expires_at timestamptz NOT NULL)",
+        )
+        .execute(&pool)
+        .await?;
         Ok(Self {
             semaphore,
+            table: distlock::TableLocker::builder(pool.clone())
+                .listen(false)
+                .build()?,
             locker: PgLocker::new(pool.clone()),
             mux: PgLocker::builder(pool.clone()).multiplex(2).build(),
             fenced: PgLocker::builder(pool.clone()).fencing(true).build(),
@@ -157,7 +179,13 @@ impl Ctx {
     }
 
     pub async fn close(self) {
-        drop((self.locker, self.mux, self.fenced, self.semaphore));
+        drop((
+            self.locker,
+            self.mux,
+            self.fenced,
+            self.semaphore,
+            self.table,
+        ));
         self.pool.close().await;
     }
 
@@ -270,6 +298,40 @@ impl Ctx {
                     }
                     None => false,
                 }
+            }
+            Cycle::TableDistlock => {
+                let attempt = self.table.try_lock(LockKey::id(key)).await?;
+                taken = Some(start.elapsed());
+                match attempt {
+                    Some(lease) => {
+                        lease.release().await?;
+                        true
+                    }
+                    None => false,
+                }
+            }
+            Cycle::TableRaw => {
+                let owner = format!("{:032x}", rand::random::<u128>());
+                let got: Option<bool> = sqlx::query_scalar(
+                    "INSERT INTO bench_leases AS l (key, owner, expires_at) \
+                     VALUES ($1, $2::uuid, clock_timestamp() + interval '30 s') \
+                     ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, \
+                     expires_at = EXCLUDED.expires_at WHERE l.expires_at <= clock_timestamp() \
+                     RETURNING true",
+                )
+                .bind(key)
+                .bind(&owner)
+                .fetch_optional(&self.pool)
+                .await?;
+                taken = Some(start.elapsed());
+                if got.is_some() {
+                    sqlx::query("DELETE FROM bench_leases WHERE key = $1 AND owner = $2::uuid")
+                        .bind(key)
+                        .bind(&owner)
+                        .execute(&self.pool)
+                        .await?;
+                }
+                got.is_some()
             }
             Cycle::SessionDistlock | Cycle::SessionDistlockMux | Cycle::SessionDistlockFenced => {
                 let locker = match cycle {

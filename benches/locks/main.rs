@@ -24,7 +24,16 @@ use sqlx::{ConnectOptions, Connection};
 
 use stats::{median_f64, spread, summarize, us};
 
-const DATABASE: &str = "distlock_bench";
+/// The benchmark's database, unless `DISTLOCK_BENCH_DATABASE` names another
+/// (a server shared by checkouts whose migrations differ needs one each).
+fn database() -> String {
+    std::env::var("DISTLOCK_BENCH_DATABASE")
+        .ok()
+        .filter(|name| {
+            !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        })
+        .unwrap_or_else(|| "distlock_bench".to_owned())
+}
 
 struct Settings {
     rounds: usize,
@@ -202,18 +211,22 @@ async fn prepare_database(admin: &PgConnectOptions) -> anyhow::Result<PgConnectO
     let mut conn = admin.connect().await?;
     let exists: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-            .bind(DATABASE)
+            .bind(database())
             .fetch_one(&mut conn)
             .await?;
     if !exists {
-        sqlx::raw_sql(concat!("CREATE DATABASE ", "distlock_bench"))
-            .execute(&mut conn)
-            .await?;
+        // The name is ASCII letters, digits and underscores only (see `database`).
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE DATABASE {}",
+            database()
+        )))
+        .execute(&mut conn)
+        .await?;
     }
     conn.close().await?;
     Ok(admin
         .clone()
-        .database(DATABASE)
+        .database(&database())
         .application_name("distlock-bench"))
 }
 
@@ -359,7 +372,7 @@ fn run_pgbench(admin: &PgConnectOptions, settings: &Settings) -> Vec<(usize, Res
             eprintln!("   pgbench, {n} clients");
             (
                 n,
-                pgbench::run(&pgbench, admin, DATABASE, n, settings.pgbench_seconds),
+                pgbench::run(&pgbench, admin, &database(), n, settings.pgbench_seconds),
             )
         })
         .collect()

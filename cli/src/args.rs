@@ -54,6 +54,21 @@ pub(crate) struct ConnArgs {
         value_delimiter = ' '
     )]
     pub(crate) redis_urls: Vec<String>,
+
+    /// Keep the lock as a lease in the table distlock.leases instead of a
+    /// session-level advisory lock: for a DATABASE_URL that goes through a
+    /// transaction pooler (PgBouncer in transaction mode), where a session
+    /// lock cannot be held. Every statement is one short transaction; the
+    /// lease is renewed every --heartbeat and expires three heartbeats after
+    /// its last renewal if distlock dies. The command always gets a fencing
+    /// token. Needs the distlock schema (see `distlock::migrate`).
+    #[arg(
+        long,
+        env = "DISTLOCK_LEASE_TABLE",
+        value_parser = clap::builder::FalseyValueParser::new(),
+        conflicts_with = "redis_urls"
+    )]
+    pub(crate) lease_table: bool,
 }
 
 #[derive(Debug, Args)]
@@ -73,15 +88,16 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub(crate) grace: Duration,
 
-    /// How often the lock's connection is checked; a lost lock is noticed
-    /// within about twice this.
+    /// How often the lock's connection is checked (with --lease-table: how
+    /// often the lease is renewed); a lost lock is noticed within about
+    /// twice this.
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
     pub(crate) heartbeat: Duration,
 
     /// Take the lock with a fencing token, passed to the command in
     /// DISTLOCK_FENCING_TOKEN (PostgreSQL; needs the distlock schema, see
-    /// `distlock::migrate`). A single Redis instance always issues one;
-    /// Redlock cannot.
+    /// `distlock::migrate`). A single Redis instance and --lease-table
+    /// always issue one; Redlock cannot.
     #[arg(long)]
     pub(crate) fencing: bool,
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use distlock::redis::{RedisLocker, Redlock};
-use distlock::{Locker, PgLocker};
+use distlock::{Locker, PgLocker, TableLocker};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::Failure;
@@ -63,6 +63,9 @@ pub(crate) async fn connect(
             Failure::usage(format!("invalid database URL {target}: {err}{hint}"))
         })?
         .application_name(&truncate_name(application));
+    if conn.lease_table {
+        return connect_lease_table(options, &target, heartbeat).await;
+    }
     let pool = PgPoolOptions::new()
         // One connection holds the lock, one looks up holders while waiting.
         .max_connections(2)
@@ -77,6 +80,38 @@ pub(crate) async fn connect(
     Ok(Backend {
         locker: Arc::new(locker.clone()),
         postgres: Some(locker),
+    })
+}
+
+/// Leases in the table `distlock.leases`, through whatever sits in front of
+/// PostgreSQL: the lease is renewed every `heartbeat` (its TTL is three
+/// heartbeats, within the locker's bounds). Statements are not cached
+/// (the README's PgBouncer recipe), and waits poll instead of listening,
+/// since `LISTEN` needs a session a transaction pooler does not keep.
+async fn connect_lease_table(
+    options: PgConnectOptions,
+    target: &str,
+    heartbeat: Duration,
+) -> Result<Backend, Failure> {
+    let pool = PgPoolOptions::new()
+        // One connection renews, one releases.
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options.statement_cache_capacity(0))
+        .await
+        .map_err(|err| Failure::unavailable(format!("could not connect to {target}: {err}")))?;
+    let ttl = heartbeat.saturating_mul(3).clamp(
+        distlock::postgres::table::MIN_TTL,
+        distlock::postgres::table::MAX_TTL,
+    );
+    let locker = TableLocker::builder(pool)
+        .ttl(ttl)
+        .listen(false)
+        .build()
+        .map_err(|err| Failure::usage(format!("--lease-table: {err}")))?;
+    Ok(Backend {
+        locker: Arc::new(locker),
+        postgres: None,
     })
 }
 

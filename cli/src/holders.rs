@@ -11,6 +11,12 @@ use crate::backend;
 
 /// Lists the holders as a table, or as JSON with `--json`. Exit code 0.
 pub(crate) async fn holders(args: HoldersArgs) -> Result<u8, Failure> {
+    if args.conn.lease_table {
+        return Err(Failure::usage(
+            "`holders` lists advisory locks; leases of --lease-table are the rows of \
+             distlock.leases (SELECT key_text, expires_at FROM distlock.leases)",
+        ));
+    }
     if let Some(key) = &args.key {
         LockKey::from(key.as_str())
             .validate()

@@ -970,3 +970,120 @@ async fn a_command_that_cannot_start_leaves_the_terminal_to_the_caller(pool: PgP
         text(&out)
     );
 }
+
+// ---- --lease-table ------------------------------------------------------------
+
+/// Waits until `distlock.leases` holds `key`.
+async fn wait_until_leased(pool: &PgPool, key: &str) {
+    eventually(
+        &format!("a lease row for {key}"),
+        Duration::from_secs(10),
+        async || {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM distlock.leases WHERE key_text = $1)",
+            )
+            .bind(key)
+            .fetch_one(pool)
+            .await
+            .expect("read leases")
+        },
+    )
+    .await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn with_lease_table_runs_through_pgbouncer_one_runs_and_the_other_skips(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let bouncer = common::pgbouncer::PgBouncer::start(pool.connect_options().get_port()).await;
+    let opts = pool.connect_options();
+    let url = format!(
+        "postgres://{}@127.0.0.1:{}/{}",
+        opts.get_username(),
+        bouncer.port(),
+        opts.get_database().unwrap_or("postgres")
+    );
+    let run = || {
+        distlock(
+            &url,
+            &["run", "--lease-table", "nightly", "--", "sleep", "2"],
+        )
+        .spawn()
+        .expect("spawn")
+    };
+    let (a, b) = (run(), run());
+    let (a, b) = tokio::join!(finish(a, "run a"), finish(b, "run b"));
+    let mut codes = [a.status.code(), b.status.code()];
+    codes.sort();
+    assert_eq!(
+        codes,
+        [Some(0), Some(EXIT_BUSY)],
+        "{}\n{}\n{}",
+        text(&a),
+        text(&b),
+        bouncer.log()
+    );
+    // The environment form, and a fencing token for every run.
+    let first: i64 = token_seen(&url, &["nightly"], &[("DISTLOCK_LEASE_TABLE", "1")])
+        .await
+        .parse()
+        .expect("a token");
+    let second: i64 = token_seen(&url, &["--lease-table", "nightly"], &[])
+        .await
+        .parse()
+        .expect("a token");
+    assert!(first > 0 && second > first, "{first}, then {second}");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM distlock.leases")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(left, 0, "every run deleted its row");
+    // `holders` lists advisory locks only.
+    let out = finish(
+        distlock(&url, &["holders", "--lease-table"])
+            .spawn()
+            .expect("spawn"),
+        "holders",
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out));
+}
+
+#[sqlx::test(migrations = false)]
+async fn with_lease_table_a_lost_lease_stops_the_command_and_exits_76(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let url = url_of(&pool);
+    let run = distlock(
+        &url,
+        &[
+            "run",
+            "--lease-table",
+            "leased",
+            "--heartbeat",
+            "200ms",
+            "--grace",
+            "2s",
+            "--",
+            "sleep",
+            "30",
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    wait_until_leased(&pool, "leased").await;
+    sqlx::query("DELETE FROM distlock.leases")
+        .execute(&pool)
+        .await
+        .expect("delete the lease");
+    let started = Instant::now();
+    let out = finish(run, "run whose lease is lost").await;
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", text(&out));
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "stopped promptly"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("was lost"),
+        "{}",
+        text(&out)
+    );
+}

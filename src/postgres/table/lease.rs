@@ -1,0 +1,273 @@
+//! `TableLease`: a held row of `distlock.leases`, and the backend-neutral
+//! traits for the lease table.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use sqlx::{AssertSqlSafe, Row};
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
+use tracing::Instrument;
+
+use super::locker::{Inner, TableLocker};
+use super::renew::Renewal;
+use super::sql::{self, KeyExpr, Owner};
+use crate::postgres::conn::HeldConn;
+use crate::{Error, FencingToken, Lease, LockKey, Locker, LossReason};
+
+/// A lease of a [`TableLocker`]: a row of `distlock.leases` that a
+/// background task renews every third of the TTL.
+///
+/// Treat it as gone once [`lost`](Self::lost) completes: it completes two
+/// thirds of a TTL after the last renewal that succeeded was sent (a third
+/// of a TTL before the server could grant the key to anyone else), or at
+/// once when a renewal finds the row expired or someone else's.
+///
+/// # Dropping
+///
+/// Dropping it without [`release`](Self::release) never blocks: the renewal
+/// stops and the row is deleted in the background (1 round trip); without a
+/// runtime, or if that fails, the row expires after one TTL.
+#[must_use = "the lease is released as soon as it is dropped"]
+pub struct TableLease {
+    key: LockKey,
+    token: FencingToken,
+    acquired_at: Instant,
+    inner: Arc<Inner>,
+    expr: KeyExpr,
+    owner: Owner,
+    loss: watch::Receiver<Option<LossReason>>,
+    renewer: AbortHandle,
+    released: bool,
+}
+
+impl fmt::Debug for TableLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TableLease")
+            .field("key", &self.key)
+            .field("fencing_token", &self.token)
+            .field("lost", &self.is_lost())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TableLease {
+    /// Starts the renewal of a granted lease; `sent` is when the granting
+    /// statement was sent.
+    pub(super) fn start(
+        inner: Arc<Inner>,
+        key: LockKey,
+        expr: KeyExpr,
+        owner: Owner,
+        token: FencingToken,
+        sent: tokio::time::Instant,
+    ) -> Self {
+        let (loss, loss_rx) = watch::channel(None);
+        let renewal = Renewal {
+            inner: Arc::clone(&inner),
+            key: key.clone(),
+            expr: expr.clone(),
+            owner,
+            loss,
+        };
+        let span = tracing::debug_span!("distlock.renew", backend = "table", key = %key);
+        let renewer = tokio::spawn(renewal.run(sent).instrument(span)).abort_handle();
+        Self {
+            key,
+            token,
+            acquired_at: Instant::now(),
+            inner,
+            expr,
+            owner,
+            loss: loss_rx,
+            renewer,
+            released: false,
+        }
+    }
+
+    /// The key held.
+    pub fn key(&self) -> &LockKey {
+        &self.key
+    }
+
+    /// The lease's fencing token: always `Some`, greater than every token
+    /// issued for this key before (by this locker, or by a
+    /// [`PgLocker`](crate::PgLocker) with fencing on the same key). Present
+    /// it with every protected write ([`fence::check`](crate::fence::check)).
+    pub fn fencing_token(&self) -> Option<FencingToken> {
+        Some(self.token)
+    }
+
+    /// Completes when the lease can no longer be trusted, with the reason:
+    /// [`LossReason::Expired`] when a renewal found the row expired or
+    /// someone else's, [`LossReason::HeartbeatTimedOut`] or
+    /// [`LossReason::ConnectionFailed`] when no renewal succeeded within two
+    /// thirds of a TTL, [`LossReason::KeeperStopped`] when the renewal task
+    /// stopped (the runtime shut down).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only watches a channel.
+    pub async fn lost(&self) -> LossReason {
+        let mut loss = self.loss.clone();
+        match loss.wait_for(Option::is_some).await {
+            Ok(reason) => reason.clone().unwrap_or(LossReason::KeeperStopped),
+            Err(_) => self
+                .loss
+                .borrow()
+                .clone()
+                .unwrap_or(LossReason::KeeperStopped),
+        }
+    }
+
+    /// `true` once [`lost`](Self::lost) would complete.
+    pub fn is_lost(&self) -> bool {
+        self.loss.borrow().is_some() || self.renewer.is_finished()
+    }
+
+    /// Ends the lease: stops its renewal and deletes its row, which wakes
+    /// waiters listening for the key. Costs 1 round trip and 1 durable
+    /// write, within the release deadline
+    /// ([`TableLockerBuilder::release_timeout`](super::TableLockerBuilder::release_timeout)).
+    ///
+    /// [`Error::LockLost`] if the lease had been lost (the row is deleted if
+    /// it is still ours), [`Error::ReleaseTimedOut`] if the server did not
+    /// answer in time (the row then expires after one TTL).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes leaves the row to expire
+    /// (renewal has stopped), or deleted if the statement got through.
+    pub async fn release(mut self) -> Result<(), Error> {
+        self.released = true;
+        self.renewer.abort();
+        let span = tracing::debug_span!(
+            "distlock.release",
+            backend = "table",
+            key = %self.key,
+            hold_ms = self.acquired_at.elapsed().as_secs_f64() * 1e3,
+            outcome = tracing::field::Empty,
+        );
+        let budget = self.inner.release_timeout;
+        let statement = release_statement(&self.inner, &self.expr, self.owner);
+        let outcome = tokio::time::timeout(budget, statement)
+            .instrument(span.clone())
+            .await;
+        let lost = self.loss.borrow().clone();
+        let result = match (outcome, lost) {
+            (_, Some(reason)) => Err(Error::LockLost {
+                key: self.key.to_string(),
+                reason,
+            }),
+            (Ok(Ok(true)), None) => {
+                crate::metrics::released("table", &self.key, self.acquired_at.elapsed());
+                Ok(())
+            }
+            (Ok(Ok(false)), None) => Err(Error::LockLost {
+                key: self.key.to_string(),
+                reason: LossReason::Expired,
+            }),
+            (Ok(Err(err)), None) => Err(err),
+            (Err(_), None) => Err(Error::ReleaseTimedOut {
+                key: self.key.to_string(),
+                after: budget,
+            }),
+        };
+        let outcome = match &result {
+            Ok(()) => "released",
+            Err(Error::LockLost { .. }) => "lost",
+            Err(_) => "error",
+        };
+        span.record("outcome", outcome);
+        result
+    }
+}
+
+impl Drop for TableLease {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        self.renewer.abort();
+        release_in_background(Arc::clone(&self.inner), self.expr.clone(), self.owner);
+    }
+}
+
+/// `distlock.lease_release` for `owner`: 1 round trip; `true` if the lease
+/// was the owner's and unexpired. Only a connection that answered goes back
+/// to the pool.
+pub(super) async fn release_statement(
+    inner: &Inner,
+    expr: &KeyExpr,
+    owner: Owner,
+) -> Result<bool, Error> {
+    let mut conn = HeldConn::new(inner.pool.acquire().await?, true);
+    let row = sqlx::raw_sql(AssertSqlSafe(sql::release(expr, owner)))
+        .fetch_one(conn.conn())
+        .await?;
+    conn.into_pool();
+    Ok(row.try_get(0)?)
+}
+
+/// Deletes `owner`'s row of `expr` from a task of its own, within the
+/// release deadline, if there is a runtime; otherwise the row expires.
+pub(super) fn release_in_background(inner: Arc<Inner>, expr: KeyExpr, owner: Owner) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        let budget = inner.release_timeout;
+        match tokio::time::timeout(budget, release_statement(&inner, &expr, owner)).await {
+            Ok(Ok(_)) => tracing::debug!("distlock lease released in the background"),
+            Ok(Err(err)) => tracing::warn!(
+                error = %err,
+                "background release of a lease failed; its row expires after one TTL"
+            ),
+            Err(_) => tracing::warn!(
+                after = ?budget,
+                "background release of a lease timed out; its row expires after one TTL"
+            ),
+        }
+    });
+}
+
+#[async_trait]
+impl Locker for TableLocker {
+    async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
+        let lease = TableLocker::try_lock(self, key).await?;
+        Ok(lease.map(|lease| Box::new(lease) as Box<dyn Lease>))
+    }
+
+    async fn lock(&self, key: LockKey, timeout: Duration) -> Result<Box<dyn Lease>, Error> {
+        Ok(Box::new(TableLocker::lock(self, key, timeout).await?))
+    }
+
+    fn backend(&self) -> &'static str {
+        "table"
+    }
+}
+
+#[async_trait]
+impl Lease for TableLease {
+    fn key(&self) -> &LockKey {
+        TableLease::key(self)
+    }
+
+    fn fencing_token(&self) -> Option<FencingToken> {
+        TableLease::fencing_token(self)
+    }
+
+    async fn lost(&self) -> LossReason {
+        TableLease::lost(self).await
+    }
+
+    fn is_lost(&self) -> bool {
+        TableLease::is_lost(self)
+    }
+
+    async fn release(self: Box<Self>) -> Result<(), Error> {
+        TableLease::release(*self).await
+    }
+}

@@ -1,0 +1,37 @@
+//! Leases in a table: [`TableLocker`], for transaction poolers and failover.
+//!
+//! A [`PgLocker`](crate::PgLocker) session lock lives in a server session:
+//! it needs a connection of its own for as long as it is held, which a
+//! transaction pooler (PgBouncer in transaction mode) cannot give, and it is
+//! gone after a failover (a standby has no sessions). A [`TableLease`] is a
+//! row of `distlock.leases` instead, with an owner only its holder knows, an
+//! expiry on the server's clock and a fencing token, kept alive by a
+//! renewal every third of its time to live. Every operation is one
+//! statement in one short transaction; a grant committed with synchronous
+//! replication survives a failover.
+//!
+//! The price: a grant, each renewal and a release are durable writes, a
+//! holder that vanishes blocks its key for up to one TTL, and a holder
+//! that cannot renew gives up after two thirds of one. See [`TableLocker`]
+//! for costs, the clock assumption and waiting.
+//!
+//! | file | what it holds |
+//! |---|---|
+//! | `locker.rs` | [`TableLocker`], [`TableLockerBuilder`], taking a lease |
+//! | `lease.rs` | [`TableLease`], release, the `Locker`/`Lease` impls |
+//! | `renew.rs` | the renewal task and its loss deadline |
+//! | `notify.rs` | the `LISTEN` connection that wakes waiters |
+//! | `sql.rs` | the statements, as simple queries safe for poolers |
+//!
+//! The SQL functions (`distlock.lease_acquire`, `lease_renew`,
+//! `lease_release`, `lease_purge`) are in the crate's migrations and can be
+//! called from other languages with the same guarantees.
+
+mod lease;
+mod locker;
+mod notify;
+mod renew;
+mod sql;
+
+pub use lease::TableLease;
+pub use locker::{DEFAULT_TTL, MAX_TTL, MIN_TTL, TableLocker, TableLockerBuilder};

@@ -1,0 +1,254 @@
+//! The statements of the lease table, as the text of simple queries.
+//!
+//! # Why not bound parameters
+//!
+//! sqlx sends a statement with bound parameters as two protocol exchanges
+//! (`Parse`/`Describe`/`Sync`, then `Bind`/`Execute`/`Sync`). A transaction
+//! pooler such as PgBouncer (before 1.21, or without
+//! `max_prepared_statements`) may run the two on different server
+//! connections, where the statement does not exist, or exists under the same
+//! name with another client's text. A simple query is one message, one round
+//! trip and one implicit transaction on one server connection, whatever sits
+//! in between.
+//!
+//! # Why this text is safe
+//!
+//! Only three kinds of value go into the text, none of which can hold a
+//! quote, a backslash or a semicolon: integers (Rust's own `Display`), the
+//! owner as a UUID rendered here from 128 random bits, and the key's name as
+//! hexadecimal digits that the server decodes (`convert_from(decode(..,
+//! 'hex'), 'UTF8')`). No input can change a statement's shape; the tests
+//! below pin that for hostile names. Every name is schema-qualified, so the
+//! session's `search_path` does not matter.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use crate::LockKey;
+use crate::key::Repr;
+
+/// The `LISTEN` channel on which `distlock.lease_release` announces a freed
+/// key, with payload `<space>:<lock_id>`.
+pub(super) const CHANNEL: &str = "distlock_lease";
+
+/// A lease's owner: random, known only to its holder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Owner(u128);
+
+impl Owner {
+    /// 122 random bits laid out as a version-4 UUID.
+    pub(super) fn random() -> Self {
+        let bits = rand::random::<u128>();
+        let bits = (bits & !(0xF << 76)) | (0x4 << 76); // version 4
+        let bits = (bits & !(0x3 << 62)) | (0x2 << 62); // RFC 4122 variant
+        Self(bits)
+    }
+
+    fn literal(self) -> String {
+        let hex = format!("{:032x}", self.0);
+        format!(
+            "'{}-{}-{}-{}-{}'::pg_catalog.uuid",
+            &hex[0..8],
+            &hex[8..12],
+            &hex[12..16],
+            &hex[16..20],
+            &hex[20..32]
+        )
+    }
+}
+
+/// How one key names its row: its space (1: one `bigint`, 2: two `int4`),
+/// and its lock id once the server has computed it (see
+/// [`KeyExpr::with_id`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct KeyExpr {
+    space: i16,
+    /// The lock id as an SQL expression of `k` (the name): computed on the
+    /// server for keys hashed with `hashtext`, as advisory locks do.
+    id: String,
+    /// The key's text as an SQL expression.
+    name: String,
+}
+
+impl KeyExpr {
+    /// The expressions for a validated `key`.
+    pub(super) fn new(key: &LockKey) -> Self {
+        let text = |name: &str| {
+            format!(
+                "pg_catalog.convert_from(pg_catalog.decode('{}', 'hex'), 'UTF8')",
+                hex(name)
+            )
+        };
+        match &key.repr {
+            Repr::Text(name) => Self {
+                space: 1,
+                id: "pg_catalog.hashtext(n.k)::pg_catalog.int8".into(),
+                name: text(name),
+            },
+            Repr::Id(id) => Self {
+                space: 1,
+                id: int8(*id),
+                name: text(&id.to_string()),
+            },
+            Repr::Hashed64(name, id) => Self {
+                space: 1,
+                id: int8(*id),
+                name: text(name),
+            },
+            Repr::Namespaced(ns, name) => Self {
+                space: 2,
+                id: format!(
+                    "(({ns})::pg_catalog.int8 << 32) | \
+                     (pg_catalog.hashtext(n.k)::pg_catalog.int8 & 4294967295)"
+                ),
+                name: text(name),
+            },
+        }
+    }
+
+    /// The same key with the lock id the server reported, so later
+    /// statements need not hash the name again.
+    pub(super) fn with_id(&self, lock_id: i64) -> Self {
+        Self {
+            space: self.space,
+            id: int8(lock_id),
+            name: self.name.clone(),
+        }
+    }
+
+    pub(super) fn space(&self) -> i16 {
+        self.space
+    }
+}
+
+/// `(n)::pg_catalog.int8`; parenthesised so that `i64::MIN` parses.
+fn int8(n: i64) -> String {
+    format!("({n})::pg_catalog.int8")
+}
+
+fn hex(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() * 2);
+    for byte in text.bytes() {
+        let _ = write!(out, "{byte:02x}");
+    }
+    out
+}
+
+/// Whole milliseconds, at least 1 (the caller has validated the range).
+fn millis(ttl: Duration) -> u128 {
+    ttl.as_millis().max(1)
+}
+
+/// Columns: `granted` (bool), `fencing_token` (int8, NULL if refused),
+/// `wait_ms` (int8, NULL if granted), `lock_id` (int8).
+pub(super) fn acquire(key: &KeyExpr, owner: Owner, ttl: Duration) -> String {
+    format!(
+        "SELECT a.granted, a.fencing_token, a.wait_ms, i.lock_id \
+         FROM (SELECT {name} AS k) AS n \
+         CROSS JOIN LATERAL (SELECT {id} AS lock_id) AS i \
+         CROSS JOIN LATERAL distlock.lease_acquire({space}::pg_catalog.int2, i.lock_id, n.k, \
+         {owner}, {ttl}::pg_catalog.int8) AS a",
+        name = key.name,
+        id = key.id,
+        space = key.space,
+        owner = owner.literal(),
+        ttl = millis(ttl),
+    )
+}
+
+/// One column: whether the lease was the owner's and unexpired, and is
+/// extended now.
+pub(super) fn renew(key: &KeyExpr, owner: Owner, ttl: Duration) -> String {
+    format!(
+        "SELECT distlock.lease_renew({space}::pg_catalog.int2, {id}, {owner}, \
+         {ttl}::pg_catalog.int8) FROM (SELECT {name} AS k) AS n",
+        space = key.space,
+        id = key.id,
+        owner = owner.literal(),
+        ttl = millis(ttl),
+        name = key.name,
+    )
+}
+
+/// One column: whether the lease was the owner's and unexpired (it is gone
+/// either way).
+pub(super) fn release(key: &KeyExpr, owner: Owner) -> String {
+    format!(
+        "SELECT distlock.lease_release({space}::pg_catalog.int2, {id}, {owner}) \
+         FROM (SELECT {name} AS k) AS n",
+        space = key.space,
+        id = key.id,
+        owner = owner.literal(),
+        name = key.name,
+    )
+}
+
+/// One column: how many expired rows were deleted.
+pub(super) fn purge(limit: u32) -> String {
+    format!("SELECT distlock.lease_purge({limit})")
+}
+
+/// The payload `lease_release` sends for `(space, lock_id)`.
+pub(super) fn parse_payload(payload: &str) -> Option<(i16, i64)> {
+    let (space, id) = payload.split_once(':')?;
+    Some((space.parse().ok()?, id.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a statement may contain besides its fixed text: hex digits,
+    /// integers, a UUID. A hostile name must leave no trace of itself.
+    #[test]
+    fn hostile_names_never_reach_the_statement_text() {
+        let hostile = "x'); DROP TABLE distlock.leases; --\\'\"$$ é";
+        for key in [
+            LockKey::from(hostile),
+            LockKey::namespaced(-7, hostile),
+            LockKey::hashed64(hostile),
+            LockKey::id(i64::MIN),
+        ] {
+            let expr = KeyExpr::new(&key);
+            let owner = Owner::random();
+            for sql in [
+                acquire(&expr, owner, Duration::from_secs(1)),
+                renew(&expr, owner, Duration::from_secs(1)),
+                release(&expr, owner),
+                release(&expr.with_id(-42), owner),
+            ] {
+                assert!(!sql.contains("DROP"), "{sql}");
+                assert!(!sql.contains(';'), "{sql}");
+                assert!(!sql.contains('\\'), "{sql}");
+                assert!(!sql.contains('"'), "{sql}");
+                assert!(!sql.contains("$$"), "{sql}");
+                // Quotes come in pairs around hex digits, a UUID or 'hex'/'UTF8'.
+                for (i, quoted) in sql.split('\'').enumerate().filter(|(i, _)| i % 2 == 1) {
+                    assert!(
+                        quoted.chars().all(|c| c.is_ascii_hexdigit()
+                            || c == '-'
+                            || c.is_ascii_alphanumeric()),
+                        "quoted part {i} {quoted:?} in {sql}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn owners_are_version_4_uuids_and_differ() {
+        let a = Owner::random();
+        let b = Owner::random();
+        assert_ne!(a, b);
+        let text = a.literal();
+        assert_eq!(text.len(), "''::pg_catalog.uuid".len() + 36);
+        assert_eq!(&text[15..16], "4", "{text}");
+    }
+
+    #[test]
+    fn payloads_parse() {
+        assert_eq!(parse_payload("1:-42"), Some((1, -42)));
+        assert_eq!(parse_payload("2:9223372036854775807"), Some((2, i64::MAX)));
+        assert_eq!(parse_payload("probe"), None);
+    }
+}

@@ -1,0 +1,823 @@
+//! `TableLocker`: leases as rows of `distlock.leases`, on a real PostgreSQL
+//! (each test in a database of its own), through a real PgBouncer in
+//! transaction mode, and behind a proxy that stalls.
+//!
+//! Where a test guards a safety property, it also runs a broken variant
+//! (a holder that trusts its lease too long, SQL functions without the
+//! owner or expiry check, a history with an overlap) and shows that the
+//! same check catches it.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::pgbouncer::PgBouncer;
+use common::proxy::Proxy;
+use common::{bounded, init_tracing};
+use distlock::postgres::TableLocker;
+use distlock::{Error, JobOutcome, LockKey, LossReason, SingletonJob};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, Row};
+
+async fn migrated(pool: &PgPool) {
+    distlock::migrate(pool).await.expect("migrate");
+}
+
+/// A pool of its own (another "process") on `options`.
+async fn pool_on(options: PgConnectOptions) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(options)
+        .await
+        .expect("pool")
+}
+
+fn locker(pool: &PgPool, ttl: Duration) -> TableLocker {
+    TableLocker::builder(pool.clone())
+        .ttl(ttl)
+        .build()
+        .expect("valid ttl")
+}
+
+async fn rows(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM distlock.leases")
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+// ---- mutual exclusion and tokens ------------------------------------------
+
+/// One critical section: its token, as the holder saw it, in the order the
+/// sections were entered.
+#[derive(Debug, Clone, Copy)]
+struct Section {
+    token: i64,
+    overlapped: bool,
+}
+
+/// Fails on two holders at once or on a token that does not increase.
+fn check_sections(sections: &[Section]) -> Result<(), String> {
+    if let Some(s) = sections.iter().find(|s| s.overlapped) {
+        return Err(format!("two holders at once (token {})", s.token));
+    }
+    for pair in sections.windows(2) {
+        if pair[1].token <= pair[0].token {
+            return Err(format!(
+                "token {} after {}: not increasing",
+                pair[1].token, pair[0].token
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_section_check_catches_overlaps_and_repeated_tokens() {
+    let ok = |token| Section {
+        token,
+        overlapped: false,
+    };
+    assert!(check_sections(&[ok(1), ok(2), ok(5)]).is_ok());
+    assert!(check_sections(&[ok(1), ok(1)]).is_err());
+    assert!(check_sections(&[ok(3), ok(2)]).is_err());
+    let overlap = Section {
+        token: 4,
+        overlapped: true,
+    };
+    assert!(check_sections(&[ok(1), overlap]).is_err());
+}
+
+#[sqlx::test(migrations = false)]
+async fn many_tasks_on_three_lockers_never_overlap_and_tokens_increase(pool: PgPool) {
+    init_tracing();
+    migrated(&pool).await;
+    let mut lockers = Vec::new();
+    for _ in 0..3 {
+        let own = pool_on(pool.connect_options().as_ref().clone()).await;
+        lockers.push(locker(&own, Duration::from_secs(2)));
+    }
+    let inside = Arc::new(AtomicUsize::new(0));
+    let sections = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = tokio::task::JoinSet::new();
+    for task in 0..12 {
+        let locker = lockers[task % 3].clone();
+        let (inside, sections) = (Arc::clone(&inside), Arc::clone(&sections));
+        tasks.spawn(async move {
+            for _ in 0..8 {
+                let lease = locker
+                    .lock("table:exclusive", Duration::from_secs(60))
+                    .await?;
+                let overlapped = inside.fetch_add(1, Ordering::SeqCst) != 0;
+                let token = lease.fencing_token().expect("always a token").value();
+                sections
+                    .lock()
+                    .expect("sections")
+                    .push(Section { token, overlapped });
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                lease.release().await?;
+            }
+            Ok::<_, Error>(())
+        });
+    }
+    let started = Instant::now();
+    while let Some(done) = tasks.join_next().await {
+        done.expect("task").expect("lock and release");
+    }
+    let sections = sections.lock().expect("sections").clone();
+    println!(
+        "{} sections in {:?}, tokens {}..{}",
+        sections.len(),
+        started.elapsed(),
+        sections[0].token,
+        sections[sections.len() - 1].token
+    );
+    assert_eq!(sections.len(), 96);
+    check_sections(&sections).unwrap();
+    assert_eq!(rows(&pool).await, 0, "every release deleted its row");
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_lease_outlives_its_ttl_while_renewed(pool: PgPool) {
+    migrated(&pool).await;
+    let ttl = Duration::from_millis(300);
+    let (a, b) = (locker(&pool, ttl), locker(&pool, ttl));
+    let lease = a.try_lock("table:renewed").await.unwrap().expect("free");
+    for _ in 0..8 {
+        tokio::time::sleep(ttl / 2).await;
+        assert!(!lease.is_lost(), "renewed every ttl/3");
+        assert!(b.try_lock("table:renewed").await.unwrap().is_none());
+    }
+    lease.release().await.unwrap();
+    let next = b
+        .try_lock("table:renewed")
+        .await
+        .unwrap()
+        .expect("released");
+    next.release().await.unwrap();
+}
+
+// ---- through PgBouncer -------------------------------------------------------
+
+#[sqlx::test(migrations = false)]
+async fn works_through_pgbouncer_in_transaction_mode(pool: PgPool) {
+    init_tracing();
+    migrated(&pool).await;
+    let direct = pool.connect_options().as_ref().clone();
+    let bouncer = PgBouncer::start(direct.get_port()).await;
+    let through = |_: ()| async {
+        PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(bouncer.options(&direct))
+            .await
+            .expect("pool through pgbouncer")
+    };
+    let (pool_a, pool_b) = (through(()).await, through(()).await);
+
+    // The pooler really moves a client between server sessions...
+    let mut pids = std::collections::HashSet::new();
+    for _ in 0..20 {
+        let pid: i32 = sqlx::raw_sql("SELECT pg_backend_pid()")
+            .fetch_one(&pool_a)
+            .await
+            .unwrap()
+            .get(0);
+        pids.insert(pid);
+    }
+    assert!(pids.len() > 1, "one server session only: {pids:?}");
+    // ...which is why the lease statements are simple queries: a statement
+    // with bound parameters, outside a transaction, is split in two and
+    // fails through this PgBouncer (sqlx 0.9, PgBouncer 1.18).
+    let mut failures = 0;
+    for _ in 0..10 {
+        let bound = sqlx::query_scalar::<_, i64>("SELECT $1::int8 + 1")
+            .bind(41_i64)
+            .fetch_one(&pool_a)
+            .await;
+        failures += usize::from(bound.is_err());
+    }
+    println!("bound-parameter statements failing through pgbouncer: {failures}/10");
+
+    // Waiters listen on a direct connection (LISTEN needs a session).
+    let ttl = Duration::from_millis(600);
+    let make = |pool: &PgPool| {
+        TableLocker::builder(pool.clone())
+            .ttl(ttl)
+            .listen_options(direct.clone())
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (make(&pool_a), make(&pool_b));
+
+    // Exclusive, renewed past its TTL, released, handed over.
+    let lease = a.try_lock("table:bouncer").await.unwrap().expect("free");
+    tokio::time::sleep(ttl * 2).await;
+    assert!(!lease.is_lost(), "renewed through pgbouncer");
+    assert!(b.try_lock("table:bouncer").await.unwrap().is_none());
+    let waiter = tokio::spawn({
+        let b = b.clone();
+        async move { b.lock("table:bouncer", Duration::from_secs(10)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let released = Instant::now();
+    let first_token = lease.fencing_token().unwrap();
+    lease.release().await.unwrap();
+    let next = bounded("hand-off", Duration::from_secs(10), waiter)
+        .await
+        .unwrap()
+        .expect("handed over");
+    println!("hand-off through pgbouncer: {:?}", released.elapsed());
+    assert!(next.fencing_token().unwrap() > first_token);
+    next.release().await.unwrap();
+
+    // Many tasks through the pooler: no overlap, increasing tokens.
+    let inside = Arc::new(AtomicUsize::new(0));
+    let sections = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = tokio::task::JoinSet::new();
+    for task in 0..8 {
+        let locker = if task % 2 == 0 { a.clone() } else { b.clone() };
+        let (inside, sections) = (Arc::clone(&inside), Arc::clone(&sections));
+        tasks.spawn(async move {
+            for _ in 0..6 {
+                let lease = locker
+                    .lock("table:bouncer:many", Duration::from_secs(60))
+                    .await?;
+                let overlapped = inside.fetch_add(1, Ordering::SeqCst) != 0;
+                let token = lease.fencing_token().unwrap().value();
+                sections.lock().unwrap().push(Section { token, overlapped });
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                lease.release().await?;
+            }
+            Ok::<_, Error>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap().unwrap();
+    }
+    check_sections(&sections.lock().unwrap()).unwrap();
+    assert_eq!(rows(&pool).await, 0);
+    drop((a, b));
+    pool_a.close().await;
+    pool_b.close().await;
+    assert!(!bouncer.log().contains("FATAL"), "{}", bouncer.log());
+}
+
+// ---- a cut-off holder gives up first -----------------------------------------
+
+/// A holder written by hand on the SQL functions, that renews every TTL/3
+/// and trusts its lease until `trust` after the last renewal it *sent*
+/// successfully: the library uses 2/3 of the TTL; a broken holder trusts it
+/// longer than the TTL. Returns when it stopped trusting the lease.
+async fn hand_written_holder(
+    conn_options: PgConnectOptions,
+    key: &str,
+    ttl: Duration,
+    trust: Duration,
+) -> tokio::task::JoinHandle<Instant> {
+    let pool = pool_on(conn_options).await;
+    let owner = format!("{:032x}", rand::random::<u128>());
+    let ttl_ms = i64::try_from(ttl.as_millis()).unwrap();
+    let granted: bool = sqlx::query_scalar(
+        "SELECT granted FROM distlock.lease_acquire(1::int2, hashtext($1)::int8, $1, $2::uuid, $3)",
+    )
+    .bind(key)
+    .bind(&owner)
+    .bind(ttl_ms)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(granted);
+    let mut last_ok = Instant::now();
+    let key = key.to_owned();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep_until((last_ok + ttl / 3).into()).await;
+            let sent = Instant::now();
+            let renew = sqlx::query_scalar::<_, bool>(
+                "SELECT distlock.lease_renew(1::int2, hashtext($1)::int8, $2::uuid, $3)",
+            )
+            .bind(&key)
+            .bind(&owner)
+            .bind(ttl_ms)
+            .fetch_one(&pool);
+            match tokio::time::timeout_at((last_ok + trust).into(), renew).await {
+                Ok(Ok(true)) => last_ok = sent,
+                _ => return Instant::now(),
+            }
+        }
+    })
+}
+
+/// Cuts the holder off (the proxy stalls), lets the other locker wait for
+/// the key, and returns (the instant the holder stopped trusting its lease,
+/// the instant the other was granted the key).
+async fn cut_off(pool: &PgPool, holder: Holder, key: &str, ttl: Duration) -> (Instant, Instant) {
+    let proxy = Proxy::start("127.0.0.1", pool.connect_options().get_port())
+        .await
+        .expect("proxy");
+    let via_proxy = pool
+        .connect_options()
+        .as_ref()
+        .clone()
+        .host("127.0.0.1")
+        .port(proxy.port());
+    let other = locker(pool, ttl);
+    let (lost, lease) = match holder {
+        Holder::Library => {
+            let holder_pool = pool_on(via_proxy).await;
+            let holder = TableLocker::builder(holder_pool)
+                .ttl(ttl)
+                .listen(false)
+                .build()
+                .unwrap();
+            let lease = holder.try_lock(key).await.unwrap().expect("free");
+            let lease = Arc::new(lease);
+            let watch = Arc::clone(&lease);
+            let lost = tokio::spawn(async move {
+                watch.lost().await;
+                Instant::now()
+            });
+            (lost, Some(lease))
+        }
+        Holder::HandWritten { trust } => {
+            (hand_written_holder(via_proxy, key, ttl, trust).await, None)
+        }
+    };
+    // A few renewals go through, then the network stalls.
+    tokio::time::sleep(ttl).await;
+    proxy.stall();
+    let granted = other
+        .lock(key, Duration::from_secs(30))
+        .await
+        .expect("granted after expiry");
+    let granted_at = Instant::now();
+    let lost_at = bounded("the holder gives up", Duration::from_secs(30), lost)
+        .await
+        .unwrap();
+    if let Some(lease) = lease {
+        // The network comes back: late renewals must not revive anything.
+        proxy.pass();
+        tokio::time::sleep(ttl).await;
+        assert!(lease.is_lost(), "a lost lease stays lost");
+        assert!(!granted.is_lost(), "the new holder keeps its lease");
+        let lease = Arc::into_inner(lease).expect("the watcher is done");
+        assert!(matches!(lease.release().await, Err(Error::LockLost { .. })));
+        assert!(!granted.is_lost());
+    }
+    granted.release().await.unwrap();
+    (lost_at, granted_at)
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Holder {
+    Library,
+    HandWritten { trust: Duration },
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_cut_off_holder_reports_loss_before_anyone_is_granted_its_key(pool: PgPool) {
+    init_tracing();
+    migrated(&pool).await;
+    let ttl = Duration::from_millis(900);
+    let (lost_at, granted_at) = cut_off(&pool, Holder::Library, "table:cut", ttl).await;
+    println!(
+        "holder gave up {:?} before the key was granted elsewhere",
+        granted_at.saturating_duration_since(lost_at)
+    );
+    assert!(
+        lost_at < granted_at,
+        "lost {lost_at:?}, granted {granted_at:?}"
+    );
+
+    // Control: a holder that trusts its lease for a TTL and a third after
+    // its last renewal is still trusting it when the key is granted.
+    let broken = Holder::HandWritten { trust: ttl * 4 / 3 };
+    let (lost_at, granted_at) = cut_off(&pool, broken, "table:cut:broken", ttl).await;
+    println!(
+        "the broken holder trusted its lease {:?} after the key was granted elsewhere",
+        lost_at.saturating_duration_since(granted_at)
+    );
+    assert!(
+        lost_at > granted_at,
+        "the check would not catch a holder that trusts too long"
+    );
+}
+
+// ---- renewals and releases never resurrect ----------------------------------
+
+/// Per round: `A` is granted a 40 ms lease and lets it expire; then A's
+/// renewals and releases race B's acquisition. Every renewal must fail
+/// (the lease had expired), B must be granted, and B's row must survive.
+/// `renew` and `release` name the SQL functions under test.
+async fn race_expired_lease(
+    pool: &PgPool,
+    renew: &str,
+    release: &str,
+    rounds: usize,
+) -> Result<(), String> {
+    for round in 0..rounds {
+        let key = format!("table:race:{renew}:{release}:{round}");
+        let (a, b) = (
+            format!("{:032x}", rand::random::<u128>()),
+            format!("{:032x}", rand::random::<u128>()),
+        );
+        let acquire = "SELECT granted FROM distlock.lease_acquire(1::int2, hashtext($1)::int8, $1, $2::uuid, $3)";
+        let granted: bool = sqlx::query_scalar(acquire)
+            .bind(&key)
+            .bind(&a)
+            .bind(40_i64)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        assert!(granted);
+        tokio::time::sleep(Duration::from_millis(70)).await;
+        let mut racers = tokio::task::JoinSet::new();
+        for i in 0..12 {
+            let (pool, key, a, b) = (pool.clone(), key.clone(), a.clone(), b.clone());
+            let sql = match i % 3 {
+                0 => format!("SELECT {renew}(1::int2, hashtext($1)::int8, $2::uuid, 60000)"),
+                1 => format!("SELECT {release}(1::int2, hashtext($1)::int8, $2::uuid)"),
+                _ => acquire.replace("$3", "60000"),
+            };
+            racers.spawn(async move {
+                let owner = if i % 3 == 2 { b } else { a };
+                let ok: bool = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                    .bind(&key)
+                    .bind(&owner)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                (i % 3, ok)
+            });
+        }
+        let mut b_granted = 0;
+        while let Some(done) = racers.join_next().await {
+            match done.unwrap() {
+                (0, true) => return Err(format!("round {round}: an expired lease was renewed")),
+                (1, true) => {
+                    return Err(format!(
+                        "round {round}: an expired lease was released as held"
+                    ));
+                }
+                (2, true) => b_granted += 1,
+                _ => {}
+            }
+        }
+        if b_granted != 1 {
+            return Err(format!("round {round}: B granted {b_granted} times"));
+        }
+        let owner: Option<String> = sqlx::query_scalar(
+            "SELECT owner::text FROM distlock.leases WHERE lock_id = hashtext($1)::int8",
+        )
+        .bind(&key)
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+        let b_uuid = sqlx::query_scalar::<_, String>("SELECT $1::uuid::text")
+            .bind(&b)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        if owner.as_deref() != Some(b_uuid.as_str()) {
+            return Err(format!(
+                "round {round}: B's row is gone or changed: {owner:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[sqlx::test(migrations = false)]
+async fn renewals_and_releases_never_resurrect_an_expired_lease(pool: PgPool) {
+    migrated(&pool).await;
+    race_expired_lease(&pool, "distlock.lease_renew", "distlock.lease_release", 25)
+        .await
+        .unwrap();
+
+    // Controls: the same functions without the expiry check, or without the
+    // owner check, are caught.
+    sqlx::raw_sql(
+        "CREATE SCHEMA broken;
+         CREATE FUNCTION broken.renew_without_expiry(s smallint, id bigint, o uuid, ms bigint)
+         RETURNS boolean LANGUAGE sql AS $$
+           WITH r AS (UPDATE distlock.leases SET expires_at = clock_timestamp() + ms * interval '1 ms'
+                      WHERE space = s AND lock_id = id AND owner = o RETURNING 1)
+           SELECT EXISTS (SELECT 1 FROM r) $$;
+         CREATE FUNCTION broken.release_without_owner(s smallint, id bigint, o uuid)
+         RETURNS boolean LANGUAGE sql AS $$
+           WITH r AS (DELETE FROM distlock.leases WHERE space = s AND lock_id = id RETURNING 1)
+           SELECT (SELECT count(*) FROM r) < 0 $$;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let caught = race_expired_lease(
+        &pool,
+        "broken.renew_without_expiry",
+        "distlock.lease_release",
+        25,
+    )
+    .await;
+    println!("renewal without the expiry check: {caught:?}");
+    assert!(
+        caught.is_err(),
+        "a renewal that ignores expiry went unnoticed"
+    );
+    let caught = race_expired_lease(
+        &pool,
+        "distlock.lease_renew",
+        "broken.release_without_owner",
+        25,
+    )
+    .await;
+    println!("release without the owner check: {caught:?}");
+    assert!(
+        caught.is_err(),
+        "a release that ignores the owner went unnoticed"
+    );
+}
+
+// ---- hand-off ------------------------------------------------------------------
+
+/// Median latency from `release()` returning to the waiter's `lock()`
+/// returning, over `rounds` hand-offs.
+async fn hand_off_latency(holder: &TableLocker, waiter: &TableLocker, rounds: usize) -> Duration {
+    let mut took = Vec::new();
+    for round in 0..rounds {
+        let key = format!("table:handoff:{round}");
+        let lease = holder.try_lock(key.as_str()).await.unwrap().expect("free");
+        let wait = tokio::spawn({
+            let (waiter, key) = (waiter.clone(), key.clone());
+            async move {
+                let lease = waiter.lock(key, Duration::from_secs(30)).await;
+                (Instant::now(), lease)
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let released = Instant::now();
+        lease.release().await.unwrap();
+        let (granted, lease) = wait.await.unwrap();
+        lease.unwrap().release().await.unwrap();
+        took.push(granted - released);
+    }
+    took.sort();
+    took[took.len() / 2]
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_release_wakes_the_waiter_without_a_poll_interval(pool: PgPool) {
+    migrated(&pool).await;
+    let other = pool_on(pool.connect_options().as_ref().clone()).await;
+    let ttl = Duration::from_secs(30);
+    let poll = Duration::from_secs(3);
+    let listening = |pool: &PgPool| {
+        TableLocker::builder(pool.clone())
+            .ttl(ttl)
+            .poll_interval(poll)
+            .build()
+            .unwrap()
+    };
+    let median = hand_off_latency(&listening(&pool), &listening(&other), 15).await;
+    println!("hand-off, listening (poll {poll:?}): median {median:?}");
+    assert!(
+        median < Duration::from_millis(300),
+        "{median:?}: not woken by NOTIFY"
+    );
+
+    let polling = |pool: &PgPool| {
+        TableLocker::builder(pool.clone())
+            .ttl(ttl)
+            .listen(false)
+            .poll_interval(Duration::from_millis(100))
+            .build()
+            .unwrap()
+    };
+    let median = hand_off_latency(&polling(&pool), &polling(&other), 15).await;
+    println!("hand-off, polling every 100 ms: median {median:?}");
+
+    // A holder that vanished without releasing (a row nobody renews): the
+    // waiter looks again when its lease runs out, not a poll interval later.
+    let granted: bool = sqlx::query_scalar(
+        "SELECT granted FROM distlock.lease_acquire(1::int2, hashtext($1)::int8, $1, gen_random_uuid(), 500)",
+    )
+    .bind("table:vanished")
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(granted);
+    let started = Instant::now();
+    let lease = listening(&other)
+        .lock("table:vanished", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    println!(
+        "a vanished holder's key granted {took:?} after the wait began (lease 500 ms, poll {poll:?})"
+    );
+    assert!(
+        took < Duration::from_millis(1500),
+        "{took:?}: waited for a poll"
+    );
+    lease.release().await.unwrap();
+}
+
+// ---- housekeeping -------------------------------------------------------------
+
+#[sqlx::test(migrations = false)]
+async fn expired_rows_are_purged_by_grants_and_on_request(pool: PgPool) {
+    migrated(&pool).await;
+    // 30 holders that vanished: expired rows nobody released.
+    sqlx::query(
+        "INSERT INTO distlock.leases \
+         SELECT 1, i, 'gone:' || i, gen_random_uuid(), i, now(), now(), clock_timestamp() \
+         FROM generate_series(1, 30) AS i",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(rows(&pool).await, 30);
+    let locker = locker(&pool, Duration::from_secs(5));
+    // A refused attempt writes nothing, purges nothing.
+    let held = locker.try_lock("table:purge").await.unwrap().expect("free");
+    assert_eq!(rows(&pool).await, 30 - 8 + 1, "a grant purges up to 8");
+    assert!(locker.try_lock("table:purge").await.unwrap().is_none());
+    assert_eq!(rows(&pool).await, 23);
+    let second = locker
+        .try_lock("table:purge:2")
+        .await
+        .unwrap()
+        .expect("free");
+    assert_eq!(rows(&pool).await, 23 - 8 + 1);
+    assert_eq!(locker.purge_expired(1000).await.unwrap(), 14);
+    assert_eq!(rows(&pool).await, 2, "only the live leases are left");
+    assert_eq!(locker.purge_expired(1000).await.unwrap(), 0);
+    held.release().await.unwrap();
+    second.release().await.unwrap();
+    assert_eq!(rows(&pool).await, 0);
+}
+
+// ---- bad input ----------------------------------------------------------------
+
+#[sqlx::test(migrations = false)]
+async fn bad_settings_and_huge_timeouts_are_clear_errors_not_panics(pool: PgPool) {
+    migrated(&pool).await;
+    for ttl in [
+        Duration::ZERO,
+        Duration::from_millis(99),
+        Duration::from_secs(86_401),
+        Duration::MAX,
+    ] {
+        let built = TableLocker::builder(pool.clone()).ttl(ttl).build();
+        assert!(
+            matches!(built, Err(Error::InvalidConfig(_))),
+            "ttl {ttl:?}: {built:?}"
+        );
+    }
+    for poll in [Duration::ZERO, Duration::MAX] {
+        let built = TableLocker::builder(pool.clone())
+            .poll_interval(poll)
+            .build();
+        assert!(
+            matches!(built, Err(Error::InvalidConfig(_))),
+            "poll {poll:?}: {built:?}"
+        );
+    }
+    let err = TableLocker::builder(pool.clone())
+        .ttl(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid configuration: TableLocker ttl must be between 100 ms and 24 h"
+    );
+    for ttl in [
+        distlock::postgres::table::MIN_TTL,
+        distlock::postgres::table::MAX_TTL,
+    ] {
+        let locker = locker(&pool, ttl);
+        let lease = locker
+            .try_lock("table:bounds")
+            .await
+            .unwrap()
+            .expect("free");
+        // A 100 ms lease may already be lost on a loaded machine; either
+        // way it is an answer, not a panic.
+        let released = lease.release().await;
+        assert!(
+            matches!(released, Ok(()) | Err(Error::LockLost { .. })),
+            "{released:?}"
+        );
+    }
+
+    let locker = locker(&pool, Duration::from_secs(5));
+    // A huge timeout on a free key: granted at once.
+    let lease = bounded(
+        "lock with Duration::MAX",
+        Duration::from_secs(5),
+        locker.lock("table:huge", Duration::MAX),
+    )
+    .await
+    .unwrap();
+    // On a held key: it waits (no overflow, no spin) and can be dropped.
+    let waiting = tokio::time::timeout(
+        Duration::from_millis(300),
+        locker.lock("table:huge", Duration::MAX),
+    )
+    .await;
+    assert!(waiting.is_err(), "still waiting");
+    lease.release().await.unwrap();
+    // The dropped wait left nothing behind.
+    let again = locker.try_lock("table:huge").await.unwrap().expect("free");
+    again.release().await.unwrap();
+    // Bad keys.
+    assert!(matches!(
+        locker.try_lock("").await,
+        Err(Error::InvalidKey { .. })
+    ));
+    // A key of every shape works, and distinct shapes are distinct rows.
+    let keys = [
+        LockKey::from("shape"),
+        LockKey::id(i64::MIN),
+        LockKey::namespaced(7, "shape"),
+        LockKey::hashed64("shape"),
+        LockKey::from("quote ' and \\ and é"),
+    ];
+    let mut held = Vec::new();
+    for key in keys {
+        held.push(locker.try_lock(key).await.unwrap().expect("free"));
+    }
+    assert_eq!(rows(&pool).await, 5);
+    let text: String = sqlx::query_scalar("SELECT key_text FROM distlock.leases WHERE space = 1 AND lock_id = hashtext('quote '' and \\ and é')")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(text, "quote ' and \\ and é");
+    for lease in held {
+        lease.release().await.unwrap();
+    }
+}
+
+// ---- jobs on the lease table ---------------------------------------------------
+
+#[sqlx::test(migrations = false)]
+async fn a_singleton_job_runs_once_and_stops_when_its_lease_is_lost(pool: PgPool) {
+    migrated(&pool).await;
+    let ttl = Duration::from_millis(600);
+    let a: Arc<dyn distlock::Locker> = Arc::new(locker(&pool, ttl));
+    let b: Arc<dyn distlock::Locker> = Arc::new(locker(&pool, ttl));
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let running = tokio::spawn(async move {
+        SingletonJob::new(a, "table:job")
+            .run(async |_ctx| {
+                let _ = started_tx.send(());
+                // Runs until it is stopped by the loss.
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                Ok::<_, Error>("done")
+            })
+            .await
+    });
+    started_rx.await.unwrap();
+    let skipped = SingletonJob::new(Arc::clone(&b), "table:job")
+        .run(async |_ctx| Ok::<_, Error>("twice"))
+        .await
+        .unwrap();
+    assert!(skipped.is_skipped(), "{skipped:?}");
+    // Someone deletes the row: the next renewal finds it gone.
+    sqlx::query("DELETE FROM distlock.leases")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let outcome = bounded("the job stops", Duration::from_secs(10), running)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(outcome, JobOutcome::Lost(LossReason::Expired)),
+        "{outcome:?}"
+    );
+    let ran = SingletonJob::new(b, "table:job")
+        .run(async |_ctx| Ok::<_, Error>("again"))
+        .await
+        .unwrap();
+    assert_eq!(ran.ran(), Some("again"));
+}
+
+/// `TableLease` is usable as `Box<dyn Lease>` and keeps its token there.
+#[sqlx::test(migrations = false)]
+async fn the_trait_object_carries_the_token(pool: PgPool) {
+    migrated(&pool).await;
+    let locker: Arc<dyn distlock::Locker> = Arc::new(locker(&pool, Duration::from_secs(5)));
+    assert_eq!(locker.backend(), "table");
+    let lease = locker
+        .try_lock(LockKey::from("table:dyn"))
+        .await
+        .unwrap()
+        .expect("free");
+    assert!(lease.fencing_token().is_some());
+    lease.release().await.unwrap();
+}

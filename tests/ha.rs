@@ -458,7 +458,9 @@ async fn crash_under_load_with_asynchronous_commit_keeps_tokens_increasing() {
 async fn a_table_lease_survives_a_synchronous_failover() {
     common::init_tracing();
     let primary = Cluster::primary("lease-primary", &[]).await;
-    distlock::migrate(&primary.pool().await).await.expect("migrate");
+    distlock::migrate(&primary.pool().await)
+        .await
+        .expect("migrate");
     let standby = Cluster::standby_of(&primary, "lease_standby", &[]).await;
     // Synchronous from now on: every commit waits until the standby applied it.
     primary

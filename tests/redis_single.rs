@@ -578,3 +578,87 @@ async fn an_acquisition_failing_in_the_script_never_sets_the_key() -> anyhow::Re
     );
     Ok(())
 }
+
+/// One trial of a Redis restart between two holders: A takes `key`, the
+/// server dies (SIGKILL) and comes back, B tries `key`. Returns (B was
+/// granted the key A still believes it holds, B's token is not above A's).
+async fn restart_trial(server: &mut RedisServer, key: &str) -> anyhow::Result<(bool, bool)> {
+    let a = locker(server).await.with_ttl(Duration::from_secs(30));
+    let held = a.try_lock(key).await?.expect("free");
+    let first = held.fencing_token().expect("fencing on").value();
+    server.kill();
+    server.spawn().await;
+    let b = locker(server).await;
+    let Some(second) = b.try_lock(key).await? else {
+        drop(held);
+        return Ok((false, false));
+    };
+    let regressed = second.fencing_token().expect("fencing on").value() <= first;
+    drop((held, second));
+    Ok((true, regressed))
+}
+
+/// A private server with its own directory (for the append-only file).
+async fn server_in_own_dir(args: &[&str]) -> (RedisServer, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!(
+        "distlock-redis-{}-{}",
+        std::process::id(),
+        common::redis::free_port()
+    ));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let mut all = vec!["--dir", dir.to_str().expect("utf-8")];
+    all.extend_from_slice(args);
+    (RedisServer::start_with(&all).await, dir)
+}
+
+/// Without persistence a restart forgets every lock and every fencing
+/// counter: the key is granted again at once and tokens repeat.
+/// `check_setup` says so beforehand. With `appendfsync always`, neither
+/// happens.
+#[tokio::test]
+async fn restarts_with_and_without_persistence() -> anyhow::Result<()> {
+    const TRIALS: usize = 20;
+    let (mut volatile, dir_a) = server_in_own_dir(&[]).await;
+    let report = locker(&volatile).await.check_setup().await;
+    assert!(
+        report
+            .warnings
+            .iter()
+            .any(|w| matches!(w, distlock::redis::SetupWarning::NoPersistence { .. })),
+        "{report:?}"
+    );
+    let (mut double, mut regressed) = (0, 0);
+    for i in 0..TRIALS {
+        let (d, r) = restart_trial(&mut volatile, &format!("restart:{i}")).await?;
+        double += usize::from(d);
+        regressed += usize::from(r);
+    }
+    println!(
+        "no persistence: {} double grants and {} token regressions per 100 restarts",
+        double * 100 / TRIALS,
+        regressed * 100 / TRIALS
+    );
+    assert_eq!(double, TRIALS, "every restart forgot the lock");
+    assert_eq!(regressed, TRIALS, "every restart repeated a token");
+
+    let (mut durable, dir_b) =
+        server_in_own_dir(&["--appendonly", "yes", "--appendfsync", "always"]).await;
+    let report = locker(&durable).await.check_setup().await;
+    assert!(report.is_sound(), "{report:?}");
+    let (mut double, mut regressed) = (0, 0);
+    for i in 0..TRIALS {
+        let (d, r) = restart_trial(&mut durable, &format!("restart:{i}")).await?;
+        double += usize::from(d);
+        regressed += usize::from(r);
+    }
+    println!(
+        "appendfsync always: {} double grants and {} token regressions per 100 restarts",
+        double * 100 / TRIALS,
+        regressed * 100 / TRIALS
+    );
+    assert_eq!((double, regressed), (0, 0));
+    drop((volatile, durable));
+    let _ = std::fs::remove_dir_all(dir_a);
+    let _ = std::fs::remove_dir_all(dir_b);
+    Ok(())
+}

@@ -139,7 +139,7 @@ impl Redlock {
                 retry_jitter: DEFAULT_RETRY_JITTER,
             },
         };
-        let report = setup::inspect(&redlock.nodes, SETUP_TIMEOUT).await;
+        let report = setup::inspect(&redlock.nodes, SETUP_TIMEOUT, false).await;
         if report.reachable() < redlock.quorum() {
             tracing::warn!(
                 reachable = report.reachable(),
@@ -215,7 +215,7 @@ impl Redlock {
     /// independent primaries; see the [module docs](super). Costs 1 round
     /// trip to every node, concurrently, each within the node timeout.
     pub async fn check_setup(&self) -> SetupReport {
-        setup::inspect(&self.nodes, self.config.node_timeout).await
+        setup::inspect(&self.nodes, self.config.node_timeout, false).await
     }
 
     /// Makes one attempt to take the lease `key`; `Ok(None)` if it was not

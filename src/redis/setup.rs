@@ -20,6 +20,10 @@ pub struct NodeStatus {
     pub primary: Option<String>,
     /// How many replicas follow this server.
     pub connected_replicas: u64,
+    /// Whether the server keeps an append-only file (`aof_enabled`), the
+    /// only persistence that can keep a lock and a fencing counter across a
+    /// restart (an RDB snapshot is minutes old). `None` if not reported.
+    pub append_only: Option<bool>,
     /// Why the node could not be asked, if it could not.
     pub error: Option<String>,
 }
@@ -54,6 +58,13 @@ pub enum SetupWarning {
     },
     /// Two configured nodes are the same server process (same `run_id`), so
     /// one server casts two votes.
+    /// The node keeps no append-only file while fencing tokens are in use:
+    /// a restart forgets every lock (the key can be granted again at once)
+    /// and the fencing counters (tokens start over and repeat).
+    NoPersistence {
+        /// The node.
+        node: String,
+    },
     SameServer {
         /// One node.
         first: String,
@@ -77,6 +88,10 @@ impl fmt::Display for SetupWarning {
             Self::HasReplicas { node, replicas } => write!(
                 f,
                 "node {node} has {replicas} replica(s): a failover may promote one that lacks a granted lock"
+            ),
+            Self::NoPersistence { node } => write!(
+                f,
+                "node {node} has no append-only file while fencing is on: a restart grants held locks again and repeats fencing tokens (use appendonly yes, appendfsync always)"
             ),
             Self::SameServer {
                 first,
@@ -115,10 +130,11 @@ impl SetupReport {
 }
 
 /// Asks every node (concurrently, each within `within`) and logs every
-/// warning at `WARN`. Costs 1 round trip per node.
-pub(crate) async fn inspect(nodes: &[Node], within: Duration) -> SetupReport {
+/// warning at `WARN`; `fencing`: whether the caller issues fencing tokens
+/// (which need persistence). Costs 1 round trip per node.
+pub(crate) async fn inspect(nodes: &[Node], within: Duration, fencing: bool) -> SetupReport {
     let nodes = join_all(nodes.iter().map(|node| status(node, within))).await;
-    let warnings = warnings(&nodes);
+    let warnings = warnings(&nodes, fencing);
     for warning in &warnings {
         tracing::warn!(%warning, "distlock: unsafe Redis setup");
     }
@@ -132,6 +148,7 @@ async fn status(node: &Node, within: Duration) -> NodeStatus {
         role: None,
         primary: None,
         connected_replicas: 0,
+        append_only: None,
         error: None,
     };
     // Plain `INFO` (default sections) works on every server version;
@@ -159,11 +176,17 @@ fn fill(status: &mut NodeStatus, info: &str) {
     status.connected_replicas = field("connected_slaves")
         .and_then(|n| n.parse().ok())
         .unwrap_or(0);
+    status.append_only = field("aof_enabled").map(|v| v == "1");
 }
 
-fn warnings(nodes: &[NodeStatus]) -> Vec<SetupWarning> {
+fn warnings(nodes: &[NodeStatus], fencing: bool) -> Vec<SetupWarning> {
     let mut warnings = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
+        if fencing && node.append_only == Some(false) {
+            warnings.push(SetupWarning::NoPersistence {
+                node: node.node.clone(),
+            });
+        }
         if let Some(error) = &node.error {
             warnings.push(SetupWarning::Unreachable {
                 node: node.node.clone(),
@@ -207,6 +230,7 @@ mod tests {
             role: None,
             primary: None,
             connected_replicas: 0,
+            append_only: None,
             error: None,
         };
         fill(&mut status, info);
@@ -220,13 +244,26 @@ mod tests {
         );
         assert_eq!(status.run_id.as_deref(), Some("abc"));
         assert_eq!(status.primary.as_deref(), Some("127.0.0.1:7001"));
-        assert_eq!(warnings(&[status]).len(), 1);
+        assert_eq!(warnings(&[status], false).len(), 1);
+    }
+
+    #[test]
+    fn flags_a_server_without_append_only_file_only_when_fencing() {
+        let status = parsed("# Persistence\r\naof_enabled:0\r\n# Replication\r\nrole:master\r\n");
+        assert_eq!(status.append_only, Some(false));
+        assert!(warnings(std::slice::from_ref(&status), false).is_empty());
+        assert!(matches!(
+            warnings(&[status], true).as_slice(),
+            [SetupWarning::NoPersistence { .. }]
+        ));
+        let durable = parsed("aof_enabled:1\r\nrole:master\r\n");
+        assert!(warnings(&[durable], true).is_empty());
     }
 
     #[test]
     fn flags_the_same_server_twice() {
         let a = parsed("run_id:abc\r\nrole:master\r\nconnected_slaves:0\r\n");
-        let found = warnings(&[a.clone(), a]);
+        let found = warnings(&[a.clone(), a], false);
         assert!(matches!(
             found.as_slice(),
             [SetupWarning::SameServer { .. }]

@@ -147,12 +147,15 @@ impl RedisLocker {
     }
 
     /// Asks the server with `INFO` whether it is a replica or has replicas
-    /// (both unsafe for locks, see the [module docs](super)) and logs each
+    /// (both unsafe for locks, see the [module docs](super)) and, with
+    /// fencing on, whether it keeps an append-only file (without one a
+    /// restart grants held locks again and repeats tokens), and logs each
     /// finding at `WARN`. Costs 1 round trip.
     pub async fn check_setup(&self) -> SetupReport {
         setup::inspect(
             std::slice::from_ref(&self.node),
             self.config.command_timeout,
+            self.config.fencing,
         )
         .await
     }

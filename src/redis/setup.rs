@@ -56,8 +56,6 @@ pub enum SetupWarning {
         /// How many replicas follow it.
         replicas: u64,
     },
-    /// Two configured nodes are the same server process (same `run_id`), so
-    /// one server casts two votes.
     /// The node keeps no append-only file while fencing tokens are in use:
     /// a restart forgets every lock (the key can be granted again at once)
     /// and the fencing counters (tokens start over and repeat).
@@ -65,6 +63,8 @@ pub enum SetupWarning {
         /// The node.
         node: String,
     },
+    /// Two configured nodes are the same server process (same `run_id`), so
+    /// one server casts two votes.
     SameServer {
         /// One node.
         first: String,

@@ -29,11 +29,17 @@ CREATE INDEX leases_expires_at ON distlock.leases (expires_at);
 -- Deletes up to p_limit expired leases (oldest first, skipping rows another
 -- transaction has locked); returns how many. Called by every grant, so rows of
 -- holders that vanished without releasing do not accumulate.
+-- plpgsql, not sql: a sql function with its own search_path is planned
+-- again on every call (about 0.3 ms for this statement); plpgsql keeps the
+-- plan for the session.
 CREATE FUNCTION distlock.lease_purge(p_limit integer)
 RETURNS bigint
-LANGUAGE sql
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    n bigint;
+BEGIN
     WITH doomed AS (
         SELECT l.space, l.lock_id FROM distlock.leases AS l
         WHERE l.expires_at <= pg_catalog.clock_timestamp()
@@ -48,7 +54,9 @@ AS $$
           AND l.expires_at <= pg_catalog.clock_timestamp()
         RETURNING 1
     )
-    SELECT pg_catalog.count(*) FROM gone
+    SELECT pg_catalog.count(*) INTO n FROM gone;
+    RETURN n;
+END
 $$;
 
 -- Grants the lease (space, lock_id) to p_owner for p_ttl_ms milliseconds if
@@ -139,19 +147,18 @@ $$;
 CREATE FUNCTION distlock.lease_renew(
     p_space smallint, p_lock_id bigint, p_owner uuid, p_ttl_ms bigint)
 RETURNS boolean
-LANGUAGE sql
+LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
-    WITH renewed AS (
-        UPDATE distlock.leases AS l
-        SET renewed_at = pg_catalog.clock_timestamp(),
-            expires_at = pg_catalog.clock_timestamp()
-                + least(greatest(p_ttl_ms, 1), 86400000) * interval '1 millisecond'
-        WHERE l.space = p_space AND l.lock_id = p_lock_id AND l.owner = p_owner
-          AND l.expires_at > pg_catalog.clock_timestamp()
-        RETURNING 1
-    )
-    SELECT EXISTS (SELECT 1 FROM renewed)
+BEGIN
+    UPDATE distlock.leases AS l
+    SET renewed_at = pg_catalog.clock_timestamp(),
+        expires_at = pg_catalog.clock_timestamp()
+            + least(greatest(p_ttl_ms, 1), 86400000) * interval '1 millisecond'
+    WHERE l.space = p_space AND l.lock_id = p_lock_id AND l.owner = p_owner
+      AND l.expires_at > pg_catalog.clock_timestamp();
+    RETURN FOUND;
+END
 $$;
 
 -- Ends p_owner's lease: returns true if it was p_owner's and unexpired.

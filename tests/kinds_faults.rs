@@ -1,0 +1,218 @@
+//! The lock kinds under contention from several OS processes, with the
+//! histories checked afterwards.
+//!
+//! The worker processes are this test binary run again with
+//! `DISTLOCK_KINDS_WORKER` set: `worker_entry` then runs the workload and
+//! writes one line per critical section (`enter exit` in `CLOCK_MONOTONIC`
+//! nanoseconds, one clock for every process on the machine).
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use distlock::{LockKey, PgLocker, Semaphore};
+use nix::time::{ClockId, clock_gettime};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+const PERMITS: u32 = 2;
+const PROCESSES: usize = 3;
+const TASKS: usize = 4;
+const ROUNDS: usize = 15;
+
+fn now_ns() -> u64 {
+    let ts = clock_gettime(ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");
+    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
+}
+
+/// The worker side: `DISTLOCK_KINDS_WORKER=semaphore|multi`, the database
+/// in `DISTLOCK_KINDS_URL`, the history file in `DISTLOCK_KINDS_OUT`.
+#[test]
+fn worker_entry() {
+    let Ok(kind) = std::env::var("DISTLOCK_KINDS_WORKER") else {
+        return; // an ordinary test run
+    };
+    let url = std::env::var("DISTLOCK_KINDS_URL").expect("DISTLOCK_KINDS_URL");
+    let out = std::env::var("DISTLOCK_KINDS_OUT").expect("DISTLOCK_KINDS_OUT");
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(work(&kind, &url, &out));
+}
+
+async fn work(kind: &str, url: &str, out: &str) {
+    let pool = PgPoolOptions::new()
+        .max_connections(16)
+        .connect(url)
+        .await
+        .expect("pool");
+    let locker = PgLocker::new(pool);
+    let file = Arc::new(std::sync::Mutex::new(
+        std::fs::File::create(out).expect("history file"),
+    ));
+    let mut tasks = Vec::new();
+    for task in 0..TASKS {
+        let (locker, file, kind) = (locker.clone(), file.clone(), kind.to_owned());
+        tasks.push(tokio::spawn(async move {
+            for round in 0..ROUNDS {
+                let line = match kind.as_str() {
+                    "semaphore" => semaphore_section(&locker).await,
+                    _ => multi_section(&locker, task + round).await,
+                };
+                writeln!(file.lock().unwrap(), "{line}").expect("write history");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("task");
+    }
+}
+
+/// One permit held for a moment: `sem enter exit`.
+async fn semaphore_section(locker: &PgLocker) -> String {
+    let semaphore = Semaphore::new(Arc::new(locker.clone()), "procs", PERMITS);
+    let permit = semaphore
+        .acquire(Duration::from_secs(30))
+        .await
+        .expect("permit");
+    let enter = now_ns();
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    let exit = now_ns();
+    permit.release().await.expect("release");
+    format!("sem {enter} {exit}")
+}
+
+/// Two of four keys, in an order that differs between callers:
+/// `multi enter exit a b`.
+async fn multi_section(locker: &PgLocker, i: usize) -> String {
+    let (a, b) = (i % 4, (i + 1 + i % 3) % 4);
+    let (a, b) = if a == b { (a, (a + 1) % 4) } else { (a, b) };
+    let keys = if i.is_multiple_of(2) { [a, b] } else { [b, a] };
+    let all = locker
+        .lock_all(
+            keys.map(|k| LockKey::from(format!("multi:{k}"))),
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("lock_all");
+    let enter = now_ns();
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let exit = now_ns();
+    all.release().await.expect("release");
+    format!("multi {enter} {exit} {} {}", keys[0], keys[1])
+}
+
+fn url_of(pool: &PgPool) -> String {
+    let opts = pool.connect_options();
+    format!(
+        "postgres://{}@{}:{}/{}",
+        opts.get_username(),
+        opts.get_host(),
+        opts.get_port(),
+        opts.get_database().unwrap_or("postgres")
+    )
+}
+
+/// Runs `PROCESSES` workers of `kind`; all their history lines.
+fn run_workers(kind: &'static str, url: String) -> Vec<Vec<String>> {
+    let dir = std::env::temp_dir().join(format!("distlock-kinds-{}-{kind}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let exe = std::env::current_exe().expect("current_exe");
+    let children: Vec<_> = (0..PROCESSES)
+        .map(|p| {
+            let out = dir.join(format!("{p}.log"));
+            let child = std::process::Command::new(&exe)
+                .args(["worker_entry", "--exact", "--nocapture"])
+                .env("DISTLOCK_KINDS_WORKER", kind)
+                .env("DISTLOCK_KINDS_URL", &url)
+                .env("DISTLOCK_KINDS_OUT", &out)
+                .spawn()
+                .expect("spawn worker");
+            (child, out)
+        })
+        .collect();
+    let mut lines = Vec::new();
+    for (mut child, out) in children {
+        assert!(child.wait().expect("wait").success(), "a worker failed");
+        let text = std::fs::read_to_string(out).expect("history");
+        lines.extend(
+            text.lines()
+                .map(|l| l.split(' ').map(str::to_owned).collect::<Vec<_>>()),
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+    assert_eq!(
+        lines.len(),
+        PROCESSES * TASKS * ROUNDS,
+        "every section logged"
+    );
+    lines
+}
+
+/// The most sections open at one instant.
+fn max_concurrent(sections: &[(u64, u64)]) -> usize {
+    let mut events: Vec<(u64, i32)> = Vec::new();
+    for (enter, exit) in sections {
+        events.push((*enter, 1));
+        events.push((*exit, -1));
+    }
+    // At equal instants, exits first: touching sections do not overlap.
+    events.sort_by_key(|&(t, d)| (t, d));
+    let (mut open, mut most) = (0_i32, 0_i32);
+    for (_, d) in events {
+        open += d;
+        most = most.max(open);
+    }
+    most as usize
+}
+
+fn spans(lines: &[Vec<String>]) -> Vec<(u64, u64)> {
+    lines
+        .iter()
+        .map(|l| (l[1].parse().expect("enter"), l[2].parse().expect("exit")))
+        .collect()
+}
+
+#[test]
+fn the_checker_sees_too_many_holders() {
+    // The control: three sections open at once are three, touching ones
+    // are not two.
+    assert_eq!(max_concurrent(&[(0, 10), (5, 15), (6, 7)]), 3);
+    assert_eq!(max_concurrent(&[(0, 10), (10, 20)]), 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_semaphore_across_processes_never_admits_more_than_its_permits(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let url = url_of(&pool);
+    let lines = tokio::task::spawn_blocking(move || run_workers("semaphore", url))
+        .await
+        .expect("workers");
+    let most = max_concurrent(&spans(&lines));
+    println!("semaphore({PERMITS}) across {PROCESSES} processes: at most {most} holders at once");
+    assert!(
+        most <= PERMITS as usize,
+        "{most} holders of {PERMITS} permits"
+    );
+    assert_eq!(most, PERMITS as usize, "the permits were used");
+}
+
+#[sqlx::test(migrations = false)]
+async fn multi_key_locks_across_processes_exclude_per_key_and_never_deadlock(pool: PgPool) {
+    let url = url_of(&pool);
+    let lines = tokio::task::spawn_blocking(move || run_workers("multi", url))
+        .await
+        .expect("workers");
+    for key in 0..4 {
+        let k = key.to_string();
+        let on_key: Vec<_> = lines
+            .iter()
+            .filter(|l| l[3] == k || l[4] == k)
+            .cloned()
+            .collect();
+        let most = max_concurrent(&spans(&on_key));
+        assert_eq!(most, 1, "key {key}: {most} holders at once");
+    }
+}

@@ -1,10 +1,12 @@
 //! The lock kinds under contention from several OS processes, with the
-//! histories checked afterwards.
+//! histories checked afterwards, and dropped at every `.await`.
 //!
 //! The worker processes are this test binary run again with
 //! `DISTLOCK_KINDS_WORKER` set: `worker_entry` then runs the workload and
 //! writes one line per critical section (`enter exit` in `CLOCK_MONOTONIC`
 //! nanoseconds, one clock for every process on the machine).
+
+mod common;
 
 use std::io::Write;
 use std::sync::Arc;
@@ -214,5 +216,167 @@ async fn multi_key_locks_across_processes_exclude_per_key_and_never_deadlock(poo
             .collect();
         let most = max_concurrent(&spans(&on_key));
         assert_eq!(most, 1, "key {key}: {most} holders at once");
+    }
+}
+
+mod cancel {
+    //! Each kind's waiting call dropped after 0, 1, 2, ... Pendings until it
+    //! completes. The connections go through a proxy that holds every chunk
+    //! back 300 µs, so every statement takes several Pendings (on loopback a
+    //! fast server can answer within a single poll, and a sweep would then
+    //! test no drop point at all).
+
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::sync::Arc;
+    use std::task::{Context, Poll};
+    use std::time::Duration;
+
+    use distlock::{PgLocker, Semaphore};
+    use sqlx::PgPool;
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+    use super::common::proxy::Proxy;
+    use super::common::{assert_no_advisory_locks_eventually, observer_for};
+
+    /// Polls the inner future until it has returned Pending `budget` more
+    /// times, then drops it.
+    struct DropAfter<F: Future> {
+        fut: Pin<Box<F>>,
+        budget: usize,
+    }
+
+    impl<F: Future> Future for DropAfter<F> {
+        type Output = Option<F::Output>;
+
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+            match self.fut.as_mut().poll(cx) {
+                Poll::Ready(out) => Poll::Ready(Some(out)),
+                Poll::Pending if self.budget == 0 => Poll::Ready(None),
+                Poll::Pending => {
+                    self.budget -= 1;
+                    Poll::Pending
+                }
+            }
+        }
+    }
+
+    /// Drops `call()` after 0, 1, 2, ... Pendings until it completes; after
+    /// every drop nothing may stay held. Returns the drops.
+    async fn sweep<F, T, E>(pool: &PgPool, what: &str, mut call: impl FnMut() -> F) -> usize
+    where
+        F: Future<Output = Result<T, E>>,
+        E: std::fmt::Debug,
+    {
+        let mut obs = observer_for(pool).await;
+        for budget in 0..500 {
+            let done = DropAfter {
+                fut: Box::pin(call()),
+                budget,
+            }
+            .await;
+            let finished = match done {
+                Some(Ok(held)) => {
+                    drop(held);
+                    true
+                }
+                Some(Err(err)) => panic!("{what} failed: {err:?}"),
+                None => false,
+            };
+            assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
+            if finished {
+                assert!(budget >= 2, "{what}: only {budget} drop points");
+                return budget;
+            }
+        }
+        panic!("{what}: still pending after 500 polls");
+    }
+
+    #[sqlx::test(migrations = false)]
+    async fn every_kind_dropped_at_every_pending_leaves_nothing_held(pool: PgPool) {
+        distlock::migrate(&pool).await.expect("migrate");
+        let opts: PgConnectOptions = pool.connect_options().as_ref().clone();
+        let proxy = Proxy::start(opts.get_host(), opts.get_port())
+            .await
+            .expect("proxy");
+        proxy.delay(300);
+        let slow = PgPoolOptions::new()
+            .max_connections(8)
+            .connect_with(opts.clone().host("127.0.0.1").port(proxy.port()))
+            .await
+            .expect("pool through the proxy");
+        let locker = PgLocker::new(slow.clone());
+        let semaphore = Semaphore::new(Arc::new(locker.clone()), "cancel", 3);
+        let mut seen = Vec::new();
+        seen.push((
+            "Semaphore::try_acquire",
+            sweep(&pool, "try_acquire", || semaphore.try_acquire()).await,
+        ));
+        seen.push((
+            "lock_all",
+            sweep(&pool, "lock_all", || {
+                locker.lock_all(["c:1", "c:2", "c:3"], Duration::from_secs(5))
+            })
+            .await,
+        ));
+        seen.push((
+            "lock_shared",
+            sweep(&pool, "lock_shared", || {
+                locker.lock_shared("c:shared", Duration::from_secs(5))
+            })
+            .await,
+        ));
+        seen.push((
+            "lock_xact",
+            sweep(&pool, "lock_xact", || {
+                let slow = slow.clone();
+                async move {
+                    let mut tx = slow.begin().await?;
+                    distlock::lock_xact(&mut tx, "c:xact", Duration::from_secs(5)).await?;
+                    tx.commit().await?;
+                    Ok::<_, distlock::Error>(())
+                }
+            })
+            .await,
+        ));
+        println!("drop points per call: {seen:?}");
+
+        // Waits dropped while the keys are held elsewhere: only the
+        // holders' locks stay.
+        let holder = PgLocker::new(pool.clone());
+        let held = holder.try_lock("c:1").await.expect("try").expect("free");
+        let full: Vec<_> = take_every_permit(&semaphore).await;
+        let mut obs = observer_for(&pool).await;
+        let before = super::common::advisory_locks(&mut obs).await.len();
+        for budget in 0..12 {
+            let waiting = DropAfter {
+                fut: Box::pin(locker.lock_all(["c:1", "c:2"], Duration::from_secs(5))),
+                budget,
+            };
+            assert!(waiting.await.is_none(), "c:1 is held");
+            let waiting = DropAfter {
+                fut: Box::pin(semaphore.acquire(Duration::from_secs(5))),
+                budget,
+            };
+            assert!(waiting.await.is_none(), "every permit is held");
+            super::common::eventually(
+                "only the holders' locks",
+                Duration::from_secs(5),
+                async || super::common::advisory_locks(&mut obs).await.len() == before,
+            )
+            .await;
+        }
+        drop(full);
+        held.release().await.expect("release");
+    }
+
+    /// Takes every permit of `semaphore`.
+    async fn take_every_permit(semaphore: &Semaphore) -> Vec<Box<dyn distlock::Lease>> {
+        let mut all = Vec::new();
+        while let Some(permit) = semaphore.try_acquire().await.expect("try_acquire") {
+            all.push(permit);
+        }
+        assert_eq!(all.len(), semaphore.permits() as usize);
+        all
     }
 }

@@ -23,6 +23,8 @@ pub enum Mode {
     /// Forward nothing (bytes stay queued); connections stay open; EOFs are
     /// not propagated either.
     Stall,
+    /// Forward everything, each chunk held back this many microseconds.
+    Delay(u64),
 }
 
 /// A running proxy; stops (and cuts every connection) when dropped.
@@ -84,6 +86,12 @@ impl Proxy {
         self.mode.send_replace(Mode::Stall);
     }
 
+    /// Forwards every chunk after `micros` µs (both directions), so every
+    /// statement takes at least two such delays.
+    pub fn delay(&self, micros: u64) {
+        self.mode.send_replace(Mode::Delay(micros));
+    }
+
     /// Resumes forwarding.
     pub fn pass(&self) {
         self.mode.send_replace(Mode::Pass);
@@ -136,12 +144,19 @@ async fn serve(client: TcpStream, upstream: (String, u16), mode: watch::Receiver
 async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut mode: watch::Receiver<Mode>) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
-        if mode.wait_for(|m| *m == Mode::Pass).await.is_err() {
+        if mode.wait_for(|m| *m != Mode::Stall).await.is_err() {
             return;
         }
         let n = from.read(&mut buf).await.unwrap_or(0);
-        if mode.wait_for(|m| *m == Mode::Pass).await.is_err() {
+        if mode.wait_for(|m| *m != Mode::Stall).await.is_err() {
             return;
+        }
+        let delay = match *mode.borrow() {
+            Mode::Delay(micros) => micros,
+            _ => 0,
+        };
+        if delay > 0 {
+            tokio::time::sleep(std::time::Duration::from_micros(delay)).await;
         }
         if n == 0 {
             let _ = to.shutdown().await;

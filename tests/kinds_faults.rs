@@ -227,39 +227,16 @@ mod cancel {
     //! test no drop point at all).
 
     use std::future::Future;
-    use std::pin::Pin;
     use std::sync::Arc;
-    use std::task::{Context, Poll};
     use std::time::Duration;
 
     use distlock::{PgLocker, Semaphore};
     use sqlx::PgPool;
     use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
+    use super::common::drop_after::drop_after;
     use super::common::proxy::Proxy;
     use super::common::{assert_no_advisory_locks_eventually, observer_for};
-
-    /// Polls the inner future until it has returned Pending `budget` more
-    /// times, then drops it.
-    struct DropAfter<F: Future> {
-        fut: Pin<Box<F>>,
-        budget: usize,
-    }
-
-    impl<F: Future> Future for DropAfter<F> {
-        type Output = Option<F::Output>;
-
-        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-            match self.fut.as_mut().poll(cx) {
-                Poll::Ready(out) => Poll::Ready(Some(out)),
-                Poll::Pending if self.budget == 0 => Poll::Ready(None),
-                Poll::Pending => {
-                    self.budget -= 1;
-                    Poll::Pending
-                }
-            }
-        }
-    }
 
     /// Drops `call()` after 0, 1, 2, ... Pendings until it completes; after
     /// every drop nothing may stay held. Returns the drops.
@@ -270,11 +247,7 @@ mod cancel {
     {
         let mut obs = observer_for(pool).await;
         for budget in 0..500 {
-            let done = DropAfter {
-                fut: Box::pin(call()),
-                budget,
-            }
-            .await;
+            let done = drop_after(budget, call()).await;
             let finished = match done {
                 Some(Ok(held)) => {
                     drop(held);
@@ -349,15 +322,12 @@ mod cancel {
         let mut obs = observer_for(&pool).await;
         let before = super::common::advisory_locks(&mut obs).await.len();
         for budget in 0..12 {
-            let waiting = DropAfter {
-                fut: Box::pin(locker.lock_all(["c:1", "c:2"], Duration::from_secs(5))),
+            let waiting = drop_after(
                 budget,
-            };
+                locker.lock_all(["c:1", "c:2"], Duration::from_secs(5)),
+            );
             assert!(waiting.await.is_none(), "c:1 is held");
-            let waiting = DropAfter {
-                fut: Box::pin(semaphore.acquire(Duration::from_secs(5))),
-                budget,
-            };
+            let waiting = drop_after(budget, semaphore.acquire(Duration::from_secs(5)));
             assert!(waiting.await.is_none(), "every permit is held");
             super::common::eventually(
                 "only the holders' locks",

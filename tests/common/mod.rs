@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod drop_after;
 pub mod pgbouncer;
 pub mod proxy;
 pub mod redis;

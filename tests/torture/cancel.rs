@@ -4,9 +4,6 @@
 //! may be left behind: no advisory lock (granted or awaited), no session
 //! idle in a transaction, and the locker keeps working.
 
-use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use distlock::{Error, PgLocker};
@@ -24,34 +21,9 @@ const MAX_PENDINGS: usize = 500;
 /// notices a closed socket within `client_connection_check_interval`).
 const SETTLE: Duration = Duration::from_secs(5);
 
-/// Polls the inner future until it has returned Pending `budget` more
-/// times, then gives up (`None`) and drops it.
-struct DropAfter<F: Future> {
-    fut: Pin<Box<F>>,
-    budget: usize,
-}
-
-impl<F: Future> Future for DropAfter<F> {
-    type Output = Option<F::Output>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.fut.as_mut().poll(cx) {
-            Poll::Ready(out) => Poll::Ready(Some(out)),
-            Poll::Pending if self.budget == 0 => Poll::Ready(None),
-            Poll::Pending => {
-                self.budget -= 1;
-                Poll::Pending
-            }
-        }
-    }
-}
-
-fn drop_after<F: Future>(budget: usize, fut: F) -> DropAfter<F> {
-    DropAfter {
-        fut: Box::pin(fut),
-        budget,
-    }
-}
+#[path = "../common/drop_after.rs"]
+mod drop_after;
+use drop_after::drop_after;
 
 struct Bench {
     db: TestDb,

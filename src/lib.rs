@@ -73,6 +73,7 @@ pub mod postgres;
 /// over independent nodes (cargo feature `redis`).
 #[cfg(feature = "redis")]
 pub mod redis;
+mod span;
 mod token;
 
 pub use error::{Error, Result};

@@ -143,10 +143,11 @@ async fn many_tasks_on_three_lockers_never_overlap_and_tokens_increase(pool: PgP
 #[sqlx::test(migrations = false)]
 async fn a_lease_outlives_its_ttl_while_renewed(pool: PgPool) {
     migrated(&pool).await;
-    let ttl = Duration::from_millis(300);
+    // A TTL long enough that a loaded 2-core machine still renews in time.
+    let ttl = Duration::from_secs(1);
     let (a, b) = (locker(&pool, ttl), locker(&pool, ttl));
     let lease = a.try_lock("table:renewed").await.unwrap().expect("free");
-    for _ in 0..8 {
+    for _ in 0..5 {
         tokio::time::sleep(ttl / 2).await;
         assert!(!lease.is_lost(), "renewed every ttl/3");
         assert!(b.try_lock("table:renewed").await.unwrap().is_none());
@@ -177,17 +178,37 @@ async fn works_through_pgbouncer_in_transaction_mode(pool: PgPool) {
     };
     let (pool_a, pool_b) = (through(()).await, through(()).await);
 
-    // The pooler really moves a client between server sessions...
-    let mut pids = std::collections::HashSet::new();
-    for _ in 0..20 {
-        let pid: i32 = sqlx::raw_sql("SELECT pg_backend_pid()")
-            .fetch_one(&pool_a)
+    // The pooler really moves a client between server sessions: pin every
+    // server session that `pool_b` can get with an open transaction (the
+    // pooler hands out idle sessions before opening new ones, so the one
+    // `pool_a` just used is among them), and `pool_a`'s next statement must
+    // run on another one.
+    let backend = "SELECT pg_backend_pid()";
+    let first: i32 = sqlx::raw_sql(backend)
+        .fetch_one(&pool_a)
+        .await
+        .unwrap()
+        .get(0);
+    let mut pinned = Vec::new();
+    let mut pinned_pids = std::collections::HashSet::new();
+    for _ in 0..3 {
+        let mut tx = pool_b.begin().await.unwrap();
+        let pid: i32 = sqlx::raw_sql(backend)
+            .fetch_one(&mut *tx)
             .await
             .unwrap()
             .get(0);
-        pids.insert(pid);
+        pinned_pids.insert(pid);
+        pinned.push(tx);
     }
-    assert!(pids.len() > 1, "one server session only: {pids:?}");
+    assert!(pinned_pids.contains(&first), "{first} not pinned: {pinned_pids:?}");
+    let moved: i32 = sqlx::raw_sql(backend)
+        .fetch_one(&pool_a)
+        .await
+        .unwrap()
+        .get(0);
+    assert_ne!(moved, first, "one server session only");
+    drop(pinned);
     // ...which is why the lease statements are simple queries: a statement
     // with bound parameters, outside a transaction, is split in two and
     // fails through this PgBouncer (sqlx 0.9, PgBouncer 1.18).

@@ -16,7 +16,7 @@ use super::sql::{
 };
 use crate::postgres::key_args::KeyArgs;
 use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
-use crate::{Error, FencingToken, LockKey};
+use crate::{Error, FencingToken, LockKey, span};
 
 impl PgLocker {
     /// Takes the session-scoped lock `key` if it is free, without waiting;
@@ -40,7 +40,7 @@ impl PgLocker {
     /// and frees anything it took.
     pub async fn try_lock(&self, key: impl Into<LockKey>) -> Result<Option<SessionLock>, Error> {
         let key = key.into();
-        let span = acquire_span(&key, "try");
+        let span = span::acquire(&key, "postgres", "try");
         self.try_lock_inner(key, Hold::Exclusive)
             .instrument(span)
             .await
@@ -65,7 +65,7 @@ impl PgLocker {
         key: impl Into<LockKey>,
     ) -> Result<Option<SessionLock>, Error> {
         let key = key.into();
-        let span = acquire_span(&key, "try_shared");
+        let span = span::acquire(&key, "postgres", "try_shared");
         self.try_lock_inner(key, Hold::Shared)
             .instrument(span)
             .await
@@ -86,7 +86,7 @@ impl PgLocker {
             .map_err(|err| session_locking_error(err, &key))?;
         let pid: i32 = row.try_get(1)?;
         let locked = taken(&row, 0, pid)?;
-        record_wait(started);
+        span::record_wait(started);
         if !locked {
             tracing::Span::current().record("outcome", "busy");
             crate::metrics::busy("postgres", &key);
@@ -138,7 +138,7 @@ impl PgLocker {
         timeout: Duration,
     ) -> Result<SessionLock, Error> {
         let key = key.into();
-        let span = acquire_span(&key, "wait");
+        let span = span::acquire(&key, "postgres", "wait");
         self.lock_inner(key, timeout, Hold::Exclusive)
             .instrument(span)
             .await
@@ -166,7 +166,7 @@ impl PgLocker {
         timeout: Duration,
     ) -> Result<SessionLock, Error> {
         let key = key.into();
-        let span = acquire_span(&key, "wait_shared");
+        let span = span::acquire(&key, "postgres", "wait_shared");
         self.lock_inner(key, timeout, Hold::Shared)
             .instrument(span)
             .await
@@ -204,7 +204,7 @@ impl PgLocker {
             self.config().heartbeat_timeout,
         );
         let outcome = tokio::time::timeout_at(grace, attempt).await;
-        record_wait(started);
+        span::record_wait(started);
         match outcome {
             Ok(Ok(Some((pid, token)))) => {
                 tracing::Span::current().record("outcome", "acquired");
@@ -455,16 +455,3 @@ fn fencing_token(row: &PgRow, column: usize, fencing: bool) -> Result<Option<Fen
     }
 }
 
-fn acquire_span(key: &LockKey, mode: &'static str) -> tracing::Span {
-    tracing::debug_span!(
-        "distlock.acquire",
-        key = %key,
-        mode,
-        outcome = tracing::field::Empty,
-        wait_ms = tracing::field::Empty,
-    )
-}
-
-fn record_wait(started: Instant) {
-    tracing::Span::current().record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
-}

@@ -159,10 +159,10 @@ mod claim;
 mod lease;
 mod node;
 mod redlock;
+mod retry;
 mod scripts;
 mod setup;
 mod single;
-mod span;
 mod watchdog;
 
 use std::time::Duration;

@@ -8,16 +8,17 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::{Cmd, ErrorKind, RedisError, Value};
-use tokio::time::{Instant, sleep};
-use tracing::Instrument;
+use tokio::time::Instant;
 
 use super::backoff::jittered;
 use super::claim::Claim;
 use super::lease::RedlockLease;
 use super::node::{self, Node, join_all};
+use super::retry::{self, Failed, Waited};
 use super::setup::{self, SetupReport};
 use super::watchdog::{Backend, Extension, Handle, InFlight};
-use super::{DEFAULT_TTL, scripts, span};
+use super::{DEFAULT_TTL, scripts};
+use crate::span;
 use crate::{Error, Lease, LockKey, Locker, LossReason};
 
 /// Default deadline of one node's reply: well below any sensible TTL, so a
@@ -233,19 +234,13 @@ impl Redlock {
     /// background task deletes the key on all nodes (compare-then-`DEL`).
     pub async fn try_lock(&self, key: impl Into<LockKey>) -> Result<Option<RedlockLease>, Error> {
         let key = key.into();
-        let span = span::acquire(&key, Quorum::NAME, "try");
-        let started = Instant::now();
-        let claim = Claim::new(key.clone(), self.config.ttl);
-        let result = async {
-            let claim = Arc::new(claim?);
+        span::traced(&key, Quorum::NAME, "try", Option::is_some, async {
+            let claim = Arc::new(Claim::new(key.clone(), self.config.ttl)?);
             self.attempt(&claim)
                 .await
                 .map_err(|unreachable| Error::Redis(unreachable.error))
-        }
-        .instrument(span.clone())
-        .await;
-        span::finish(&span, &key, Quorum::NAME, started, &result, Option::is_some);
-        result
+        })
+        .await
     }
 
     /// Takes the lease `key`, trying again after each failed attempt (after
@@ -272,50 +267,29 @@ impl Redlock {
         timeout: Duration,
     ) -> Result<RedlockLease, Error> {
         let key = key.into();
-        let span = span::acquire(&key, Quorum::NAME, "wait");
-        let started = Instant::now();
-        let result = self
-            .lock_inner(key.clone(), started, timeout)
-            .instrument(span.clone())
-            .await;
-        span::finish(&span, &key, Quorum::NAME, started, &result, |_| true);
-        result
+        span::traced(&key, Quorum::NAME, "wait", |_| true, self.wait(&key, timeout)).await
     }
 
-    async fn lock_inner(
-        &self,
-        key: LockKey,
-        started: Instant,
-        timeout: Duration,
-    ) -> Result<RedlockLease, Error> {
-        let claim = Arc::new(Claim::new(key, self.config.ttl)?);
-        let deadline = node::deadline(started, timeout);
+    async fn wait(&self, key: &LockKey, timeout: Duration) -> Result<RedlockLease, Error> {
+        let started = Instant::now();
+        let claim = Arc::new(Claim::new(key.clone(), self.config.ttl)?);
         let mut retries = 0_u32;
-        let mut failed = None;
-        loop {
-            match self.attempt(&claim).await {
-                Ok(Some(lease)) => return Ok(lease),
-                Ok(None) => {}
-                Err(unreachable) if unreachable.transient => {
-                    tracing::debug!(error = %unreachable.error, "distlock: Redlock attempt failed; trying again until the deadline");
-                    failed = Some(unreachable.error);
-                }
-                Err(unreachable) => return Err(Error::Redis(unreachable.error)),
-            }
-            let now = Instant::now();
-            if now >= deadline || retries >= self.config.retry_count {
-                if let Some(err) = failed {
-                    tracing::warn!(
-                        key = %claim.key,
-                        error = %err,
-                        "distlock: Redlock wait timed out; attempts were failing"
-                    );
-                }
-                return Err(claim.timed_out(started));
-            }
-            retries += 1;
-            let delay = jittered(self.config.retry_delay, self.config.retry_jitter);
-            sleep(delay.min(deadline - now)).await;
+        let pause = || {
+            (retries < self.config.retry_count).then(|| {
+                retries += 1;
+                jittered(self.config.retry_delay, self.config.retry_jitter)
+            })
+        };
+        let attempt = || async {
+            self.attempt(&claim).await.map_err(|u| Failed {
+                error: u.error,
+                transient: u.transient,
+            })
+        };
+        match retry::until_granted(&claim, started, timeout, pause, attempt).await {
+            Waited::Granted(lease) => Ok(lease),
+            Waited::TimedOut { .. } => Err(claim.timed_out(started)),
+            Waited::Failed(error) => Err(Error::Redis(error)),
         }
     }
 

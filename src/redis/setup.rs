@@ -141,16 +141,23 @@ pub(crate) async fn inspect(nodes: &[Node], within: Duration, fencing: bool) -> 
     SetupReport { nodes, warnings }
 }
 
+impl NodeStatus {
+    /// A node about which nothing is known yet.
+    fn unknown(label: &str) -> Self {
+        NodeStatus {
+            node: label.to_owned(),
+            run_id: None,
+            role: None,
+            primary: None,
+            connected_replicas: 0,
+            append_only: None,
+            error: None,
+        }
+    }
+}
+
 async fn status(node: &Node, within: Duration) -> NodeStatus {
-    let mut status = NodeStatus {
-        node: node.label().to_owned(),
-        run_id: None,
-        role: None,
-        primary: None,
-        connected_replicas: 0,
-        append_only: None,
-        error: None,
-    };
+    let mut status = NodeStatus::unknown(node.label());
     // Plain `INFO` (default sections) works on every server version;
     // `INFO server replication` needs 7.0.
     match node.query::<String>(&redis::cmd("INFO"), within).await {
@@ -224,15 +231,7 @@ mod tests {
     use super::*;
 
     fn parsed(info: &str) -> NodeStatus {
-        let mut status = NodeStatus {
-            node: "n".into(),
-            run_id: None,
-            role: None,
-            primary: None,
-            connected_replicas: 0,
-            append_only: None,
-            error: None,
-        };
+        let mut status = NodeStatus::unknown("n");
         fill(&mut status, info);
         status
     }

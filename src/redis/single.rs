@@ -6,16 +6,17 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::RedisError;
-use tokio::time::{Instant, sleep};
-use tracing::Instrument;
+use tokio::time::Instant;
 
 use super::backoff::Backoff;
 use super::claim::Claim;
 use super::lease::RedisLease;
 use super::node::{self, Node};
+use super::retry::{self, Failed, Waited};
 use super::setup::{self, SetupReport};
 use super::watchdog::{Backend, Extension, Handle, InFlight};
-use super::{DEFAULT_TTL, scripts, span};
+use super::{DEFAULT_TTL, scripts};
+use crate::span;
 use crate::{Error, FencingToken, Lease, LockKey, Locker, LossReason};
 
 /// Default deadline of one command (acquire, extend, release) to the server.
@@ -173,21 +174,15 @@ impl RedisLocker {
     /// (compare-then-`DEL`, so never another holder's).
     pub async fn try_lock(&self, key: impl Into<LockKey>) -> Result<Option<RedisLease>, Error> {
         let key = key.into();
-        let span = span::acquire(&key, Single::NAME, "try");
-        let started = Instant::now();
-        let claim = Claim::new(key.clone(), self.config.ttl);
-        let result = async {
-            let claim = Arc::new(claim?);
+        span::traced(&key, Single::NAME, "try", Option::is_some, async {
+            let claim = Arc::new(Claim::new(key.clone(), self.config.ttl)?);
             // On error the SET may still have landed: `in_flight` cleans up.
             let in_flight = InFlight::new(&self.backend(), &claim);
             let lease = self.attempt(&claim).await?;
             in_flight.disarm();
             Ok(lease)
-        }
-        .instrument(span.clone())
-        .await;
-        span::finish(&span, &key, Single::NAME, started, &result, Option::is_some);
-        result
+        })
+        .await
     }
 
     /// Takes the lease `key`, trying again with jittered exponential backoff
@@ -218,24 +213,12 @@ impl RedisLocker {
         timeout: Duration,
     ) -> Result<RedisLease, Error> {
         let key = key.into();
-        let span = span::acquire(&key, Single::NAME, "wait");
-        let started = Instant::now();
-        let result = self
-            .lock_inner(key.clone(), started, timeout)
-            .instrument(span.clone())
-            .await;
-        span::finish(&span, &key, Single::NAME, started, &result, |_| true);
-        result
+        span::traced(&key, Single::NAME, "wait", |_| true, self.wait(&key, timeout)).await
     }
 
-    async fn lock_inner(
-        &self,
-        key: LockKey,
-        started: Instant,
-        timeout: Duration,
-    ) -> Result<RedisLease, Error> {
-        let claim = Arc::new(Claim::new(key, self.config.ttl)?);
-        let deadline = node::deadline(started, timeout);
+    async fn wait(&self, key: &LockKey, timeout: Duration) -> Result<RedisLease, Error> {
+        let started = Instant::now();
+        let claim = Arc::new(Claim::new(key.clone(), self.config.ttl)?);
         let mut backoff = Backoff::new(FIRST_BACKOFF, MAX_BACKOFF);
         // One guard for the whole wait, not one per try: a try that failed may
         // still set the key, and the next try (same token) takes that over. A
@@ -243,34 +226,32 @@ impl RedisLocker {
         // try had taken it. Whatever is still ours when the wait ends without
         // a lease (error, timeout, cancellation) is deleted in the background.
         let in_flight = InFlight::new(&self.backend(), &claim);
-        let mut failed = None;
-        loop {
-            match self.attempt(&claim).await {
-                Ok(Some(lease)) => {
+        let waited = retry::until_granted(
+            &claim,
+            started,
+            timeout,
+            || Some(backoff.next_delay()),
+            || async {
+                self.attempt(&claim).await.map_err(|error| Failed {
+                    transient: node::is_transient(&error),
+                    error,
+                })
+            },
+        )
+        .await;
+        match waited {
+            Waited::Granted(lease) => {
+                in_flight.disarm();
+                Ok(lease)
+            }
+            Waited::TimedOut { failing } => {
+                // Every reply was a definite "held": nothing of ours is set.
+                if !failing {
                     in_flight.disarm();
-                    return Ok(lease);
                 }
-                Ok(None) => {}
-                Err(err) if node::is_transient(&err) => {
-                    tracing::debug!(error = %err, "distlock: Redis try failed; trying again until the deadline");
-                    failed = Some(err);
-                }
-                Err(err) => return Err(Error::Redis(err)),
+                Err(claim.timed_out(started))
             }
-            let now = Instant::now();
-            if now >= deadline {
-                match failed {
-                    // Every reply was a definite "held": nothing of ours is set.
-                    None => in_flight.disarm(),
-                    Some(err) => tracing::warn!(
-                        key = %claim.key,
-                        error = %err,
-                        "distlock: Redis wait timed out; tries were failing"
-                    ),
-                }
-                return Err(claim.timed_out(started));
-            }
-            sleep(backoff.next_delay().min(deadline - now)).await;
+            Waited::Failed(error) => Err(Error::Redis(error)),
         }
     }
 

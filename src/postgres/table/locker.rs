@@ -5,13 +5,12 @@ use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgConnectOptions, PgPool};
 use sqlx::{AssertSqlSafe, Row};
-use tracing::Instrument;
 
 use super::lease::TableLease;
 use super::notify::Listener;
 use super::sql::{self, KeyExpr, Owner};
 use crate::postgres::conn::HeldConn;
-use crate::{Error, FencingToken, LockKey};
+use crate::{Error, FencingToken, LockKey, span};
 
 /// The default time to live of a lease: renewed every 10 s, a holder that
 /// cannot renew reports loss within 20 s, and the key of a holder that
@@ -266,27 +265,13 @@ impl TableLocker {
     /// runtime, no connection) the row expires after one TTL.
     pub async fn try_lock(&self, key: impl Into<LockKey>) -> Result<Option<TableLease>, Error> {
         let key = key.into();
-        let span = acquire_span(&key, "try");
-        async {
+        span::traced(&key, "table", "try", Option::is_some, async {
             key.validate()?;
-            let started = Instant::now();
-            let expr = KeyExpr::new(&key);
-            let outcome = self.attempt(&key, &expr).await;
-            record_wait(started);
-            match outcome? {
-                Attempt::Granted(lease) => {
-                    tracing::Span::current().record("outcome", "acquired");
-                    crate::metrics::acquired("table", &key, started.elapsed());
-                    Ok(Some(lease))
-                }
-                Attempt::Busy { .. } => {
-                    tracing::Span::current().record("outcome", "busy");
-                    crate::metrics::busy("table", &key);
-                    Ok(None)
-                }
+            match self.attempt(&key, &KeyExpr::new(&key)).await? {
+                Attempt::Granted(lease) => Ok(Some(lease)),
+                Attempt::Busy { .. } => Ok(None),
             }
-        }
-        .instrument(span)
+        })
         .await
     }
 
@@ -309,28 +294,10 @@ impl TableLocker {
         timeout: Duration,
     ) -> Result<TableLease, Error> {
         let key = key.into();
-        let span = acquire_span(&key, "wait");
-        async {
+        span::traced(&key, "table", "wait", |_| true, async {
             key.validate()?;
-            let started = Instant::now();
-            let outcome = self.wait(&key, started, timeout).await;
-            record_wait(started);
-            match &outcome {
-                Ok(_) => {
-                    tracing::Span::current().record("outcome", "acquired");
-                    crate::metrics::acquired("table", &key, started.elapsed());
-                }
-                Err(Error::Timeout { .. }) => {
-                    tracing::Span::current().record("outcome", "timeout");
-                    crate::metrics::timeout("table", &key, started.elapsed());
-                }
-                Err(_) => {
-                    tracing::Span::current().record("outcome", "error");
-                }
-            }
-            outcome
-        }
-        .instrument(span)
+            self.wait(&key, Instant::now(), timeout).await
+        })
         .await
     }
 
@@ -471,17 +438,3 @@ impl Drop for Pending {
     }
 }
 
-fn acquire_span(key: &LockKey, mode: &'static str) -> tracing::Span {
-    tracing::debug_span!(
-        "distlock.acquire",
-        backend = "table",
-        key = %key,
-        mode,
-        outcome = tracing::field::Empty,
-        wait_ms = tracing::field::Empty,
-    )
-}
-
-fn record_wait(started: Instant) {
-    tracing::Span::current().record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
-}

@@ -1,11 +1,13 @@
-//! Tracing spans of acquisitions: key, backend, wait time and outcome.
+//! Tracing spans of acquisitions, shared by every backend: key, backend,
+//! mode, wait time and outcome (the `distlock.acquire` span at `DEBUG`).
 
-use tokio::time::Instant;
+use std::future::Future;
+use std::time::Instant;
+use tracing::Instrument;
 
 use crate::{Error, LockKey, metrics};
 
-/// The `distlock.acquire` span (at `DEBUG`), as the PostgreSQL backend
-/// names it; `mode` is `try` or `wait`.
+/// The `distlock.acquire` span; `mode` is `try`, `wait`, `try_shared`, ….
 pub(crate) fn acquire(key: &LockKey, backend: &'static str, mode: &'static str) -> tracing::Span {
     tracing::debug_span!(
         "distlock.acquire",
@@ -19,7 +21,7 @@ pub(crate) fn acquire(key: &LockKey, backend: &'static str, mode: &'static str) 
 
 /// Records on the span and in the metrics how long the acquisition took and
 /// how it ended (`acquired`, `busy`, `timeout` or `error`).
-pub(crate) fn finish<T>(
+fn finish<T>(
     span: &tracing::Span,
     key: &LockKey,
     backend: &'static str,
@@ -45,4 +47,25 @@ pub(crate) fn finish<T>(
     };
     span.record("outcome", outcome);
     span.record("wait_ms", waited.as_secs_f64() * 1e3);
+}
+
+/// Runs one acquisition (`body`) inside its span and records how it ended;
+/// `acquired` tells a granted result from a busy one.
+pub(crate) async fn traced<T>(
+    key: &LockKey,
+    backend: &'static str,
+    mode: &'static str,
+    acquired: impl FnOnce(&T) -> bool,
+    body: impl Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    let span = acquire(key, backend, mode);
+    let started = Instant::now();
+    let result = body.instrument(span.clone()).await;
+    finish(&span, key, backend, started, &result, acquired);
+    result
+}
+
+/// Records on the current span how long the acquisition has waited.
+pub(crate) fn record_wait(started: Instant) {
+    tracing::Span::current().record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
 }

@@ -662,3 +662,49 @@ async fn restarts_with_and_without_persistence() -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(dir_b);
     Ok(())
 }
+
+/// The builders take connection info in any form `redis` accepts and set
+/// what the `with_*` methods set; bad connection info is an error at build.
+#[tokio::test]
+async fn builders_take_connection_info_and_settings() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let ttl = Duration::from_millis(1500);
+    let locker = RedisLocker::builder(("127.0.0.1", server.port()))
+        .ttl(ttl)
+        .fencing(false)
+        .command_timeout(Duration::from_millis(500))
+        .build()
+        .await?;
+    assert_eq!(locker.ttl(), ttl);
+    let lease = locker.try_lock("builder").await?.expect("free");
+    assert_eq!(lease.fencing_token(), None, "fencing(false) applied");
+    let left: i64 = redis::cmd("PTTL")
+        .arg("builder")
+        .query_async(&mut server.conn().await)
+        .await?;
+    assert!(left > 0 && left <= 1500, "ttl applied: {left} ms left");
+    lease.release().await?;
+
+    let redlock = distlock::redis::Redlock::builder([server.url(), server.url()])
+        .ttl(ttl)
+        .retry_count(0)
+        .build()
+        .await;
+    assert!(
+        matches!(redlock, Err(Error::InvalidConfig(_))),
+        "a node listed twice: {redlock:?}"
+    );
+    let redlock = distlock::redis::Redlock::builder([server.url()])
+        .ttl(ttl)
+        .build()
+        .await?;
+    assert_eq!(redlock.ttl(), ttl);
+
+    let bad = RedisLocker::builder("not a url").build().await;
+    assert!(matches!(bad, Err(Error::Redis(_))), "{bad:?}");
+    let none = distlock::redis::Redlock::builder(Vec::<String>::new())
+        .build()
+        .await;
+    assert!(matches!(none, Err(Error::InvalidConfig(_))), "{none:?}");
+    Ok(())
+}

@@ -524,6 +524,10 @@ async fn redis_passwords_stay_out_of_debug_and_errors() {
     lease.release().await.unwrap();
     let redlock = Redlock::connect(&[url.as_str(), url.as_str(), url.as_str()]).await;
     seen.push(format!("{redlock:?}"));
+    seen.push(format!("{:?}", RedisLocker::builder(url.as_str())));
+    seen.push(format!("{:?}", Redlock::builder([url.as_str()])));
+    let built = RedisLocker::builder(url.as_str()).build().await.unwrap();
+    seen.push(format!("{built:?}"));
     let wrong = format!("redis://:{SECRET}-wrong@127.0.0.1:{port}");
     match RedisLocker::connect(&wrong).await {
         Ok(l) => seen.push(format!("{:?}", l.try_lock("x").await)),

@@ -201,7 +201,10 @@ async fn works_through_pgbouncer_in_transaction_mode(pool: PgPool) {
         pinned_pids.insert(pid);
         pinned.push(tx);
     }
-    assert!(pinned_pids.contains(&first), "{first} not pinned: {pinned_pids:?}");
+    assert!(
+        pinned_pids.contains(&first),
+        "{first} not pinned: {pinned_pids:?}"
+    );
     let moved: i32 = sqlx::raw_sql(backend)
         .fetch_one(&pool_a)
         .await

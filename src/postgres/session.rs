@@ -454,4 +454,3 @@ fn fencing_token(row: &PgRow, column: usize, fencing: bool) -> Result<Option<Fen
         ))),
     }
 }
-

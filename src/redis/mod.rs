@@ -155,6 +155,7 @@
 //! [`RedlockLease::fencing_token`]: crate::redis::RedlockLease::fencing_token
 
 mod backoff;
+mod builder;
 mod claim;
 mod lease;
 mod node;
@@ -167,6 +168,7 @@ mod watchdog;
 
 use std::time::Duration;
 
+pub use builder::{RedisLockerBuilder, RedlockBuilder};
 pub use lease::{RedisLease, RedlockLease};
 pub use redlock::{DEFAULT_NODE_TIMEOUT, DEFAULT_RETRY_DELAY, DEFAULT_RETRY_JITTER, Redlock};
 pub use setup::{NodeStatus, SetupReport, SetupWarning};

@@ -116,6 +116,19 @@ impl Redlock {
         Self::from_clients(clients).await
     }
 
+    /// Starts a builder: `Redlock::builder(nodes).ttl(..).build().await`,
+    /// where each node is anything `redis` takes as connection info (a URL,
+    /// a `redis::ConnectionInfo` with TLS settings, a `(host, port)` pair).
+    /// The same as [`connect`](Self::connect) followed by the `with_*`
+    /// methods.
+    pub fn builder<I>(nodes: I) -> super::RedlockBuilder
+    where
+        I: IntoIterator,
+        I::Item: redis::IntoConnectionInfo,
+    {
+        super::RedlockBuilder::new(nodes)
+    }
+
     /// Like [`connect`](Self::connect), with `redis::Client`s you built
     /// (from `redis::ConnectionInfo`, with TLS settings, ...). Two clients for
     /// the same host, port and database are refused as a node listed twice.
@@ -267,7 +280,14 @@ impl Redlock {
         timeout: Duration,
     ) -> Result<RedlockLease, Error> {
         let key = key.into();
-        span::traced(&key, Quorum::NAME, "wait", |_| true, self.wait(&key, timeout)).await
+        span::traced(
+            &key,
+            Quorum::NAME,
+            "wait",
+            |_| true,
+            self.wait(&key, timeout),
+        )
+        .await
     }
 
     async fn wait(&self, key: &LockKey, timeout: Duration) -> Result<RedlockLease, Error> {

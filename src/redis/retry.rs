@@ -23,7 +23,9 @@ pub(super) enum Waited<L> {
     /// The deadline passed (or the tries ran out); `failing` says whether
     /// some tries failed rather than finding the key held, in which case a
     /// `SET` may have landed unseen.
-    TimedOut { failing: bool },
+    TimedOut {
+        failing: bool,
+    },
     /// A permanent failure ended the wait at once.
     Failed(RedisError),
 }

@@ -95,6 +95,15 @@ impl RedisLocker {
         Self::from_client(redis::Client::open(url)?).await
     }
 
+    /// Starts a builder: `RedisLocker::builder(server).ttl(..).build().await`,
+    /// where `server` is anything `redis` takes as connection info (a URL, a
+    /// `redis::ConnectionInfo` with TLS settings, a `(host, port)` pair).
+    /// The same as [`connect`](Self::connect) followed by the `with_*`
+    /// methods.
+    pub fn builder(server: impl redis::IntoConnectionInfo) -> super::RedisLockerBuilder {
+        super::RedisLockerBuilder::new(server)
+    }
+
     /// Like [`connect`](Self::connect), with a `redis::Client` you built
     /// (from `redis::ConnectionInfo`, with TLS settings, ...).
     pub async fn from_client(client: redis::Client) -> Result<Self, Error> {
@@ -213,7 +222,14 @@ impl RedisLocker {
         timeout: Duration,
     ) -> Result<RedisLease, Error> {
         let key = key.into();
-        span::traced(&key, Single::NAME, "wait", |_| true, self.wait(&key, timeout)).await
+        span::traced(
+            &key,
+            Single::NAME,
+            "wait",
+            |_| true,
+            self.wait(&key, timeout),
+        )
+        .await
     }
 
     async fn wait(&self, key: &LockKey, timeout: Duration) -> Result<RedisLease, Error> {

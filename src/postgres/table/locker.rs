@@ -437,4 +437,3 @@ impl Drop for Pending {
         }
     }
 }
-

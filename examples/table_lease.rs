@@ -37,7 +37,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(listen_url) = std::env::var("LISTEN_URL") {
         builder = builder.listen_options(listen_url.parse()?);
     }
-    let locker = builder.build()?;
+    let locker = builder.build();
 
     let mut workers = tokio::task::JoinSet::new();
     for worker in 1..=3 {

@@ -376,12 +376,7 @@ impl Table {
     async fn new(pool: PgPool) -> Self {
         distlock::migrate(&pool).await.expect("migrate");
         let make = |pool: PgPool| -> Arc<dyn Locker> {
-            Arc::new(
-                distlock::TableLocker::builder(pool)
-                    .ttl(Self::TTL)
-                    .build()
-                    .expect("valid ttl"),
-            )
+            Arc::new(distlock::TableLocker::builder(pool).ttl(Self::TTL).build())
         };
         let second = sqlx::postgres::PgPoolOptions::new()
             .connect_with(pool.connect_options().as_ref().clone())

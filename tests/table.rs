@@ -35,10 +35,7 @@ async fn pool_on(options: PgConnectOptions) -> PgPool {
 }
 
 fn locker(pool: &PgPool, ttl: Duration) -> TableLocker {
-    TableLocker::builder(pool.clone())
-        .ttl(ttl)
-        .build()
-        .expect("valid ttl")
+    TableLocker::builder(pool.clone()).ttl(ttl).build()
 }
 
 async fn rows(pool: &PgPool) -> i64 {
@@ -211,7 +208,11 @@ async fn works_through_pgbouncer_in_transaction_mode(pool: PgPool) {
         .unwrap()
         .get(0);
     assert_ne!(moved, first, "one server session only");
-    drop(pinned);
+    // Rolled back explicitly: a dropped transaction would keep its server
+    // session pinned until its client connection is used again.
+    for tx in pinned {
+        tx.rollback().await.unwrap();
+    }
     // ...which is why the lease statements are simple queries: a statement
     // with bound parameters, outside a transaction, is split in two and
     // fails through this PgBouncer (sqlx 0.9, PgBouncer 1.18).
@@ -227,14 +228,13 @@ async fn works_through_pgbouncer_in_transaction_mode(pool: PgPool) {
 
     // Waiters listen on a direct connection (LISTEN needs a session).
     let ttl = Duration::from_millis(600);
-    let make = |pool: &PgPool| {
+    let make = |pool: &PgPool, ttl: Duration| {
         TableLocker::builder(pool.clone())
             .ttl(ttl)
             .listen_options(direct.clone())
             .build()
-            .unwrap()
     };
-    let (a, b) = (make(&pool_a), make(&pool_b));
+    let (a, b) = (make(&pool_a, ttl), make(&pool_b, ttl));
 
     // Exclusive, renewed past its TTL, released, handed over.
     let lease = a.try_lock("table:bouncer").await.unwrap().expect("free");
@@ -257,7 +257,12 @@ async fn works_through_pgbouncer_in_transaction_mode(pool: PgPool) {
     assert!(next.fencing_token().unwrap() > first_token);
     next.release().await.unwrap();
 
-    // Many tasks through the pooler: no overlap, increasing tokens.
+    // Many tasks through the pooler: no overlap, increasing tokens. A TTL
+    // that a loaded machine cannot outlast between a grant and the section
+    // that records it: a stalled holder whose lease expired would enter
+    // after its successor (the TTL doing its job, not a defect).
+    let ttl = Duration::from_secs(10);
+    let (a, b) = (make(&pool_a, ttl), make(&pool_b, ttl));
     let inside = Arc::new(AtomicUsize::new(0));
     let sections = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = tokio::task::JoinSet::new();
@@ -356,8 +361,7 @@ async fn cut_off(pool: &PgPool, holder: Holder, key: &str, ttl: Duration) -> (In
             let holder = TableLocker::builder(holder_pool)
                 .ttl(ttl)
                 .listen(false)
-                .build()
-                .unwrap();
+                .build();
             let lease = holder.try_lock(key).await.unwrap().expect("free");
             let lease = Arc::new(lease);
             let watch = Arc::clone(&lease);
@@ -603,7 +607,6 @@ async fn a_release_wakes_the_waiter_without_a_poll_interval(pool: PgPool) {
             .ttl(ttl)
             .poll_interval(poll)
             .build()
-            .unwrap()
     };
     let median = hand_off_latency(&listening(&pool), &listening(&other), 15).await;
     println!("hand-off, listening (poll {poll:?}): median {median:?}");
@@ -618,7 +621,6 @@ async fn a_release_wakes_the_waiter_without_a_poll_interval(pool: PgPool) {
             .listen(false)
             .poll_interval(Duration::from_millis(100))
             .build()
-            .unwrap()
     };
     let median = hand_off_latency(&polling(&pool), &polling(&other), 15).await;
     println!("hand-off, polling every 100 ms: median {median:?}");
@@ -690,6 +692,20 @@ async fn expired_rows_are_purged_by_grants_and_on_request(pool: PgPool) {
 #[sqlx::test(migrations = false)]
 async fn bad_settings_and_huge_timeouts_are_clear_errors_not_panics(pool: PgPool) {
     migrated(&pool).await;
+    // A bad setting makes every acquisition fail with a clear error, and
+    // nothing is written.
+    let refused = async |locker: TableLocker, what: String| {
+        let tried = locker.try_lock("table:bad").await;
+        assert!(
+            matches!(tried, Err(Error::InvalidConfig(_))),
+            "{what}: {tried:?}"
+        );
+        let waited = locker.lock("table:bad", Duration::from_secs(1)).await;
+        assert!(
+            matches!(waited, Err(Error::InvalidConfig(_))),
+            "{what}: {waited:?}"
+        );
+    };
     for ttl in [
         Duration::ZERO,
         Duration::from_millis(99),
@@ -697,23 +713,20 @@ async fn bad_settings_and_huge_timeouts_are_clear_errors_not_panics(pool: PgPool
         Duration::MAX,
     ] {
         let built = TableLocker::builder(pool.clone()).ttl(ttl).build();
-        assert!(
-            matches!(built, Err(Error::InvalidConfig(_))),
-            "ttl {ttl:?}: {built:?}"
-        );
+        refused(built, format!("ttl {ttl:?}")).await;
     }
     for poll in [Duration::ZERO, Duration::MAX] {
         let built = TableLocker::builder(pool.clone())
             .poll_interval(poll)
             .build();
-        assert!(
-            matches!(built, Err(Error::InvalidConfig(_))),
-            "poll {poll:?}: {built:?}"
-        );
+        refused(built, format!("poll {poll:?}")).await;
     }
+    assert_eq!(rows(&pool).await, 0);
     let err = TableLocker::builder(pool.clone())
         .ttl(Duration::ZERO)
         .build()
+        .try_lock("table:bad")
+        .await
         .unwrap_err();
     assert_eq!(
         err.to_string(),

@@ -170,7 +170,7 @@ impl Ctx {
             semaphore,
             table: distlock::TableLocker::builder(pool.clone())
                 .listen(false)
-                .build()?,
+                .build(),
             locker: PgLocker::new(pool.clone()),
             mux: PgLocker::builder(pool.clone()).multiplex(2).build(),
             fenced: PgLocker::builder(pool.clone()).fencing(true).build(),

@@ -104,11 +104,7 @@ async fn connect_lease_table(
         distlock::postgres::table::MIN_TTL,
         distlock::postgres::table::MAX_TTL,
     );
-    let locker = TableLocker::builder(pool)
-        .ttl(ttl)
-        .listen(false)
-        .build()
-        .map_err(|err| Failure::usage(format!("--lease-table: {err}")))?;
+    let locker = TableLocker::builder(pool).ttl(ttl).listen(false).build();
     Ok(Backend {
         locker: Arc::new(locker),
         postgres: None,

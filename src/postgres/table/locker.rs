@@ -80,7 +80,7 @@ const POLL_NOT_LISTENING: Duration = Duration::from_millis(100);
 /// use std::time::Duration;
 /// let locker = distlock::postgres::TableLocker::builder(pool)
 ///     .ttl(Duration::from_secs(15))
-///     .build()?;
+///     .build();
 /// if let Some(lease) = locker.try_lock("reports:nightly").await? {
 ///     let token = lease.fencing_token().expect("always issued");
 ///     tokio::select! {
@@ -104,6 +104,8 @@ pub(super) struct Inner {
     pub(super) release_timeout: Duration,
     /// `None` when built with `.listen(false)`.
     pub(super) listener: Option<Listener>,
+    /// A setting the builder refused: every acquisition fails with it.
+    pub(super) invalid: Option<&'static str>,
 }
 
 /// Configures a [`TableLocker`]; from [`TableLocker::builder`].
@@ -121,7 +123,7 @@ pub struct TableLockerBuilder {
 impl TableLockerBuilder {
     /// The leases' time to live (default [`DEFAULT_TTL`], 30 s), between
     /// [`MIN_TTL`] (100 ms) and [`MAX_TTL`] (24 h); [`build`](Self::build)
-    /// refuses others with [`Error::InvalidConfig`].
+    /// with others every acquisition fails with [`Error::InvalidConfig`].
     ///
     /// A lease is renewed every `ttl / 3`; a holder that cannot renew reports
     /// loss `2 * ttl / 3` after its last successful renewal was sent; a
@@ -133,7 +135,8 @@ impl TableLockerBuilder {
 
     /// How often a waiting [`TableLocker::lock`] looks again when nothing
     /// woke it (default: 1 s while listening, 100 ms with `.listen(false)`),
-    /// between 1 ms and 1 h; [`build`](Self::build) refuses others.
+    /// between 1 ms and 1 h; with others every acquisition fails with
+    /// [`Error::InvalidConfig`].
     pub fn poll_interval(mut self, every: Duration) -> Self {
         self.poll_interval = Some(every);
         self
@@ -165,40 +168,40 @@ impl TableLockerBuilder {
         self
     }
 
-    /// Builds the locker; [`Error::InvalidConfig`] for a TTL or poll
-    /// interval out of range. Opens nothing yet.
-    pub fn build(self) -> Result<TableLocker, Error> {
-        if !(MIN_TTL..=MAX_TTL).contains(&self.ttl) {
-            return Err(Error::InvalidConfig(
-                "TableLocker ttl must be between 100 ms and 24 h",
-            ));
-        }
+    /// Builds the locker. A TTL or poll interval out of range does not fail
+    /// here but makes every acquisition fail with [`Error::InvalidConfig`],
+    /// as the Redis lockers do, so that `build()` is infallible like
+    /// [`PgLockerBuilder::build`](crate::postgres::PgLockerBuilder::build).
+    pub fn build(self) -> TableLocker {
         let default_poll = if self.listen {
             POLL_LISTENING
         } else {
             POLL_NOT_LISTENING
         };
         let poll_interval = self.poll_interval.unwrap_or(default_poll);
-        if !(Duration::from_millis(1)..=Duration::from_secs(3600)).contains(&poll_interval) {
-            return Err(Error::InvalidConfig(
-                "TableLocker poll interval must be between 1 ms and 1 h",
-            ));
-        }
+        let invalid = if !(MIN_TTL..=MAX_TTL).contains(&self.ttl) {
+            Some("TableLocker ttl must be between 100 ms and 24 h")
+        } else if !(Duration::from_millis(1)..=Duration::from_secs(3600)).contains(&poll_interval) {
+            Some("TableLocker poll interval must be between 1 ms and 1 h")
+        } else {
+            None
+        };
         let listener = self.listen.then(|| {
             let options = self
                 .listen_options
                 .unwrap_or_else(|| self.pool.connect_options().as_ref().clone());
             Listener::new(options)
         });
-        Ok(TableLocker {
+        TableLocker {
             inner: Arc::new(Inner {
                 pool: self.pool,
                 ttl: self.ttl,
                 poll_interval,
                 release_timeout: self.release_timeout,
                 listener,
+                invalid,
             }),
-        })
+        }
     }
 }
 
@@ -223,6 +226,7 @@ impl TableLocker {
                 ttl: DEFAULT_TTL,
                 poll_interval: POLL_LISTENING,
                 release_timeout: DEFAULT_RELEASE_TIMEOUT,
+                invalid: None,
             }),
         }
     }
@@ -237,6 +241,15 @@ impl TableLocker {
             listen: true,
             listen_options: None,
         }
+    }
+
+    /// Refuses a bad key, and every key when the builder was given a bad
+    /// setting.
+    fn check(&self, key: &LockKey) -> Result<(), Error> {
+        if let Some(why) = self.inner.invalid {
+            return Err(Error::InvalidConfig(why));
+        }
+        key.validate()
     }
 
     /// The pool this locker runs its statements on.
@@ -266,7 +279,7 @@ impl TableLocker {
     pub async fn try_lock(&self, key: impl Into<LockKey>) -> Result<Option<TableLease>, Error> {
         let key = key.into();
         span::traced(&key, "table", "try", Option::is_some, async {
-            key.validate()?;
+            self.check(&key)?;
             match self.attempt(&key, &KeyExpr::new(&key)).await? {
                 Attempt::Granted(lease) => Ok(Some(lease)),
                 Attempt::Busy { .. } => Ok(None),
@@ -295,7 +308,7 @@ impl TableLocker {
     ) -> Result<TableLease, Error> {
         let key = key.into();
         span::traced(&key, "table", "wait", |_| true, async {
-            key.validate()?;
+            self.check(&key)?;
             self.wait(&key, Instant::now(), timeout).await
         })
         .await

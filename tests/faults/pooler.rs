@@ -10,7 +10,7 @@
 //! first client returns `true`. Two `PgLocker`s must still never both hold
 //! a session lock on one key.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

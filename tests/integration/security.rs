@@ -5,7 +5,7 @@
 //! the old broad grants, a planted function without `search_path`, a
 //! colliding `hashtext`), so that its passing means something.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 

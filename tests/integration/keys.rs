@@ -2,7 +2,7 @@
 //! interoperates with hand-written SQL (and sqlx's `PgAdvisoryLock`) in both
 //! directions, for the session and the transaction-scoped API.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! locks over a few shared connections, with the guarantees of the default
 //! mode.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! Mutual exclusion under real parallelism: session lockers and
 //! transaction-scoped try-lockers hammer one key at the same time.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

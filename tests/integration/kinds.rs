@@ -1,7 +1,7 @@
 //! Kinds of locks over any backend: `Semaphore` and `LeaderElection`, on
 //! PostgreSQL and on the in-memory backend.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -271,7 +271,13 @@ async fn leadership_moves_when_the_memory_backend_loses_the_lease() {
     let b = LeaderElection::new(Arc::new(memory.clone()), "kinds:mem").campaign();
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(a.is_leader() && !b.is_leader());
+    leadership.borrow_and_update();
     assert!(memory.lose(&"kinds:mem".into()));
+    // `a` steps down first (its flag changes, even if it wins again at
+    // once); until then its flag is stale and its lease already lost.
+    bounded("a steps down", Duration::from_secs(5), leadership.changed())
+        .await
+        .unwrap();
     // Either campaign may win the freed key, never both.
     watch_flags(&a, &b, Duration::from_secs(5), |la, lb| la || lb).await;
     b.resign().await.unwrap();

@@ -5,7 +5,7 @@
 //! Each test starts its own clusters (see `common::cluster`) on free
 //! loopback ports in a scratch directory; the shared server is not touched.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

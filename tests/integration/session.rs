@@ -1,6 +1,6 @@
 //! Session-scoped locks: `try_lock`, `lock`, `SessionLock`.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -3,7 +3,7 @@
 // `f(&mut *tx)` is the documented way to pass a transaction's connection.
 #![allow(clippy::explicit_auto_deref)]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

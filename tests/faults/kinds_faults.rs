@@ -6,7 +6,7 @@
 //! writes one line per critical section (`enter exit` in `CLOCK_MONOTONIC`
 //! nanoseconds, one clock for every process on the machine).
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::sync::Arc;
@@ -126,7 +126,7 @@ fn run_workers(kind: &'static str, url: String) -> Vec<Vec<String>> {
         .map(|p| {
             let out = dir.join(format!("{p}.log"));
             let child = std::process::Command::new(&exe)
-                .args(["worker_entry", "--exact", "--nocapture"])
+                .args(["kinds_faults::worker_entry", "--exact", "--nocapture"])
                 .env("DISTLOCK_KINDS_WORKER", kind)
                 .env("DISTLOCK_KINDS_URL", &url)
                 .env("DISTLOCK_KINDS_OUT", &out)

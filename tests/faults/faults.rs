@@ -2,7 +2,7 @@
 //! loopback proxy (tests/common/proxy.rs): a stalled network (bytes stop
 //! flowing, nothing is closed) and a cut connection.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

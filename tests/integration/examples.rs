@@ -11,16 +11,16 @@ use std::process::{Command, Stdio};
 use sqlx::PgPool;
 
 #[allow(dead_code)]
-#[path = "../examples/cron_worker.rs"]
+#[path = "../../examples/cron_worker.rs"]
 mod cron_worker;
 #[allow(dead_code)]
-#[path = "../examples/leader.rs"]
+#[path = "../../examples/leader.rs"]
 mod leader;
 #[allow(dead_code)]
-#[path = "../examples/migration_runner.rs"]
+#[path = "../../examples/migration_runner.rs"]
 mod migration_runner;
 #[allow(dead_code)]
-#[path = "../examples/web_handler.rs"]
+#[path = "../../examples/web_handler.rs"]
 mod web_handler;
 
 /// A URL for the test's own database (trust authentication, no password).
@@ -77,7 +77,7 @@ async fn migration_runner_applies_the_migrations_once(pool: PgPool) {
     let summary = migration_runner::run_parent(&url_of(&pool), |id| {
         let mut child = Command::new(&exe);
         child
-            .args(["--exact", "migration_runner_child", "--nocapture"])
+            .args(["--exact", "examples::migration_runner_child", "--nocapture"])
             .env(CHILD_ENV, id.to_string())
             .stdout(Stdio::null());
         child

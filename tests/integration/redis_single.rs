@@ -1,7 +1,7 @@
 //! `RedisLocker` against real `redis-server` processes started by the tests.
 #![cfg(feature = "redis")]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! job by the minimum hold; a run record keeps a window to one run; a panic
 //! releases the lock.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -7,7 +7,7 @@
 //! owner or expiry check, a history with an overlap) and shows that the
 //! same check catches it.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -135,6 +135,58 @@ async fn many_tasks_on_three_lockers_never_overlap_and_tokens_increase(pool: PgP
     assert_eq!(sections.len(), 96);
     check_sections(&sections).unwrap();
     assert_eq!(rows(&pool).await, 0, "every release deleted its row");
+}
+
+/// A taker that draws its token and is then delayed before its row lands
+/// must not be granted with that token after a later taker was granted (and
+/// released) with a higher one: tokens follow the order of grants. The delay
+/// is a trigger that sleeps before inserting the slow taker's row.
+#[sqlx::test(migrations = false)]
+async fn tokens_follow_the_order_of_grants_when_a_taker_is_delayed(pool: PgPool) {
+    migrated(&pool).await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF current_setting('application_name') = 'slow-taker' THEN
+                 PERFORM pg_sleep(1);
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER slow_insert BEFORE INSERT ON distlock.leases
+             FOR EACH ROW EXECUTE FUNCTION public.slow_insert();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let slow_pool = pool_on(
+        pool.connect_options()
+            .as_ref()
+            .clone()
+            .application_name("slow-taker"),
+    )
+    .await;
+    let slow = locker(&slow_pool, Duration::from_secs(10));
+    let fast = locker(&pool, Duration::from_secs(10));
+    // The first token of a new database writes the epoch, which would hold
+    // every other taker until its transaction ends: get that done first.
+    let first = fast.try_lock("table:warm-up").await.unwrap().expect("free");
+    first.release().await.unwrap();
+    let delayed = tokio::spawn(async move {
+        let lease = slow.try_lock("table:order").await.unwrap().expect("free");
+        let token = lease.fencing_token().expect("token").value();
+        lease.release().await.unwrap();
+        token
+    });
+    // While the slow taker sleeps before its insert, the key is free.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let lease = fast.try_lock("table:order").await.unwrap().expect("free");
+    let earlier = lease.fencing_token().expect("token").value();
+    lease.release().await.unwrap();
+    let later = delayed.await.unwrap();
+    assert!(
+        later > earlier,
+        "granted with {later} after a grant with {earlier}"
+    );
 }
 
 #[sqlx::test(migrations = false)]

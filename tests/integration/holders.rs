@@ -1,6 +1,6 @@
 //! `holders()` and `holders_of()`: who holds or awaits advisory locks.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime};

@@ -1,0 +1,13 @@
+//! Faults caused for real: private PostgreSQL clusters that crash and fail
+//! over, transaction poolers, fault proxies that stall, cut and delay,
+//! OS-process workers. One module per fault family, in one binary.
+//!
+//! Run one module: `cargo test --all-features --test faults ha::`.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod faults;
+mod ha;
+mod kinds_faults;
+mod pooler;

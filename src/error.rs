@@ -14,7 +14,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// An error from the database driver (connection, protocol, SQL).
+    /// An error from the database driver (connection, protocol, SQL). A
+    /// pool that cannot open a connection in time gives
+    /// `sqlx::Error::PoolTimedOut`, also when a connection limit refuses
+    /// it (see [`Error::TooManyConnections`]).
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 
@@ -96,6 +99,27 @@ pub enum Error {
     LockTableFull {
         /// The key whose acquisition failed.
         key: String,
+    },
+
+    /// PostgreSQL refused a new connection because a connection limit is
+    /// reached (SQLSTATE 53300, `too_many_connections`: the server's
+    /// `max_connections`, or a `CONNECTION LIMIT` of the role or the
+    /// database). Raised where distlock opens a connection itself: the
+    /// shared connections of a [multiplexed](crate::PgLockerBuilder::multiplex)
+    /// locker. Every try queued for the refused connection gets this error;
+    /// locks already held on open connections are not affected.
+    ///
+    /// Connections from a pool are opened by sqlx, which retries this
+    /// refusal until the pool's `acquire_timeout`: a call that needs a new
+    /// pooled connection then fails with
+    /// `Error::Database(sqlx::Error::PoolTimedOut)`, and a call that waits
+    /// (`lock`, `with_advisory_lock_wait`) with [`Error::Timeout`] if its
+    /// own deadline comes first.
+    #[error("PostgreSQL refused a new connection (SQLSTATE 53300): {message}")]
+    TooManyConnections {
+        /// The server's message, such as `too many connections for
+        /// database "app"`.
+        message: String,
     },
 
     /// A multiplexed locker already holds as many locks as its

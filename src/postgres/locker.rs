@@ -175,6 +175,11 @@ impl PgLockerBuilder {
     /// - **One holder per process and key.** A key held through this locker
     ///   is busy for its other callers, as in the default mode, although
     ///   PostgreSQL itself would grant it again on the same session.
+    /// - **Connection limits.** A shared connection that PostgreSQL refuses
+    ///   (SQLSTATE 53300: `max_connections`, or a role's or database's
+    ///   `CONNECTION LIMIT`) fails every try queued for it with
+    ///   [`Error::TooManyConnections`]; locks on shared connections already
+    ///   open are not affected.
     /// - **Sizing.** PostgreSQL walks a session's table of held locks at
     ///   the end of every transaction, so each statement on a session that
     ///   holds *n* locks costs about *n* × 0.1 µs more (1 ms at 10,000 locks,

@@ -8,6 +8,10 @@ pub(crate) const OUT_OF_SHARED_MEMORY: &str = "53200";
 /// SQLSTATE of "lock_not_available", raised when `lock_timeout` expires.
 pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
 
+/// SQLSTATE 53300: too_many_connections, a new connection refused by
+/// `max_connections` or a role's or database's `CONNECTION LIMIT`.
+pub(crate) const TOO_MANY_CONNECTIONS: &str = "53300";
+
 /// SQLSTATE 25P02: "current transaction is aborted, commands ignored until
 /// end of transaction block".
 pub(crate) const IN_FAILED_TRANSACTION: &str = "25P02";
@@ -43,6 +47,19 @@ pub(crate) fn locking_error(err: sqlx::Error, key: &impl std::fmt::Display) -> E
     }
 }
 
+/// Maps a failure to open a connection: a refusal for too many connections
+/// becomes [`Error::TooManyConnections`].
+pub(crate) fn connect_error(err: sqlx::Error) -> Error {
+    match err.as_database_error() {
+        Some(db) if db.code().as_deref() == Some(TOO_MANY_CONNECTIONS) => {
+            Error::TooManyConnections {
+                message: db.message().to_owned(),
+            }
+        }
+        _ => Error::Database(err),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -51,5 +68,7 @@ mod tests {
     fn errors_without_sqlstate_53200_stay_database_errors() {
         let plain = locking_error(sqlx::Error::RowNotFound, &"k");
         assert!(matches!(plain, Error::Database(sqlx::Error::RowNotFound)));
+        let plain = connect_error(sqlx::Error::PoolTimedOut);
+        assert!(matches!(plain, Error::Database(sqlx::Error::PoolTimedOut)));
     }
 }

@@ -486,3 +486,172 @@ async fn huge_durations_mean_as_long_as_possible_and_never_panic() -> anyhow::Re
     assert!(matches!(err, Err(Error::InvalidConfig(_))), "{err:?}");
     Ok(())
 }
+
+// ---------------------------------------------------------------------------
+// Node restarts
+
+/// Trials per restart variant: 20, or 100 with `DISTLOCK_TORTURE=full`.
+fn restart_trials() -> usize {
+    if std::env::var("DISTLOCK_TORTURE").is_ok_and(|v| v == "full") {
+        100
+    } else {
+        20
+    }
+}
+
+/// What one restart trial saw.
+#[derive(Debug, Clone, Copy)]
+struct RestartOutcome {
+    /// B was granted the key.
+    b_granted: bool,
+    /// A still believed it held the key (not lost, validity left) when B
+    /// started its attempt.
+    a_believed: bool,
+    /// When `lost()` told A, counted from the kill of its node, if it did
+    /// before B started.
+    a_told_after_kill: Option<Duration>,
+}
+
+impl RestartOutcome {
+    /// B was granted while A still believed it held the key.
+    fn double_grant(&self) -> bool {
+        self.b_granted && self.a_believed
+    }
+}
+
+/// One trial on 3 nodes without persistence. Node 2 is down while A takes
+/// `key`, so A holds it on exactly nodes 0 and 1, a bare majority; node 2
+/// comes back empty. Then node 1 is killed (SIGKILL) and started again,
+/// empty, after `down_for`; and B, a client of its own, makes one attempt.
+async fn restart_trial(
+    servers: &mut [RedisServer],
+    key: &str,
+    ttl: Duration,
+    down_for: Duration,
+) -> anyhow::Result<RestartOutcome> {
+    assert_eq!(servers.len(), 3);
+    servers[2].kill();
+    let a = redlock(servers)
+        .await
+        .with_ttl(ttl)
+        .with_node_timeout(Duration::from_millis(250));
+    let lease = Arc::new(a.try_lock(key).await?.expect("2 of 3 grant"));
+    let token = servers[0].get(key).await;
+    assert!(token.is_some());
+    assert_eq!(servers[1].get(key).await, token, "A holds on node 1 too");
+    servers[2].spawn().await;
+    assert_eq!(servers[2].get(key).await, None);
+
+    let told = {
+        let lease = Arc::clone(&lease);
+        tokio::spawn(async move {
+            lease.lost().await;
+            Instant::now()
+        })
+    };
+    let killed = Instant::now();
+    servers[1].kill();
+    tokio::time::sleep(down_for).await;
+    servers[1].spawn().await;
+    assert_eq!(servers[1].get(key).await, None, "restarted empty");
+
+    let b = redlock(servers)
+        .await
+        .with_ttl(ttl)
+        .with_node_timeout(Duration::from_millis(250));
+    let a_believed = !lease.is_lost();
+    let a_told_after_kill = if told.is_finished() {
+        Some(told.await? - killed)
+    } else {
+        told.abort();
+        None
+    };
+    let granted = b.try_lock(key).await?;
+    if a_told_after_kill.is_some() {
+        assert!(!a_believed, "told by lost() yet not lost");
+    }
+    let outcome = RestartOutcome {
+        b_granted: granted.is_some(),
+        a_believed,
+        a_told_after_kill,
+    };
+    if let Some(granted) = granted {
+        granted.release().await?;
+    }
+    drop(lease);
+    Ok(outcome)
+}
+
+/// Runs `trials` restart trials and prints what they saw.
+async fn restart_trials_with(
+    label: &str,
+    ttl: Duration,
+    down_for: Duration,
+) -> anyhow::Result<Vec<RestartOutcome>> {
+    let mut servers = servers(3).await;
+    let mut outcomes = Vec::new();
+    for i in 0..restart_trials() {
+        outcomes.push(restart_trial(&mut servers, &format!("restart:{i}"), ttl, down_for).await?);
+    }
+    let n = outcomes.len();
+    let double = outcomes.iter().filter(|o| o.double_grant()).count();
+    let granted = outcomes.iter().filter(|o| o.b_granted).count();
+    let told: Vec<Duration> = outcomes
+        .iter()
+        .filter_map(|o| o.a_told_after_kill)
+        .collect();
+    println!(
+        "{label} (ttl {ttl:?}, node down {down_for:?}): {n} trials, B granted in {granted}, \
+         double grants {double} ({} per 100); token regressions: not applicable (no tokens); \
+         A told by lost() before B tried in {}, {:?} .. {:?} after the kill",
+        double * 100 / n,
+        told.len(),
+        told.iter().min(),
+        told.iter().max(),
+    );
+    Ok(outcomes)
+}
+
+/// A node without persistence that restarts at once forgets A's key; if
+/// A held a bare majority including that node, B is granted the key while
+/// A still believes it holds it, in every trial. `check_setup` sees the
+/// missing append-only file but raises no warning for it: Redlock issues no
+/// fencing tokens, and `NoPersistence` is about tokens.
+#[tokio::test]
+async fn a_node_restarted_empty_at_once_grants_the_key_twice() -> anyhow::Result<()> {
+    let servers = servers(3).await;
+    let report = redlock(&servers).await.check_setup().await;
+    assert!(
+        report.nodes.iter().all(|n| n.append_only == Some(false)),
+        "{report:?}"
+    );
+    assert!(report.is_sound(), "{report:?}");
+    drop(servers);
+
+    // A long TTL: A's watchdog does not run between the restart and B's
+    // attempt, so A cannot have noticed anything.
+    let ttl = Duration::from_secs(30);
+    let outcomes = restart_trials_with("restart at once", ttl, Duration::ZERO).await?;
+    let double = outcomes.iter().filter(|o| o.double_grant()).count();
+    assert_eq!(double, outcomes.len(), "{outcomes:?}");
+    Ok(())
+}
+
+/// Redis's remedy for nodes without persistence: keep a crashed node down
+/// for at least one TTL before it rejoins. A then cannot extend on a
+/// majority and is told by `lost()` before its validity ends, so B is
+/// granted the key (in every trial) only after A gave it up.
+#[tokio::test]
+async fn a_node_restarted_after_a_ttl_never_grants_the_key_twice() -> anyhow::Result<()> {
+    let ttl = Duration::from_secs(1);
+    let outcomes = restart_trials_with("restart after one TTL", ttl, ttl).await?;
+    let granted = outcomes.iter().filter(|o| o.b_granted).count();
+    assert_eq!(granted, outcomes.len(), "B got the freed key: {outcomes:?}");
+    let double = outcomes.iter().filter(|o| o.double_grant()).count();
+    assert_eq!(double, 0, "{outcomes:?}");
+    assert!(
+        outcomes.iter().all(|o| o.a_told_after_kill.is_some()),
+        "A was told by lost() before B tried: {outcomes:?}"
+    );
+    Ok(())
+}

@@ -14,7 +14,7 @@ use super::request::{Granted, Inbox, Request, Ticket, TryError, TryOutcome};
 use super::sql::{self, ServerKey};
 use crate::postgres::keeper::FIRST_HEARTBEAT;
 use crate::postgres::pooler::{PoolerCheck, loss_reason, shared_session};
-use crate::postgres::sqlstate::{locking_error, sqlstate};
+use crate::postgres::sqlstate::{connect_error, locking_error, sqlstate};
 use crate::{Error, LockKey, LossReason};
 
 /// Settings a driver needs.
@@ -95,7 +95,7 @@ async fn run(
 /// ("unsupported startup parameter: options").
 async fn connect(config: &DriverConfig) -> Result<(PgConnection, i32), Error> {
     let open = async {
-        let mut conn = config.connect.connect().await?;
+        let mut conn = config.connect.connect().await.map_err(connect_error)?;
         PoolerCheck::default().ensure_session(&mut conn).await?;
         let pid: i32 = sqlx::query_scalar(FIRST_HEARTBEAT)
             .fetch_one(&mut conn)
@@ -119,8 +119,16 @@ fn refuse_all(requests: &mut mpsc::UnboundedReceiver<Request>, err: Option<Error
             Request::Try { reply, .. } => {
                 let outcome = match err.take() {
                     // The first caller learns why; the others retry, and
-                    // their retry reports its own failure.
-                    Some(err) => Err(TryError::Failed(err)),
+                    // their retry reports its own failure. A connection
+                    // limit refuses a retry as well: every caller learns it.
+                    Some(first) => {
+                        if let Error::TooManyConnections { message } = &first {
+                            err = Some(Error::TooManyConnections {
+                                message: message.clone(),
+                            });
+                        }
+                        Err(TryError::Failed(first))
+                    }
                     None => Err(TryError::Gone),
                 };
                 let _ = reply.send(outcome);

@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod conn_limit;
 mod faults;
 mod ha;
 mod kinds_faults;

@@ -10,7 +10,7 @@
 //! key overlap and fencing tokens grow in the order of the holds; and once
 //! everything is released nothing is left in `pg_locks`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::Mutex;

@@ -112,16 +112,25 @@ pub(crate) use keyed;
 /// keeps them for the connection; `xact` for the transaction.
 macro_rules! keepalives {
     // Set only where they are not set yet (a connection keeps them): the
-    // set_config calls cost more than reading one setting.
+    // set_config calls cost more than reading the settings. All four are
+    // read: a connection whose application set one of them itself (say
+    // `-c tcp_user_timeout=30000` in its connect options) would otherwise
+    // keep the operating system's keepalive idle time of two hours.
     (session) => {
-        "CASE WHEN current_setting('tcp_user_timeout') <> '30000' THEN \
+        "CASE WHEN current_setting('tcp_user_timeout') <> '30000' \
+         OR current_setting('tcp_keepalives_idle') <> '10' \
+         OR current_setting('tcp_keepalives_interval') <> '5' \
+         OR current_setting('tcp_keepalives_count') <> '3' THEN \
          set_config('tcp_keepalives_idle', '10', false) || \
          set_config('tcp_keepalives_interval', '5', false) || \
          set_config('tcp_keepalives_count', '3', false) || \
          set_config('tcp_user_timeout', '30000', false) END"
     };
     (xact) => {
-        "CASE WHEN current_setting('tcp_user_timeout') <> '30000' THEN \
+        "CASE WHEN current_setting('tcp_user_timeout') <> '30000' \
+         OR current_setting('tcp_keepalives_idle') <> '10' \
+         OR current_setting('tcp_keepalives_interval') <> '5' \
+         OR current_setting('tcp_keepalives_count') <> '3' THEN \
          set_config('tcp_keepalives_idle', '10', true) || \
          set_config('tcp_keepalives_interval', '5', true) || \
          set_config('tcp_keepalives_count', '3', true) || \

@@ -21,6 +21,10 @@ pub struct Cluster {
     data: PathBuf,
     port: u16,
     name: String,
+    /// The network namespace the postmaster runs in (None: the test's own).
+    netns: Option<String>,
+    /// Its `listen_addresses`.
+    listen: String,
 }
 
 /// The directory of the newest installed PostgreSQL's binaries.
@@ -121,12 +125,54 @@ impl Cluster {
             data,
             port: free_port(),
             name: name.to_owned(),
+            netns: None,
+            listen: "127.0.0.1".to_owned(),
         };
         cluster.configure(&[
             "wal_level = replica",
             "max_wal_senders = 5",
             "hot_standby = on",
         ]);
+        cluster.configure(conf);
+        cluster.start().await;
+        cluster
+    }
+
+    /// Like [`primary`](Self::primary), but the postmaster runs in the
+    /// network namespace `netns` and listens on `listen` (an address of that
+    /// namespace) and on its Unix-domain socket, which the test reaches from
+    /// any namespace ([`socket_options`](Self::socket_options)).
+    pub async fn primary_in_netns(name: &str, conf: &[&str], netns: &str, listen: &str) -> Cluster {
+        let root = scratch(name);
+        let data = root.join("data");
+        let mut initdb = server_command("initdb");
+        initdb.arg("-D").arg(&data).args([
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        ]);
+        run(initdb, "initdb").await;
+        let cluster = Cluster {
+            root,
+            data,
+            port: free_port(),
+            name: name.to_owned(),
+            netns: Some(netns.to_owned()),
+            listen: listen.to_owned(),
+        };
+        // initdb trusts 127.0.0.1 only; the clients come from the other
+        // end of a veth pair, still inside 127.0.0.0/8.
+        {
+            use std::io::Write;
+            let mut hba = std::fs::OpenOptions::new()
+                .append(true)
+                .open(cluster.data.join("pg_hba.conf"))
+                .expect("pg_hba.conf");
+            writeln!(hba, "host all all 127.0.0.0/8 trust").expect("write pg_hba.conf");
+        }
         cluster.configure(conf);
         cluster.start().await;
         cluster
@@ -148,6 +194,8 @@ impl Cluster {
             data,
             port: free_port(),
             name: name.to_owned(),
+            netns: None,
+            listen: "127.0.0.1".to_owned(),
         };
         // The standby names itself, so a primary can list it in
         // synchronous_standby_names.
@@ -186,13 +234,29 @@ impl Cluster {
     /// Starts the postmaster and waits until it accepts connections.
     pub async fn start(&self) {
         let options = format!(
-            "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories={}",
+            "-p {} -c listen_addresses={} -c unix_socket_directories={}",
             self.port,
+            self.listen,
             self.root.display()
         );
         let log = self.root.join("log");
-        self.pg_ctl(&["start", "-w", "-t", "60", "-o", &options, "-l", path(&log)])
-            .await;
+        let args = ["start", "-w", "-t", "60", "-o", &options, "-l", path(&log)];
+        match &self.netns {
+            None => self.pg_ctl(&args).await,
+            Some(ns) => {
+                // The postmaster (and every backend) inherits the namespace.
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", ns]);
+                if running_as_root() {
+                    cmd.args(["runuser", "-u", "postgres", "--"]);
+                }
+                cmd.arg(bin_dir().join("pg_ctl"))
+                    .arg("-D")
+                    .arg(&self.data)
+                    .args(args);
+                run(cmd, &format!("pg_ctl start in {ns} ({})", self.name)).await;
+            }
+        }
     }
 
     /// `pg_ctl stop -m immediate`: a crash, WAL that was not flushed is lost.
@@ -215,10 +279,23 @@ impl Cluster {
         self.port
     }
 
-    /// Connect options for its `postgres` database.
+    /// Connect options for its `postgres` database (over TCP, on the
+    /// address it listens on).
     pub fn options(&self) -> PgConnectOptions {
         PgConnectOptions::new()
-            .host("127.0.0.1")
+            .host(&self.listen)
+            .port(self.port)
+            .username("postgres")
+            .database("postgres")
+            .disable_statement_logging()
+    }
+
+    /// Connect options for its `postgres` database over its Unix-domain
+    /// socket (in its scratch directory), which works across network
+    /// namespaces.
+    pub fn socket_options(&self) -> PgConnectOptions {
+        PgConnectOptions::new()
+            .socket(&self.root)
             .port(self.port)
             .username("postgres")
             .database("postgres")

@@ -7,6 +7,7 @@
 
 pub mod cluster;
 pub mod drop_after;
+pub mod netns;
 pub mod pgbouncer;
 pub mod proxy;
 pub mod redis;

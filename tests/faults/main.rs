@@ -11,4 +11,5 @@ mod conn_limit;
 mod faults;
 mod ha;
 mod kinds_faults;
+mod partition;
 mod pooler;

@@ -30,7 +30,7 @@
 //! Both sides take their timestamps from `CLOCK_MONOTONIC`, one clock for
 //! every namespace on the machine.
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -283,7 +283,7 @@ async fn a_partition_the_server_sees_frees_every_lock_within_the_keepalive_bound
     );
     let mut worker = net.in_client(std::env::current_exe().expect("current_exe"));
     worker
-        .args(["partition_worker", "--exact", "--nocapture"])
+        .args(["partition::partition_worker", "--exact", "--nocapture"])
         .env(ENV_URL, &url)
         .env(ENV_OUT, &log);
     let mut worker = tokio::process::Command::from(worker)

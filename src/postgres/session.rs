@@ -123,7 +123,7 @@ impl PgLocker {
     /// connection. A `timeout` of zero is a single
     /// try. If the server does not answer within `timeout` plus the heartbeat
     /// deadline (a stalled network), the attempt is abandoned and reported as
-    /// a timeout.
+    /// a timeout; naming the holder then takes at most two more deadlines.
     ///
     /// # Cancel safety
     ///

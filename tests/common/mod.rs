@@ -43,6 +43,19 @@ pub async fn observer(opts: &PgConnectOptions) -> PgConnection {
         .expect("observer connection")
 }
 
+/// A URL for the test database `pool` points at (trust authentication, no
+/// password), for child processes.
+pub fn url_of(pool: &PgPool) -> String {
+    let opts = pool.connect_options();
+    format!(
+        "postgres://{}@{}:{}/{}",
+        opts.get_username(),
+        opts.get_host(),
+        opts.get_port(),
+        opts.get_database().unwrap_or("postgres")
+    )
+}
+
 /// An observer connection to the database `pool` points at.
 pub async fn observer_for(pool: &PgPool) -> PgConnection {
     observer(&pool.connect_options()).await

@@ -7,6 +7,7 @@
 //! nanoseconds, one clock for every process on the machine).
 
 use crate::common;
+use common::url_of;
 
 use std::io::Write;
 use std::sync::Arc;
@@ -104,17 +105,6 @@ async fn multi_section(locker: &PgLocker, i: usize) -> String {
     let exit = now_ns();
     all.release().await.expect("release");
     format!("multi {enter} {exit} {} {}", keys[0], keys[1])
-}
-
-fn url_of(pool: &PgPool) -> String {
-    let opts = pool.connect_options();
-    format!(
-        "postgres://{}@{}:{}/{}",
-        opts.get_username(),
-        opts.get_host(),
-        opts.get_port(),
-        opts.get_database().unwrap_or("postgres")
-    )
 }
 
 /// Runs `PROCESSES` workers of `kind`; all their history lines.

@@ -10,6 +10,8 @@ use std::process::{Command, Stdio};
 
 use sqlx::PgPool;
 
+use crate::common::url_of;
+
 #[allow(dead_code)]
 #[path = "../../examples/cron_worker.rs"]
 mod cron_worker;
@@ -22,18 +24,6 @@ mod migration_runner;
 #[allow(dead_code)]
 #[path = "../../examples/web_handler.rs"]
 mod web_handler;
-
-/// A URL for the test's own database (trust authentication, no password).
-fn url_of(pool: &PgPool) -> String {
-    let opts = pool.connect_options();
-    format!(
-        "postgres://{}@{}:{}/{}",
-        opts.get_username(),
-        opts.get_host(),
-        opts.get_port(),
-        opts.get_database().unwrap_or("postgres")
-    )
-}
 
 #[sqlx::test(migrations = false)]
 async fn cron_worker_sends_each_reminder_once_and_the_others_skip(pool: PgPool) {

@@ -1087,3 +1087,168 @@ async fn with_lease_table_a_lost_lease_stops_the_command_and_exits_76(pool: PgPo
         text(&out)
     );
 }
+
+// ---- supervisors killed with SIGKILL, many at once -----------------------------
+
+/// The command under test: it leaves a marker named after its pid while it
+/// runs, and records an overlap when another command's marker belongs to a
+/// live process (a killed command's marker stays behind, but its process is
+/// gone; a zombie counts as gone). It looks before and after its work, so
+/// two commands that overlap at all see each other.
+const MARKED_COMMAND: &str = r#"d="$0"; me=$$
+look() {
+  for f in "$d"/run.*; do
+    [ -e "$f" ] || continue
+    p=${f##*.}
+    [ "$p" = "$me" ] && continue
+    if [ -r "/proc/$p/stat" ] && [ "$(cut -d' ' -f3 "/proc/$p/stat")" != Z ]; then
+      echo "$me saw $p" >> "$d/overlaps"
+    fi
+  done
+}
+: > "$d/run.$me"; look; sleep 0.05; look; rm -f "$d/run.$me""#;
+
+/// The pids of `pid`'s children (over all its threads).
+fn children_of(pid: u32) -> Vec<i32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|list| {
+            list.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<i32>>()
+        })
+        .collect()
+}
+
+/// Runs `supervisors` loops of the marked command until `run_for` has
+/// passed, each run under `distlock run` (or bare, when `locked` is false),
+/// while a killer SIGKILLs a random running supervisor every 300–700 ms and
+/// checks that the command it supervised is gone within 5 s. Returns
+/// (completed runs, kills, commands that outlived their supervisor, overlaps).
+async fn marked_runs(
+    url: &str,
+    locked: bool,
+    supervisors: usize,
+    run_for: Duration,
+) -> (usize, usize, Vec<i32>, String) {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    let dir = scratch("supervisors");
+    let dir_arg = dir.to_string_lossy().into_owned();
+    let running: Arc<Mutex<HashMap<usize, u32>>> = Arc::default();
+    let stop = Instant::now() + run_for;
+    let mut loops = tokio::task::JoinSet::new();
+    for id in 0..supervisors {
+        let (url, dir_arg, running) = (url.to_owned(), dir_arg.clone(), running.clone());
+        loops.spawn(async move {
+            let mut completed = 0;
+            while Instant::now() < stop {
+                let mut cmd = if locked {
+                    distlock(
+                        &url,
+                        &[
+                            "run",
+                            "-q",
+                            "marked",
+                            "--wait",
+                            "30s",
+                            "--heartbeat",
+                            "200ms",
+                            "--",
+                            "sh",
+                        ],
+                    )
+                } else {
+                    let mut bare = Command::new("sh");
+                    bare.kill_on_drop(true);
+                    bare
+                };
+                cmd.args(["-c", MARKED_COMMAND, &dir_arg])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null());
+                let mut child = cmd.spawn().expect("spawn a supervisor");
+                if let Some(pid) = child.id() {
+                    running.lock().expect("running").insert(id, pid);
+                }
+                let status = child.wait().await.expect("wait for a supervisor");
+                running.lock().expect("running").remove(&id);
+                completed += usize::from(status.success());
+            }
+            completed
+        });
+    }
+    let mut kills = 0;
+    let mut outlived = Vec::new();
+    while Instant::now() < stop {
+        let pause = 300 + rand::random::<u64>() % 400;
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let victim = {
+            let running = running.lock().expect("running");
+            let pids: Vec<u32> = running.values().copied().collect();
+            (!pids.is_empty()).then(|| pids[rand::random::<u32>() as usize % pids.len()])
+        };
+        let Some(victim) = victim else { continue };
+        let commands = children_of(victim);
+        let _cleanup = KillOnDrop(commands.clone());
+        let pid = nix::unistd::Pid::from_raw(victim as i32);
+        if nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).is_err() {
+            continue; // it had just finished
+        }
+        kills += 1;
+        for command in commands {
+            if !gone_within(command, Duration::from_secs(5)).await {
+                outlived.push(command);
+            }
+        }
+    }
+    let mut completed = 0;
+    while let Some(done) = loops.join_next().await {
+        completed += done.expect("supervisor loop");
+    }
+    let overlaps = std::fs::read_to_string(dir.join("overlaps")).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    (completed, kills, outlived, overlaps)
+}
+
+/// Three supervisors run the same command under one lock while their
+/// supervisors are killed at random: the command never runs twice at once,
+/// and never runs on after its supervisor died (`PR_SET_PDEATHSIG`).
+#[sqlx::test(migrations = false)]
+async fn killed_supervisors_never_leave_two_commands_running(pool: PgPool) {
+    let url = url_of(&pool);
+    let run_for = if std::env::var("DISTLOCK_TORTURE").as_deref() == Ok("full") {
+        Duration::from_secs(120)
+    } else {
+        Duration::from_secs(12)
+    };
+    let (completed, kills, outlived, overlaps) = marked_runs(&url, true, 3, run_for).await;
+    println!(
+        "supervisors: {completed} runs completed, {kills} supervisors killed, \
+         {} commands outlived them, overlaps: {:?}",
+        outlived.len(),
+        overlaps.lines().count()
+    );
+    assert!(kills >= 5, "only {kills} kills");
+    assert!(completed >= 10, "only {completed} runs completed");
+    assert!(
+        outlived.is_empty(),
+        "commands outlived their supervisor: {outlived:?}"
+    );
+    assert!(overlaps.is_empty(), "two commands ran at once:\n{overlaps}");
+}
+
+/// Control: the same commands run without distlock overlap, and the check
+/// sees it.
+#[sqlx::test(migrations = false)]
+async fn the_marker_check_sees_commands_run_without_the_lock(pool: PgPool) {
+    let url = url_of(&pool);
+    let (_, _, _, overlaps) = marked_runs(&url, false, 3, Duration::from_secs(3)).await;
+    assert!(
+        !overlaps.is_empty(),
+        "three unlocked loops never overlapped"
+    );
+}

@@ -3,19 +3,19 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use async_trait::async_trait;
-use sqlx::{AssertSqlSafe, Row};
+
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
 use tracing::Instrument;
 
-use super::locker::{Inner, TableLocker};
+use super::inner::Inner;
+use super::release::{release_in_background, release_statement};
 use super::renew::Renewal;
-use super::sql::{self, KeyExpr, Owner};
-use crate::postgres::conn::HeldConn;
-use crate::{Error, FencingToken, Lease, LockKey, Locker, LossReason};
+use super::sql::{KeyExpr, Owner};
+use crate::{Error, FencingToken, Lease, LockKey, LossReason};
 
 /// A lease of a [`TableLocker`]: a row of `distlock.leases` that a
 /// background task renews every third of the TTL.
@@ -192,60 +192,6 @@ impl Drop for TableLease {
         }
         self.renewer.abort();
         release_in_background(Arc::clone(&self.inner), self.expr.clone(), self.owner);
-    }
-}
-
-/// `distlock.lease_release` for `owner`: 1 round trip; `true` if the lease
-/// was the owner's and unexpired. Only a connection that answered goes back
-/// to the pool.
-pub(super) async fn release_statement(
-    inner: &Inner,
-    expr: &KeyExpr,
-    owner: Owner,
-) -> Result<bool, Error> {
-    let mut conn = HeldConn::new(inner.pool.acquire().await?, true);
-    let row = sqlx::raw_sql(AssertSqlSafe(sql::release(expr, owner)))
-        .fetch_one(conn.conn())
-        .await?;
-    conn.into_pool();
-    Ok(row.try_get(0)?)
-}
-
-/// Deletes `owner`'s row of `expr` from a task of its own, within the
-/// release deadline, if there is a runtime; otherwise the row expires.
-pub(super) fn release_in_background(inner: Arc<Inner>, expr: KeyExpr, owner: Owner) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    runtime.spawn(async move {
-        let budget = inner.release_timeout;
-        match tokio::time::timeout(budget, release_statement(&inner, &expr, owner)).await {
-            Ok(Ok(_)) => tracing::debug!("distlock lease released in the background"),
-            Ok(Err(err)) => tracing::warn!(
-                error = %err,
-                "background release of a lease failed; its row expires after one TTL"
-            ),
-            Err(_) => tracing::warn!(
-                after = ?budget,
-                "background release of a lease timed out; its row expires after one TTL"
-            ),
-        }
-    });
-}
-
-#[async_trait]
-impl Locker for TableLocker {
-    async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
-        let lease = TableLocker::try_lock(self, key).await?;
-        Ok(lease.map(|lease| Box::new(lease) as Box<dyn Lease>))
-    }
-
-    async fn lock(&self, key: LockKey, timeout: Duration) -> Result<Box<dyn Lease>, Error> {
-        Ok(Box::new(TableLocker::lock(self, key, timeout).await?))
-    }
-
-    fn backend(&self) -> &'static str {
-        "table"
     }
 }
 

@@ -3,14 +3,16 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgPool};
 use sqlx::{AssertSqlSafe, Row};
 
+use super::inner::Inner;
 use super::lease::TableLease;
 use super::notify::Listener;
 use super::sql::{self, KeyExpr, Owner};
 use crate::postgres::conn::HeldConn;
-use crate::{Error, FencingToken, LockKey, span};
+use crate::{Error, FencingToken, Lease, LockKey, Locker, span};
 
 /// The default time to live of a lease: renewed every 10 s, a holder that
 /// cannot renew reports loss within 20 s, and the key of a holder that
@@ -94,18 +96,6 @@ const POLL_NOT_LISTENING: Duration = Duration::from_millis(100);
 #[derive(Clone, Debug)]
 pub struct TableLocker {
     pub(super) inner: Arc<Inner>,
-}
-
-#[derive(Debug)]
-pub(super) struct Inner {
-    pub(super) pool: PgPool,
-    pub(super) ttl: Duration,
-    pub(super) poll_interval: Duration,
-    pub(super) release_timeout: Duration,
-    /// `None` when built with `.listen(false)`.
-    pub(super) listener: Option<Listener>,
-    /// A setting the builder refused: every acquisition fails with it.
-    pub(super) invalid: Option<&'static str>,
 }
 
 /// Configures a [`TableLocker`]; from [`TableLocker::builder`].
@@ -446,7 +436,23 @@ impl Pending {
 impl Drop for Pending {
     fn drop(&mut self) {
         if let Some(inner) = self.inner.take() {
-            super::lease::release_in_background(inner, self.expr.clone(), self.owner);
+            super::release::release_in_background(inner, self.expr.clone(), self.owner);
         }
+    }
+}
+
+#[async_trait]
+impl Locker for TableLocker {
+    async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
+        let lease = TableLocker::try_lock(self, key).await?;
+        Ok(lease.map(|lease| Box::new(lease) as Box<dyn Lease>))
+    }
+
+    async fn lock(&self, key: LockKey, timeout: Duration) -> Result<Box<dyn Lease>, Error> {
+        Ok(Box::new(TableLocker::lock(self, key, timeout).await?))
+    }
+
+    fn backend(&self) -> &'static str {
+        "table"
     }
 }

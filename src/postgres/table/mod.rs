@@ -17,8 +17,10 @@
 //!
 //! | file | what it holds |
 //! |---|---|
-//! | `locker.rs` | [`TableLocker`], [`TableLockerBuilder`], taking a lease |
-//! | `lease.rs` | [`TableLease`], release, the `Locker`/`Lease` impls |
+//! | `locker.rs` | [`TableLocker`], [`TableLockerBuilder`], taking a lease, the `Locker` impl |
+//! | `inner.rs` | what the locker and its leases share (pool, settings, listener) |
+//! | `lease.rs` | [`TableLease`] and its `Lease` impl |
+//! | `release.rs` | deleting a lease's row, also in the background |
 //! | `renew.rs` | the renewal task and its loss deadline |
 //! | `notify.rs` | the `LISTEN` connection that wakes waiters |
 //! | `sql.rs` | the statements, as simple queries safe for poolers |
@@ -27,9 +29,11 @@
 //! `lease_release`, `lease_purge`) are in the crate's migrations and can be
 //! called from other languages with the same guarantees.
 
+mod inner;
 mod lease;
 mod locker;
 mod notify;
+mod release;
 mod renew;
 mod sql;
 

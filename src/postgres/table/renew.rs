@@ -21,7 +21,7 @@ use sqlx::{AssertSqlSafe, Row};
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep_until, timeout_at};
 
-use super::locker::Inner;
+use super::inner::Inner;
 use super::sql::{self, KeyExpr, Owner};
 use crate::postgres::conn::HeldConn;
 use crate::{Error, LockKey, LossReason};
@@ -96,7 +96,7 @@ impl Renewal {
         let expired = reason == LossReason::Expired;
         self.loss.send_replace(Some(reason));
         if !expired {
-            let release = super::lease::release_statement(&self.inner, &self.expr, self.owner);
+            let release = super::release::release_statement(&self.inner, &self.expr, self.owner);
             let _ = tokio::time::timeout(self.inner.release_timeout, release).await;
         }
     }

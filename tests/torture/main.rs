@@ -25,9 +25,14 @@ mod report;
 mod scale;
 mod worker;
 
+#[allow(dead_code)]
+#[path = "../common/cluster.rs"]
+mod cluster;
+
 mod cancel;
 mod checker_tests;
 mod contention;
+mod failover;
 mod idle;
 mod kill9;
 mod network;

@@ -27,12 +27,10 @@ use super::db::{TestDb, advisory_holders};
 use super::history::{CONTROL, Recorder};
 use super::procs::{Fleet, RunDir};
 use super::proxy::FaultProxy;
-use super::report::Outcome;
+use super::report::{Outcome, SESSION, XACT};
 use super::worker::{Broken, Config, Mode};
-use super::{scale, scenario};
+use super::{run_name, scale, scenario};
 
-const SESSION: &[&str] = &["try", "lock"];
-const XACT: &[&str] = &["xact", "xwait"];
 /// `application_name` of the session processes' lock connections.
 const SESSION_APPS: &[&str] = &["torture-w0", "torture-w1"];
 
@@ -103,11 +101,7 @@ async fn until_a_session_lock_is_held(db: &TestDb) {
 type Window = (&'static str, u64, u64);
 
 async fn failover(broken: Broken) {
-    let name = if broken == Broken::No {
-        "failover"
-    } else {
-        "failover_broken"
-    };
+    let name = &run_name("failover", broken);
     // A base backup waits for a checkpoint spread over this share of the
     // interval: keep a fresh standby's clone to a few seconds under load.
     let conf = [

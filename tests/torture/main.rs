@@ -61,6 +61,25 @@ fn scenario(body: impl Future<Output = ()>) {
     });
 }
 
+/// A scenario's run name: `base`, or `base_broken` for its broken-locker
+/// control.
+fn run_name(base: &str, broken: worker::Broken) -> String {
+    if broken == worker::Broken::No {
+        base.to_owned()
+    } else {
+        format!("{base}_broken")
+    }
+}
+
+/// What most scenarios start with: a database of their own on the server of
+/// `DATABASE_URL`, with the fencing migrations and a register of `keys`
+/// keys, and a run directory for the histories.
+async fn setup(name: &str, keys: i64) -> (db::TestDb, procs::RunDir) {
+    let db = db::TestDb::create(name).await;
+    db.prepare(keys).await;
+    (db, procs::RunDir::new(name))
+}
+
 /// The worker process's entry point (see `worker.rs`); returns at once in
 /// the test run itself.
 #[test]

@@ -1,9 +1,12 @@
 //! High availability on private clusters: fencing tokens across a crash and
-//! a failover, and what holders, waiters and the pool see when the primary
-//! goes away.
+//! a failover, what holders, waiters and the pool see when the primary goes
+//! away, and a split brain (the old primary still running after a
+//! promotion).
 //!
 //! Each test starts its own clusters (see `common::cluster`) on free
-//! loopback ports in a scratch directory; the shared server is not touched.
+//! loopback ports in a scratch directory. Only the split-brain test uses the
+//! shared server: a database of its own (`#[sqlx::test]`) holds the fenced
+//! register that lives on neither side of the split.
 
 mod common;
 

@@ -10,10 +10,11 @@
 //! two cores); `--nocapture` shows each scenario's figures in either run.
 //!
 //! Scenarios run one at a time (they share two cores and a PostgreSQL),
-//! each in a database of its own. Multi-process scenarios start this test
-//! binary again as worker processes (`worker_entry`, configured through
-//! `DISTLOCK_TORTURE_WORKER`); the test process injects the faults and
-//! records them in a history of its own. See `checker.rs` for what is
+//! each in a database of its own; the crash and failover scenario runs on
+//! private clusters (`tests/common/cluster.rs`). Multi-process scenarios
+//! start this test binary again as worker processes (`worker_entry`,
+//! configured through `DISTLOCK_TORTURE_WORKER`); the test process injects
+//! the faults and records them in a history of its own. See `checker.rs` for what is
 //! judged, and RELIABILITY.md for the figures of a full run.
 
 mod checker;

@@ -1,9 +1,12 @@
 //! High availability on private clusters: fencing tokens across a crash and
-//! a failover, and what holders, waiters and the pool see when the primary
-//! goes away.
+//! a failover, what holders, waiters and the pool see when the primary goes
+//! away, and a split brain (the old primary still running after a
+//! promotion).
 //!
 //! Each test starts its own clusters (see `common::cluster`) on free
-//! loopback ports in a scratch directory; the shared server is not touched.
+//! loopback ports in a scratch directory. Only the split-brain test uses the
+//! shared server: a database of its own (`#[sqlx::test]`) holds the fenced
+//! register that lives on neither side of the split.
 
 use crate::common;
 
@@ -521,4 +524,419 @@ async fn a_table_lease_survives_a_synchronous_failover() {
     let next = other.try_lock("lease").await.expect("try").expect("free");
     assert!(next.fencing_token().expect("token").value() > token);
     next.release().await.expect("release");
+}
+
+/// One critical section of a split-brain worker.
+#[derive(Debug, Clone)]
+struct Section {
+    worker: usize,
+    /// Connects to the old primary's address directly.
+    stale: bool,
+    seq: i32,
+    key: usize,
+    token: i64,
+    acquired: Instant,
+    /// When release was called; `clean`: the server confirmed the unlock on
+    /// the backend that took the lock, so it held the lock from before
+    /// `acquired` to after `releasing`.
+    releasing: Instant,
+    clean: bool,
+    /// The write to the lock server itself: (seq, timeline of the server
+    /// that acknowledged it, when the acknowledgement arrived).
+    local: Option<(i32, i64, Instant)>,
+    /// The fenced write in the third place: begun at, and its outcome with
+    /// the time the outcome arrived.
+    fence_began: Instant,
+    fence: Fenced,
+    fence_ended: Instant,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fenced {
+    Accepted,
+    Refused,
+    Failed,
+}
+
+const SPLIT_KEYS: usize = 2;
+
+/// The timeline a token was issued on (its top 16 bits, see the epoch
+/// migration).
+fn timeline_of(token: i64) -> i64 {
+    token >> 48
+}
+
+/// Takes locks on `SPLIT_KEYS` keys through `pool`; in each critical
+/// section writes a row to the lock server itself and a fenced row to the
+/// register in `register` (a database neither side of the split lives in).
+async fn split_worker(
+    worker: usize,
+    stale: bool,
+    pool: PgPool,
+    register: PgPool,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<Section> {
+    use std::sync::atomic::Ordering;
+    let locker = PgLocker::builder(pool.clone())
+        .fencing(true)
+        .heartbeat(Duration::from_millis(300))
+        .heartbeat_timeout(Duration::from_millis(700))
+        .release_timeout(Duration::from_secs(2))
+        .build();
+    let mut sections = Vec::new();
+    let mut seq = 0i32;
+    while !stop.load(Ordering::Relaxed) {
+        seq += 1;
+        let key = (worker + usize::try_from(seq).unwrap_or(0)) % SPLIT_KEYS;
+        let Ok(lock) = locker
+            .lock(format!("split:{key}"), Duration::from_secs(1))
+            .await
+        else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let acquired = Instant::now();
+        let token = lock.fencing_token().expect("fenced");
+        let local = tokio::time::timeout(
+            Duration::from_secs(2),
+            sqlx::query_scalar::<_, i64>(
+                "INSERT INTO local_writes (worker, seq) VALUES ($1, $2) \
+                 RETURNING distlock.current_timeline()",
+            )
+            .bind(i32::try_from(worker).expect("worker"))
+            .bind(seq)
+            .fetch_one(&pool),
+        )
+        .await;
+        let local = match local {
+            Ok(Ok(timeline)) => Some((seq, timeline, Instant::now())),
+            _ => None,
+        };
+        tokio::time::sleep(Duration::from_millis(
+            10 + u64::from(seq.unsigned_abs() % 5) * 10,
+        ))
+        .await;
+        let fence_began = Instant::now();
+        let write = async {
+            let mut tx = register.begin().await?;
+            distlock::fence::check(&mut tx, &format!("reg:{key}"), token).await?;
+            sqlx::query(
+                "INSERT INTO split_writes (key, worker, seq, token, stale) \
+                 VALUES ($1, $2, $3, $4, $5)",
+            )
+            .bind(i32::try_from(key).expect("key"))
+            .bind(i32::try_from(worker).expect("worker"))
+            .bind(seq)
+            .bind(token.value())
+            .bind(stale)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            Ok::<_, distlock::Error>(())
+        };
+        let fence = match write.await {
+            Ok(()) => Fenced::Accepted,
+            Err(distlock::Error::StaleFencingToken { .. }) => Fenced::Refused,
+            Err(_) => Fenced::Failed,
+        };
+        let fence_ended = Instant::now();
+        let releasing = Instant::now();
+        let clean = lock.release().await.is_ok();
+        sections.push(Section {
+            worker,
+            stale,
+            seq,
+            key,
+            token: token.value(),
+            acquired,
+            releasing,
+            clean,
+            local,
+            fence_began,
+            fence,
+            fence_ended,
+        });
+    }
+    pool.close().await;
+    sections
+}
+
+/// Takes and releases locks on keys nobody else uses, as fast as it can
+/// (with a pause of 2 ms); the number of tokens drawn.
+async fn busy_client(pool: PgPool, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> usize {
+    let locker = PgLocker::builder(pool.clone()).fencing(true).build();
+    let mut drawn = 0;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        if let Ok(Some(lock)) = locker.try_lock(format!("busy:{}", drawn % 4)).await {
+            drawn += 1;
+            let _ = lock.release().await;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    pool.close().await;
+    drawn
+}
+
+/// Split brain: the standby is promoted while the old primary keeps
+/// running (and is even restarted by its supervisor later). Workers behind
+/// the proxy move to the new primary; stale workers keep using the old
+/// primary's address. Advisory locks are per server, so the same key is
+/// granted on both sides at once; what keeps the protected resource safe is
+/// the fence: every token of the promoted server (timeline 2) exceeds every
+/// token the old primary (timeline 1) ever issues, so once the register has
+/// seen a new-side token it refuses every old-side write.
+#[sqlx::test(migrations = false)]
+async fn split_brain_double_grants_are_fenced_off_by_the_timeline(register: PgPool) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    common::init_tracing();
+    distlock::migrate(&register)
+        .await
+        .expect("migrate register");
+    sqlx::query(
+        "CREATE TABLE split_writes (id bigserial PRIMARY KEY, key int NOT NULL, \
+         worker int NOT NULL, seq int NOT NULL, token bigint NOT NULL, stale bool NOT NULL)",
+    )
+    .execute(&register)
+    .await
+    .expect("register table");
+
+    let primary = Cluster::primary("split-primary", &[]).await;
+    let admin = primary.pool().await;
+    distlock::migrate(&admin).await.expect("migrate");
+    sqlx::query("CREATE TABLE local_writes (worker int, seq int, PRIMARY KEY (worker, seq))")
+        .execute(&admin)
+        .await
+        .expect("local table");
+    admin.close().await;
+    let standby = Cluster::standby_of(&primary, "split_standby", &[]).await;
+    let proxy = Proxy::start("127.0.0.1", primary.port())
+        .await
+        .expect("proxy");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let pool_to = |port: u16| {
+        PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_lazy_with(primary.options().port(port))
+    };
+    let mut workers = Vec::new();
+    // Workers 0..3 behind the proxy, 3..5 on the old primary's address.
+    for worker in 0..5 {
+        let stale = worker >= 3;
+        let port = if stale { primary.port() } else { proxy.port() };
+        workers.push(tokio::spawn(split_worker(
+            worker,
+            stale,
+            pool_to(port),
+            register.clone(),
+            stop.clone(),
+        )));
+    }
+    // Other clients of the old primary keep taking locks on keys of their
+    // own: its counter runs ahead of the new primary's.
+    let busy = tokio::spawn(busy_client(pool_to(primary.port()), stop.clone()));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // Promotion with the old primary still up; the address behind the proxy
+    // moves, and the connections it carried are cut.
+    let promoting = Instant::now();
+    standby.promote().await;
+    proxy.set_upstream(standby.port());
+    proxy.cut();
+    let promoted = Instant::now();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // The old primary's supervisor restarts it after a crash: it comes back
+    // as a primary of timeline 1, in a new epoch.
+    primary.crash().await;
+    primary.start().await;
+    let restarted = Instant::now();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut sections = Vec::new();
+    for worker in workers {
+        sections.extend(worker.await.expect("worker"));
+    }
+    let busy = busy.await.expect("busy client");
+
+    // Which server granted each section, from where its connection led: the
+    // stale workers' always to the old primary, the proxied ones' to the old
+    // primary until the switch and to the new one after it. A proxied grant
+    // heard just after the switch may still be the old primary's answer
+    // (read from the socket after the cut): those are left out.
+    let ambiguous = promoted + Duration::from_millis(500);
+    let side = |s: &Section| match (s.stale, s.acquired) {
+        (true, _) => Some(false),
+        (false, at) if at < promoted => Some(false),
+        (false, at) if at < ambiguous => None,
+        (false, _) => Some(true),
+    };
+    let old: Vec<&Section> = sections.iter().filter(|s| side(s) == Some(false)).collect();
+    let new: Vec<&Section> = sections.iter().filter(|s| side(s) == Some(true)).collect();
+    let unclassified = sections.len() - old.len() - new.len();
+
+    // Token order: every token of the promoted server above every token the
+    // old primary issued, before the promotion, after it, and after its own
+    // restart.
+    let old_max = old.iter().map(|s| s.token).max().expect("old-side tokens");
+    let new_min = new.iter().map(|s| s.token).min().expect("new-side tokens");
+    let old_after = old.iter().filter(|s| s.acquired > promoted).count();
+    let old_after_restart = old.iter().filter(|s| s.acquired > restarted).count();
+    assert!(
+        old_after_restart > 0,
+        "the old primary issued no token after its restart"
+    );
+    assert!(
+        new_min > old_max,
+        "new-side token {new_min:#x} not above old-side token {old_max:#x}"
+    );
+    // Because the timeline is in the high bits.
+    assert!(old.iter().all(|s| timeline_of(s.token) == 1));
+    assert!(new.iter().all(|s| timeline_of(s.token) == 2));
+
+    // Failover time: promotion call to the first grant through the proxy
+    // whose section wrote to the new primary.
+    let first_new = sections
+        .iter()
+        .filter(|s| !s.stale && s.local.is_some_and(|l| l.1 == 2))
+        .map(|s| s.acquired)
+        .min()
+        .expect("a grant through the proxy on the new primary");
+    let failover = first_new - promoting;
+    assert!(
+        failover < Duration::from_secs(30),
+        "failover took {failover:?}"
+    );
+
+    // Double grants: a key certainly held on both servers at once: two clean
+    // sections whose [grant heard, release called] intervals overlap (on one
+    // server that never happens, which checks the measure).
+    let mut double = 0;
+    let mut same_side = 0;
+    let known: Vec<&Section> = sections
+        .iter()
+        .filter(|s| s.clean && side(s).is_some())
+        .collect();
+    for (i, a) in known.iter().enumerate() {
+        for b in known[i + 1..].iter().filter(|s| s.key == a.key) {
+            if a.acquired < b.releasing && b.acquired < a.releasing {
+                if side(a) == side(b) {
+                    same_side += 1;
+                } else {
+                    double += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(same_side, 0, "a key granted twice on one server");
+    assert!(double > 0, "no key was held on both servers at once");
+
+    // The fence: once a key's register accepted a new-side write, every
+    // old-side write begun after that was refused.
+    let mut old_refused_after = 0;
+    let mut old_accepted_after = Vec::new();
+    let mut old_accepted_before = 0;
+    for key in 0..SPLIT_KEYS {
+        let first = new
+            .iter()
+            .filter(|s| s.key == key && s.fence == Fenced::Accepted)
+            .map(|s| s.fence_ended)
+            .min()
+            .expect("a new-side write on every key");
+        for s in old.iter().filter(|s| s.key == key) {
+            match (s.fence, s.fence_began > first) {
+                (Fenced::Accepted, true) => old_accepted_after.push(s.token),
+                (Fenced::Accepted, false) => old_accepted_before += 1,
+                (Fenced::Refused, true) => old_refused_after += 1,
+                _ => {}
+            }
+        }
+    }
+    assert!(
+        old_accepted_after.is_empty(),
+        "old-side writes accepted after a new-side write: {old_accepted_after:x?}"
+    );
+    assert!(
+        old_refused_after > 0,
+        "no old-side write was attempted after the first new-side write"
+    );
+    // The same from the register's own log (ids follow the fence row's lock
+    // order): no old-side write after the first new-side write of its key.
+    let log: Vec<(i32, i32, i32)> =
+        sqlx::query_as("SELECT key, worker, seq FROM split_writes ORDER BY id")
+            .fetch_all(&register)
+            .await
+            .expect("register log");
+    let side_of = |worker: i32, seq: i32| {
+        sections
+            .iter()
+            .find(|s| i32::try_from(s.worker).ok() == Some(worker) && s.seq == seq)
+            .and_then(side)
+    };
+    let mut seen_new = [false; SPLIT_KEYS];
+    let mut late = 0;
+    for (key, worker, seq) in log {
+        let key = usize::try_from(key).expect("key");
+        match side_of(worker, seq) {
+            Some(true) => seen_new[key] = true,
+            Some(false) if seen_new[key] => late += 1,
+            _ => {}
+        }
+    }
+    assert_eq!(
+        late, 0,
+        "the register logged old-side writes after new-side ones"
+    );
+
+    // Acknowledged writes to the lock servers that the promoted server does
+    // not have: lost once the old primary is discarded.
+    let kept: Vec<(i32, i32)> = sqlx::query_as("SELECT worker, seq FROM local_writes")
+        .fetch_all(&standby.pool().await)
+        .await
+        .expect("local writes");
+    let acked: Vec<(usize, i32, i64, Instant)> = sections
+        .iter()
+        .filter_map(|s| s.local.map(|(seq, tl, at)| (s.worker, seq, tl, at)))
+        .collect();
+    let lost_of = |timeline: i64, until: Instant| {
+        acked
+            .iter()
+            .filter(|(w, seq, tl, at)| {
+                *tl == timeline
+                    && *at < until
+                    && !kept.contains(&(i32::try_from(*w).expect("w"), *seq))
+            })
+            .count()
+    };
+    let lost = |timeline: i64| lost_of(timeline, Instant::now());
+    let acked_on = |timeline: i64| acked.iter().filter(|a| a.2 == timeline).count();
+    let acked_before = acked.iter().filter(|a| a.3 < promoting).count();
+    assert_eq!(
+        lost(2),
+        0,
+        "the promoted server lost its own acknowledged writes"
+    );
+    let stale_writes = sections.iter().filter(|s| s.stale).count();
+    println!(
+        "split brain: failover {failover:?} (promote took {:?}); {busy} tokens drawn by a busy \
+         client of the old primary; {} sections ({} stale, {} proxied just after the switch left out), \
+         {} old-side ({old_after} after the promotion, {old_after_restart} after the old \
+         primary's restart), {} new-side; double grants {double}; tokens old max {old_max:#x} \
+         < new min {new_min:#x}; fence: {old_accepted_before} old-side writes accepted before \
+         the first new-side write, {old_refused_after} refused after it, 0 accepted after it; \
+         acknowledged local writes: {} on the old primary, {} of them lost ({} of the {} \
+         acknowledged before the promotion call); {} on the new primary, 0 lost",
+        promoted - promoting,
+        sections.len(),
+        stale_writes,
+        unclassified,
+        old.len(),
+        new.len(),
+        acked_on(1),
+        lost(1),
+        lost_of(1, promoting),
+        acked_before,
+        acked_on(2),
+    );
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::db::{TestDb, admin_options};
 use super::procs::{Fleet, RunDir};
-use super::report::Outcome;
+use super::report::{Outcome, SESSION, XACT};
 use super::worker::{Broken, Config, Mode};
 use super::{scale, scenario};
 
@@ -51,8 +51,8 @@ async fn contention(name: &str, mode: Mode, broken: Broken) {
     let took = started.elapsed();
     let outcome = Outcome::analyse(&db, &dir.path, configs.len()).await;
     let methods: &[&str] = match mode {
-        Mode::Session => &["try", "lock"],
-        Mode::Xact | Mode::Unlocked => &["xact", "xwait"],
+        Mode::Session => SESSION,
+        Mode::Xact | Mode::Unlocked => XACT,
     };
     let acquired = outcome.acquisitions(methods);
     outcome.print(

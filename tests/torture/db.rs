@@ -26,13 +26,21 @@ pub fn admin_options() -> PgConnectOptions {
 #[derive(Debug)]
 pub struct TestDb {
     pub name: String,
+    /// How the server is reached (its `postgres` database).
+    server: PgConnectOptions,
 }
 
 impl TestDb {
     /// Creates `distlock_torture_<scenario>_<pid>` afresh.
     pub async fn create(scenario: &str) -> Self {
+        Self::create_on(scenario, admin_options()).await
+    }
+
+    /// The same, on the server `server` leads to (a private cluster, or a
+    /// proxy in front of one).
+    pub async fn create_on(scenario: &str, server: PgConnectOptions) -> Self {
         let name = format!("distlock_torture_{scenario}_{}", std::process::id());
-        let mut admin = admin_options().connect().await.expect("admin connection");
+        let mut admin = server.connect().await.expect("admin connection");
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
         )))
@@ -44,12 +52,12 @@ impl TestDb {
             .await
             .expect("create database");
         let _ = admin.close().await;
-        Self { name }
+        Self { name, server }
     }
 
     /// Direct connection options to this database.
     pub fn options(&self) -> PgConnectOptions {
-        admin_options().database(&self.name)
+        self.server.clone().database(&self.name)
     }
 
     /// A control connection, exempt from the idle timeouts a scenario sets.
@@ -76,7 +84,7 @@ impl TestDb {
 
     /// `ALTER DATABASE <this> SET <name> = <value>` (new sessions only).
     pub async fn set(&self, name: &str, value: &str) {
-        let mut admin = admin_options().connect().await.expect("admin connection");
+        let mut admin = self.server.connect().await.expect("admin connection");
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "ALTER DATABASE {} SET {name} = '{value}'",
             self.name
@@ -225,13 +233,14 @@ impl Drop for TestDb {
         // Drop may run inside a runtime or during a panic: do the async
         // clean-up on a thread of its own.
         let name = self.name.clone();
+        let server = self.server.clone();
         let done = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .expect("runtime");
             rt.block_on(async {
-                if let Ok(mut admin) = admin_options().connect().await {
+                if let Ok(mut admin) = server.connect().await {
                     let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
                         "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
                     )))

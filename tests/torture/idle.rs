@@ -7,11 +7,11 @@
 use std::time::Duration;
 
 use super::checker::{Percentiles, Status};
-use super::db::{TestDb, admin_options};
-use super::procs::{Fleet, RunDir};
+use super::db::admin_options;
+use super::procs::Fleet;
 use super::report::Outcome;
 use super::worker::{Broken, Config, Mode};
-use super::{scale, scenario};
+use super::{run_name, scale, scenario, setup};
 
 const IDLE_SESSION: Duration = Duration::from_millis(1_000);
 const IDLE_IN_TRANSACTION: Duration = Duration::from_millis(500);
@@ -37,16 +37,10 @@ fn broken_locker_fails_under_idle_timeouts() {
 }
 
 async fn idle(broken: Broken) {
-    let name = if broken == Broken::No {
-        "idle"
-    } else {
-        "idle_broken"
-    };
-    let db = TestDb::create(name).await;
-    db.prepare(32).await;
+    let name = &run_name("idle", broken);
+    let (db, dir) = setup(name, 32).await;
     db.set("idle_session_timeout", "1s").await;
     db.set("idle_in_transaction_session_timeout", "500ms").await;
-    let dir = RunDir::new(name);
     let port = admin_options().get_port();
     let base = |p, mode| Config {
         broken,

@@ -14,12 +14,12 @@ use sqlx::Connection;
 
 use super::checker::Status;
 use super::clock::now_ns;
-use super::db::{TestDb, admin_options, advisory_holders};
+use super::db::{admin_options, advisory_holders};
 use super::history::{CONTROL, Recorder};
-use super::procs::{Fleet, RunDir};
+use super::procs::Fleet;
 use super::report::Outcome;
 use super::worker::{Broken, Config, Mode};
-use super::{scale, scenario};
+use super::{run_name, scale, scenario, setup};
 
 const PROCESSES: i64 = 4;
 
@@ -36,14 +36,8 @@ fn broken_locker_fails_under_kill9() {
 }
 
 async fn kill9(broken: Broken) {
-    let name = if broken == Broken::No {
-        "kill9"
-    } else {
-        "kill9_broken"
-    };
-    let db = TestDb::create(name).await;
-    db.prepare(16).await;
-    let dir = RunDir::new(name);
+    let name = &run_name("kill9", broken);
+    let (db, dir) = setup(name, 16).await;
     let port = admin_options().get_port();
     let config = |p: i64| Config {
         tasks: 8,

@@ -10,10 +10,11 @@
 //! two cores); `--nocapture` shows each scenario's figures in either run.
 //!
 //! Scenarios run one at a time (they share two cores and a PostgreSQL),
-//! each in a database of its own. Multi-process scenarios start this test
-//! binary again as worker processes (`worker_entry`, configured through
-//! `DISTLOCK_TORTURE_WORKER`); the test process injects the faults and
-//! records them in a history of its own. See `checker.rs` for what is
+//! each in a database of its own; the crash and failover scenario runs on
+//! private clusters (`tests/common/cluster.rs`). Multi-process scenarios
+//! start this test binary again as worker processes (`worker_entry`,
+//! configured through `DISTLOCK_TORTURE_WORKER`); the test process injects
+//! the faults and records them in a history of its own. See `checker.rs` for what is
 //! judged, and RELIABILITY.md for the figures of a full run.
 
 mod checker;
@@ -25,9 +26,14 @@ mod report;
 mod scale;
 mod worker;
 
+#[allow(dead_code)]
+#[path = "../common/cluster.rs"]
+mod cluster;
+
 mod cancel;
 mod checker_tests;
 mod contention;
+mod failover;
 mod idle;
 mod kill9;
 mod network;
@@ -54,6 +60,25 @@ fn scenario(body: impl Future<Output = ()>) {
         let _turn = SERIAL.lock().await;
         body.await;
     });
+}
+
+/// A scenario's run name: `base`, or `base_broken` for its broken-locker
+/// control.
+fn run_name(base: &str, broken: worker::Broken) -> String {
+    if broken == worker::Broken::No {
+        base.to_owned()
+    } else {
+        format!("{base}_broken")
+    }
+}
+
+/// What most scenarios start with: a database of their own on the server of
+/// `DATABASE_URL`, with the fencing migrations and a register of `keys`
+/// keys, and a run directory for the histories.
+async fn setup(name: &str, keys: i64) -> (db::TestDb, procs::RunDir) {
+    let db = db::TestDb::create(name).await;
+    db.prepare(keys).await;
+    (db, procs::RunDir::new(name))
 }
 
 /// The worker process's entry point (see `worker.rs`); returns at once in

@@ -7,16 +7,14 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::checker::{Percentiles, Status};
-use super::db::{TestDb, admin_options};
+use super::db::admin_options;
 use super::history::{CONTROL, Recorder};
-use super::procs::{Fleet, RunDir};
+use super::procs::Fleet;
 use super::proxy::{FaultProxy, Mode as Net};
-use super::report::Outcome;
+use super::report::{Outcome, SESSION, XACT};
 use super::worker::{Broken, Config, Mode};
-use super::{scale, scenario};
+use super::{run_name, scale, scenario, setup};
 
-const SESSION: &[&str] = &["try", "lock"];
-const XACT: &[&str] = &["xact", "xwait"];
 /// Workers behind the proxy.
 const PROXIED: [i64; 2] = [0, 2];
 
@@ -33,14 +31,8 @@ fn broken_locker_fails_under_network_faults() {
 }
 
 async fn network(broken: Broken) {
-    let name = if broken == Broken::No {
-        "network"
-    } else {
-        "network_broken"
-    };
-    let db = TestDb::create(name).await;
-    db.prepare(32).await;
-    let dir = RunDir::new(name);
+    let name = &run_name("network", broken);
+    let (db, dir) = setup(name, 32).await;
     let pg = admin_options().get_port();
     let proxy = FaultProxy::start(pg).await;
     let heartbeat = Duration::from_millis(200);

@@ -27,7 +27,7 @@ use super::pgbouncer::PgBouncer;
 use super::procs::{Fleet, RunDir};
 use super::report::Outcome;
 use super::worker::{Broken, Config, Mode};
-use super::{scale, scenario};
+use super::{run_name, scale, scenario, setup};
 
 /// The PgBouncer settings of the recipe above.
 const RECIPE: &[(&str, &str)] = &[
@@ -208,14 +208,8 @@ fn broken_locker_fails_behind_pgbouncer() {
 }
 
 async fn pgbouncer_xact(broken: Broken) {
-    let name = if broken == Broken::No {
-        "pgbouncer_xact"
-    } else {
-        "pgbouncer_xact_broken"
-    };
-    let db = TestDb::create(name).await;
-    db.prepare(16).await;
-    let dir = RunDir::new(name);
+    let name = &run_name("pgbouncer_xact", broken);
+    let (db, dir) = setup(name, 16).await;
     let bouncer = start(&dir, &db, RECIPE).await;
     // Without the recipe's client half, sqlx's cached statements break.
     let plain = pool_through(&bouncer, &db, None).await;

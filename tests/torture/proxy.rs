@@ -9,11 +9,14 @@
 //! its bytes still reach the server) and **half-close towards the server**
 //! (the mirror image).
 //!
+//! Its upstream can be switched (a failover): new connections go to the new
+//! address, open ones stay where they are.
+//!
 //! It listens on `127.0.0.1:0` and only connects to 127.0.0.1.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -42,6 +45,7 @@ pub struct FaultProxy {
     mode: watch::Sender<Mode>,
     actions: broadcast::Sender<Action>,
     accepted: Arc<AtomicUsize>,
+    upstream: Arc<AtomicU16>,
     listener: AbortHandle,
 }
 
@@ -53,10 +57,12 @@ impl FaultProxy {
         let (mode, _) = watch::channel(Mode::Pass);
         let (actions, _) = broadcast::channel(16);
         let accepted = Arc::new(AtomicUsize::new(0));
+        let upstream = Arc::new(AtomicU16::new(upstream));
         let task = {
             let mode = mode.clone();
             let actions = actions.clone();
             let accepted = accepted.clone();
+            let upstream = upstream.clone();
             tokio::spawn(async move {
                 loop {
                     let Ok((client, _)) = listener.accept().await else {
@@ -65,7 +71,8 @@ impl FaultProxy {
                     accepted.fetch_add(1, Ordering::Relaxed);
                     // Subscribe before spawning so no action is missed.
                     let rx = actions.subscribe();
-                    tokio::spawn(serve(client, upstream, mode.subscribe(), rx));
+                    let target = upstream.load(Ordering::SeqCst);
+                    tokio::spawn(serve(client, target, mode.subscribe(), rx));
                 }
             })
         };
@@ -74,8 +81,16 @@ impl FaultProxy {
             mode,
             actions,
             accepted,
+            upstream,
             listener: task.abort_handle(),
         }
+    }
+
+    /// Sends new connections to `127.0.0.1:port` from now on (as a moved
+    /// DNS name or virtual IP would after a failover); connections already
+    /// open stay where they are.
+    pub fn set_upstream(&self, port: u16) {
+        self.upstream.store(port, Ordering::SeqCst);
     }
 
     pub fn port(&self) -> u16 {

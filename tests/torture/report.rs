@@ -11,6 +11,11 @@ use super::checker::{
 use super::db::TestDb;
 use super::history;
 
+/// The methods of session-lock acquisitions, as histories name them.
+pub const SESSION: &[&str] = &["try", "lock"];
+/// The methods of transaction-scoped acquisitions.
+pub const XACT: &[&str] = &["xact", "xwait"];
+
 /// Everything the checker found in one run.
 #[derive(Debug)]
 pub struct Outcome {

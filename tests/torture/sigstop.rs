@@ -16,12 +16,12 @@ use serde_json::json;
 use sqlx::Connection;
 
 use super::checker::{Percentiles, Status};
-use super::db::{TestDb, admin_options, advisory_holders};
+use super::db::{admin_options, advisory_holders};
 use super::history::{CONTROL, Recorder};
-use super::procs::{Fleet, RunDir};
+use super::procs::Fleet;
 use super::report::Outcome;
 use super::worker::{Broken, Config, Mode};
-use super::{scale, scenario};
+use super::{run_name, scale, scenario, setup};
 
 const HEARTBEAT: Duration = Duration::from_millis(200);
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_millis(500);
@@ -40,15 +40,9 @@ fn broken_locker_fails_under_sigstop() {
 }
 
 async fn sigstop(broken: Broken) {
-    let name = if broken == Broken::No {
-        "sigstop"
-    } else {
-        "sigstop_broken"
-    };
-    let db = TestDb::create(name).await;
-    db.prepare(16).await;
+    let name = &run_name("sigstop", broken);
+    let (db, dir) = setup(name, 16).await;
     db.set("idle_session_timeout", "1s").await;
-    let dir = RunDir::new(name);
     let port = admin_options().get_port();
     let configs: Vec<Config> = (0..4)
         .map(|p| Config {

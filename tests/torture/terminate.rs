@@ -10,15 +10,12 @@ use serde_json::json;
 use sqlx::Connection;
 
 use super::clock::now_ns;
-use super::db::{TestDb, admin_options, advisory_holders, key_triples};
+use super::db::{admin_options, advisory_holders, key_triples};
 use super::history::{CONTROL, Recorder};
-use super::procs::{Fleet, RunDir};
-use super::report::Outcome;
+use super::procs::Fleet;
+use super::report::{Outcome, SESSION, XACT};
 use super::worker::{Broken, Config, Mode};
-use super::{scale, scenario};
-
-const SESSION: &[&str] = &["try", "lock"];
-const XACT: &[&str] = &["xact", "xwait"];
+use super::{run_name, scale, scenario, setup};
 
 #[test]
 fn terminate_random_holders_every_100ms() {
@@ -33,14 +30,8 @@ fn broken_locker_fails_under_terminations() {
 }
 
 async fn terminate(broken: Broken) {
-    let name = if broken == Broken::No {
-        "terminate"
-    } else {
-        "terminate_broken"
-    };
-    let db = TestDb::create(name).await;
-    db.prepare(32).await;
-    let dir = RunDir::new(name);
+    let name = &run_name("terminate", broken);
+    let (db, dir) = setup(name, 32).await;
     let port = admin_options().get_port();
     let heartbeat = Duration::from_millis(200);
     let heartbeat_timeout = Duration::from_millis(500);

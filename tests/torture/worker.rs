@@ -61,6 +61,9 @@ pub struct Config {
     pub db: String,
     /// Where the worker connects (PostgreSQL, or a proxy in front of it).
     pub port: u16,
+    /// Where the final leak check connects (`None`: the server of
+    /// `DATABASE_URL`).
+    pub check_port: Option<u16>,
     pub mode: Mode,
     pub tasks: usize,
     /// Keys `key_base .. key_base + keys`.
@@ -102,6 +105,7 @@ impl Config {
             dir: dir.to_owned(),
             db: db.to_owned(),
             port,
+            check_port: None,
             mode,
             tasks: 16,
             key_base: 0,
@@ -129,6 +133,7 @@ impl Config {
     pub fn to_json(&self) -> String {
         json!({
             "proc": self.proc, "dir": self.dir, "db": self.db, "port": self.port,
+            "check_port": self.check_port,
             "mode": match self.mode {
                 Mode::Session => "session",
                 Mode::Xact => "xact",
@@ -171,6 +176,9 @@ impl Config {
             dir: PathBuf::from(v["dir"].as_str().expect("config dir")),
             db: v["db"].as_str().expect("config db").to_owned(),
             port: u16::try_from(u("port")).expect("port"),
+            check_port: v["check_port"]
+                .as_u64()
+                .map(|p| u16::try_from(p).expect("check_port")),
             mode,
             tasks: usize::try_from(u("tasks")).expect("tasks"),
             key_base: i("key_base"),
@@ -334,11 +342,16 @@ async fn run(cfg: Config) {
 }
 
 /// Advisory locks still held by this process's lock connections, after up
-/// to five seconds. Asks PostgreSQL directly (never through a proxy).
+/// to five seconds. Asks PostgreSQL directly, at `check_port` if set (the
+/// failover scenario's proxy, which never faults: it only follows the
+/// primary).
 async fn leak_check(cfg: &Config) -> i64 {
-    let opts = admin_options()
+    let mut opts = admin_options()
         .database(&cfg.db)
         .application_name("distlock-torture-check");
+    if let Some(port) = cfg.check_port {
+        opts = opts.port(port);
+    }
     let Ok(mut conn) = opts.connect().await else {
         return -1;
     };

@@ -117,24 +117,22 @@ macro_rules! keepalives {
     // `-c tcp_user_timeout=30000` in its connect options) would otherwise
     // keep the operating system's keepalive idle time of two hours.
     (session) => {
-        "CASE WHEN current_setting('tcp_user_timeout') <> '30000' \
-         OR current_setting('tcp_keepalives_idle') <> '10' \
-         OR current_setting('tcp_keepalives_interval') <> '5' \
-         OR current_setting('tcp_keepalives_count') <> '3' THEN \
-         set_config('tcp_keepalives_idle', '10', false) || \
-         set_config('tcp_keepalives_interval', '5', false) || \
-         set_config('tcp_keepalives_count', '3', false) || \
-         set_config('tcp_user_timeout', '30000', false) END"
+        $crate::postgres::sql::keepalives!(@local "false")
     };
     (xact) => {
-        "CASE WHEN current_setting('tcp_user_timeout') <> '30000' \
-         OR current_setting('tcp_keepalives_idle') <> '10' \
-         OR current_setting('tcp_keepalives_interval') <> '5' \
-         OR current_setting('tcp_keepalives_count') <> '3' THEN \
-         set_config('tcp_keepalives_idle', '10', true) || \
-         set_config('tcp_keepalives_interval', '5', true) || \
-         set_config('tcp_keepalives_count', '3', true) || \
-         set_config('tcp_user_timeout', '30000', true) END"
+        $crate::postgres::sql::keepalives!(@local "true")
+    };
+    (@local $local:literal) => {
+        concat!(
+            "CASE WHEN current_setting('tcp_user_timeout') <> '30000' \
+             OR current_setting('tcp_keepalives_idle') <> '10' \
+             OR current_setting('tcp_keepalives_interval') <> '5' \
+             OR current_setting('tcp_keepalives_count') <> '3' THEN \
+             set_config('tcp_keepalives_idle', '10', ", $local, ") || \
+             set_config('tcp_keepalives_interval', '5', ", $local, ") || \
+             set_config('tcp_keepalives_count', '3', ", $local, ") || \
+             set_config('tcp_user_timeout', '30000', ", $local, ") END"
+        )
     };
 }
 pub(crate) use keepalives;
@@ -212,12 +210,36 @@ pub(crate) type PgQuery<'q> = Query<'q, Postgres, PgArguments>;
 /// the transaction.
 macro_rules! client_check {
     (session) => {
-        "CASE WHEN current_setting('client_connection_check_interval') <> '100ms' THEN \
-         set_config('client_connection_check_interval', '100ms', false) END"
+        $crate::postgres::sql::client_check!(@local "false")
     };
     (xact) => {
-        "CASE WHEN current_setting('client_connection_check_interval') <> '100ms' THEN \
-         set_config('client_connection_check_interval', '100ms', true) END"
+        $crate::postgres::sql::client_check!(@local "true")
+    };
+    (@local $local:literal) => {
+        concat!(
+            "CASE WHEN current_setting('client_connection_check_interval') <> '100ms' THEN \
+             set_config('client_connection_check_interval', '100ms', ", $local, ") END"
+        )
     };
 }
 pub(crate) use client_check;
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn keepalives_are_session_wide_or_transaction_local() {
+        for (fragment, local, other) in [
+            (keepalives!(session), "false)", "true)"),
+            (keepalives!(xact), "true)", "false)"),
+        ] {
+            assert_eq!(fragment.matches(local).count(), 4, "{fragment}");
+            assert!(!fragment.contains(other), "{fragment}");
+            assert!(fragment.starts_with("CASE WHEN current_setting('tcp_user_timeout')"));
+            assert!(client_check!(session).ends_with("'100ms', false) END"));
+            assert!(client_check!(xact).ends_with("'100ms', true) END"));
+            assert!(fragment.ends_with(
+                &("set_config('tcp_user_timeout', '30000', ".to_owned() + local + " END")
+            ));
+        }
+    }
+}

@@ -6,7 +6,7 @@
 //! DISTLOCK_TORTURE=full cargo test --all-features --test torture -- --nocapture
 //! ```
 //!
-//! The full run produces the figures of RELIABILITY.md (about 20 minutes on
+//! The full run produces the figures of RELIABILITY.md (about 26 minutes on
 //! two cores); `--nocapture` shows each scenario's figures in either run.
 //!
 //! Scenarios run one at a time (they share two cores and a PostgreSQL),

@@ -95,12 +95,16 @@ async fn sigstop(broken: Broken) {
     let h = &outcome.history;
 
     // Holders caught by a stop: granted before it, not released before it.
+    // The fault is recorded just before the signal is sent, so a release
+    // can still finish after that record and before the process stops; a
+    // release that finished before SIGCONT finished before the stop (a
+    // stopped process records nothing), so that holder was not caught.
     let mut caught = Vec::new();
     for &(victim, stopped, resumed) in &pauses {
         for a in h.held().filter(|a| a.op.0 == victim) {
             let granted_before = a.acquired.is_some_and(|t| t < stopped);
-            let still_held =
-                a.released.is_none_or(|t| t > stopped) && a.detected().is_none_or(|t| t > stopped);
+            let still_held = a.released.is_none_or(|t| t > resumed)
+                && a.detected().is_none_or(|t| t > stopped);
             if granted_before && still_held {
                 caught.push((a, resumed));
             }

@@ -103,8 +103,8 @@ async fn sigstop(broken: Broken) {
     for &(victim, stopped, resumed) in &pauses {
         for a in h.held().filter(|a| a.op.0 == victim) {
             let granted_before = a.acquired.is_some_and(|t| t < stopped);
-            let still_held = a.released.is_none_or(|t| t > resumed)
-                && a.detected().is_none_or(|t| t > stopped);
+            let still_held =
+                a.released.is_none_or(|t| t > resumed) && a.detected().is_none_or(|t| t > stopped);
             if granted_before && still_held {
                 caught.push((a, resumed));
             }

@@ -94,17 +94,17 @@ async fn sigstop(broken: Broken) {
     let outcome = Outcome::analyse(&db, &dir.path, configs.len()).await;
     let h = &outcome.history;
 
-    // Holders caught by a stop: granted before it, not released before it.
-    // The fault is recorded just before the signal is sent, so a release
-    // can still finish after that record and before the process stops; a
-    // release that finished before SIGCONT finished before the stop (a
-    // stopped process records nothing), so that holder was not caught.
+    // Holders caught by a stop inside their critical section: granted
+    // before it, not out of the section before it. A holder stopped after
+    // leaving its section, while its release was on the wire, is not one:
+    // the server ran the unlock before the session could idle out, and the
+    // release reports success when the process wakes (seen in a full run).
     let mut caught = Vec::new();
     for &(victim, stopped, resumed) in &pauses {
         for a in h.held().filter(|a| a.op.0 == victim) {
             let granted_before = a.acquired.is_some_and(|t| t < stopped);
             let still_held =
-                a.released.is_none_or(|t| t > resumed) && a.detected().is_none_or(|t| t > stopped);
+                a.exited.is_none_or(|t| t > stopped) && a.detected().is_none_or(|t| t > stopped);
             if granted_before && still_held {
                 caught.push((a, resumed));
             }

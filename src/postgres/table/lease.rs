@@ -17,7 +17,7 @@ use super::renew::Renewal;
 use super::sql::{KeyExpr, Owner};
 use crate::{Error, FencingToken, Lease, LockKey, LossReason};
 
-/// A lease of a [`TableLocker`]: a row of `distlock.leases` that a
+/// A lease of a [`TableLocker`](super::TableLocker): a row of `distlock.leases` that a
 /// background task renews every third of the TTL.
 ///
 /// Treat it as gone once [`lost`](Self::lost) completes: it completes two

@@ -55,6 +55,10 @@ impl RedisLockerBuilder {
     /// Connects as [`RedisLocker::connect`] does (2 round trips: handshake
     /// and `INFO`). Fails with [`Error::Redis`] for invalid connection info
     /// or a server that does not answer.
+    ///
+    /// # Cancel safety
+    ///
+    /// Takes no lease: dropping the future only drops the connection.
     pub async fn build(self) -> Result<RedisLocker, Error> {
         let mut locker = RedisLocker::from_client(redis::Client::open(self.server?)?).await?;
         if let Some(ttl) = self.ttl {
@@ -136,6 +140,10 @@ impl RedlockBuilder {
     /// Sets up the nodes as [`Redlock::connect`] does (1 `INFO` per node,
     /// at most 1 s each). Fails for invalid connection info, no node, or a
     /// node listed twice.
+    ///
+    /// # Cancel safety
+    ///
+    /// Takes no lease: dropping the future only drops the connections.
     pub async fn build(self) -> Result<Redlock, Error> {
         let clients = self
             .nodes?

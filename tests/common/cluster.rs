@@ -108,6 +108,15 @@ impl Cluster {
     /// `initdb` a new cluster, append `conf` lines to its configuration and
     /// start it.
     pub async fn primary(name: &str, conf: &[&str]) -> Cluster {
+        let cluster = Self::initdb(name, None, "127.0.0.1").await;
+        cluster.configure(conf);
+        cluster.start().await;
+        cluster
+    }
+
+    /// A new cluster (`initdb`, configured for streaming replication), not
+    /// started.
+    async fn initdb(name: &str, netns: Option<&str>, listen: &str) -> Cluster {
         let root = scratch(name);
         let data = root.join("data");
         let mut initdb = server_command("initdb");
@@ -125,16 +134,14 @@ impl Cluster {
             data,
             port: free_port(),
             name: name.to_owned(),
-            netns: None,
-            listen: "127.0.0.1".to_owned(),
+            netns: netns.map(str::to_owned),
+            listen: listen.to_owned(),
         };
         cluster.configure(&[
             "wal_level = replica",
             "max_wal_senders = 5",
             "hot_standby = on",
         ]);
-        cluster.configure(conf);
-        cluster.start().await;
         cluster
     }
 
@@ -143,26 +150,7 @@ impl Cluster {
     /// namespace) and on its Unix-domain socket, which the test reaches from
     /// any namespace ([`socket_options`](Self::socket_options)).
     pub async fn primary_in_netns(name: &str, conf: &[&str], netns: &str, listen: &str) -> Cluster {
-        let root = scratch(name);
-        let data = root.join("data");
-        let mut initdb = server_command("initdb");
-        initdb.arg("-D").arg(&data).args([
-            "-U",
-            "postgres",
-            "--auth=trust",
-            "-E",
-            "UTF8",
-            "--no-sync",
-        ]);
-        run(initdb, "initdb").await;
-        let cluster = Cluster {
-            root,
-            data,
-            port: free_port(),
-            name: name.to_owned(),
-            netns: Some(netns.to_owned()),
-            listen: listen.to_owned(),
-        };
+        let cluster = Self::initdb(name, Some(netns), listen).await;
         // initdb trusts 127.0.0.1 only; the clients come from the other
         // end of a veth pair, still inside 127.0.0.0/8.
         {

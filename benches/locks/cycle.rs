@@ -22,6 +22,8 @@ pub enum Cycle {
     XactPipelined,
     /// `locker.with_advisory_lock(key, async |_| Ok(()))`.
     XactDistlock,
+    /// The same with `.keep_warm(0, ..)`: a pooled connection per cycle.
+    XactDistlockCold,
     /// `pool.begin()`, `distlock::try_lock_xact(&mut *tx, key)`, `COMMIT`:
     /// the lock inside the caller's own transaction.
     XactCaller,
@@ -31,6 +33,8 @@ pub enum Cycle {
     SessionSqlx,
     /// `locker.try_lock(key)` + `release()`, heartbeat on (default 1 s).
     SessionDistlock,
+    /// The same with `.keep_warm(0, ..)`: a pooled connection per lock.
+    SessionDistlockCold,
     /// The same with `.multiplex(2)`.
     SessionDistlockMux,
     /// `try_lock` + `release()` with `.fencing(true)`: the token is issued
@@ -52,14 +56,16 @@ pub enum Cycle {
     TableRaw,
 }
 
-pub const ALL: [Cycle; 16] = [
+pub const ALL: [Cycle; 18] = [
     Cycle::XactRaw,
     Cycle::XactPipelined,
     Cycle::XactDistlock,
+    Cycle::XactDistlockCold,
     Cycle::XactCaller,
     Cycle::SessionRaw,
     Cycle::SessionSqlx,
     Cycle::SessionDistlock,
+    Cycle::SessionDistlockCold,
     Cycle::SessionDistlockMux,
     Cycle::SessionDistlockFenced,
     Cycle::SessionDistlockShared,
@@ -77,10 +83,12 @@ impl Cycle {
             Cycle::XactRaw => "sqlx hand-written BEGIN / try / COMMIT",
             Cycle::XactPipelined => "pipelined `BEGIN; try` + COMMIT (reference)",
             Cycle::XactDistlock => "distlock with_advisory_lock",
+            Cycle::XactDistlockCold => "distlock with_advisory_lock, keep_warm(0)",
             Cycle::XactCaller => "distlock try_lock_xact in the caller's BEGIN / COMMIT",
             Cycle::SessionRaw => "sqlx hand-written try/unlock",
             Cycle::SessionSqlx => "sqlx PgAdvisoryLock",
             Cycle::SessionDistlock => "distlock try_lock+release",
+            Cycle::SessionDistlockCold => "distlock try_lock+release, keep_warm(0)",
             Cycle::SessionDistlockMux => "distlock multiplexed try_lock+release",
             Cycle::SessionDistlockFenced => "distlock try_lock+release, fencing on",
             Cycle::SessionDistlockShared => "distlock try_lock_shared+release",
@@ -99,10 +107,12 @@ impl Cycle {
             Cycle::XactRaw => "xact: sqlx BEGIN/try/COMMIT",
             Cycle::XactPipelined => "xact: pipelined BEGIN+try (ref)",
             Cycle::XactDistlock => "xact: distlock",
+            Cycle::XactDistlockCold => "xact: distlock, no warm conns",
             Cycle::XactCaller => "xact: distlock in caller's tx",
             Cycle::SessionRaw => "session: sqlx raw",
             Cycle::SessionSqlx => "session: PgAdvisoryLock",
             Cycle::SessionDistlock => "session: distlock",
+            Cycle::SessionDistlockCold => "session: distlock, no warm conns",
             Cycle::SessionDistlockMux => "session: distlock mux",
             Cycle::SessionDistlockFenced => "session: distlock fenced",
             Cycle::SessionDistlockShared => "session: distlock shared",
@@ -118,7 +128,11 @@ impl Cycle {
     pub fn is_xact(self) -> bool {
         matches!(
             self,
-            Cycle::XactRaw | Cycle::XactPipelined | Cycle::XactDistlock | Cycle::XactCaller
+            Cycle::XactRaw
+                | Cycle::XactPipelined
+                | Cycle::XactDistlock
+                | Cycle::XactDistlockCold
+                | Cycle::XactCaller
         )
     }
 
@@ -140,6 +154,8 @@ impl Cycle {
 pub struct Ctx {
     pool: PgPool,
     locker: PgLocker,
+    /// Without warm connections: every lock borrows from the pool.
+    cold: PgLocker,
     mux: PgLocker,
     fenced: PgLocker,
     semaphore: distlock::Semaphore,
@@ -172,6 +188,9 @@ impl Ctx {
                 .listen(false)
                 .build(),
             locker: PgLocker::new(pool.clone()),
+            cold: PgLocker::builder(pool.clone())
+                .keep_warm(0, std::time::Duration::ZERO)
+                .build(),
             mux: PgLocker::builder(pool.clone()).multiplex(2).build(),
             fenced: PgLocker::builder(pool.clone()).fencing(true).build(),
             pool,
@@ -181,6 +200,7 @@ impl Ctx {
     pub async fn close(self) {
         drop((
             self.locker,
+            self.cold,
             self.mux,
             self.fenced,
             self.semaphore,
@@ -222,11 +242,13 @@ impl Ctx {
                 sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
                 got
             }
-            Cycle::XactDistlock => self
-                .locker
-                .with_advisory_lock(LockKey::id(key), async |_| Ok::<_, distlock::Error>(()))
-                .await?
-                .is_some(),
+            Cycle::XactDistlock | Cycle::XactDistlockCold => match cycle {
+                Cycle::XactDistlock => &self.locker,
+                _ => &self.cold,
+            }
+            .with_advisory_lock(LockKey::id(key), async |_| Ok::<_, distlock::Error>(()))
+            .await?
+            .is_some(),
             Cycle::XactCaller => {
                 let mut tx = self.pool.begin().await?;
                 let got = distlock::try_lock_xact(&mut tx, LockKey::id(key)).await?;
@@ -333,8 +355,12 @@ impl Ctx {
                 }
                 got.is_some()
             }
-            Cycle::SessionDistlock | Cycle::SessionDistlockMux | Cycle::SessionDistlockFenced => {
+            Cycle::SessionDistlock
+            | Cycle::SessionDistlockCold
+            | Cycle::SessionDistlockMux
+            | Cycle::SessionDistlockFenced => {
                 let locker = match cycle {
+                    Cycle::SessionDistlockCold => &self.cold,
                     Cycle::SessionDistlockMux => &self.mux,
                     Cycle::SessionDistlockFenced => &self.fenced,
                     _ => &self.locker,

@@ -21,9 +21,9 @@ pub enum Handoff {
     Sqlx,
     /// `locker.lock(key, timeout)` / `release()` (pooled connection per lock).
     Distlock,
-    /// `Distlock` on a pool built with `test_before_acquire(false)`: no ping
-    /// when the pool hands out a connection (sqlx still pings on return).
-    DistlockNoPing,
+    /// `Distlock` with `.keep_warm(0, ..)`: every `lock()` borrows from the
+    /// pool, which pings the connection on its way back and out again.
+    DistlockCold,
     /// The same with `.multiplex(2)` (wake-up on a pooled connection, then a
     /// try on the shared one).
     DistlockMux,
@@ -33,7 +33,7 @@ pub const ALL: [Handoff; 5] = [
     Handoff::Raw,
     Handoff::Sqlx,
     Handoff::Distlock,
-    Handoff::DistlockNoPing,
+    Handoff::DistlockCold,
     Handoff::DistlockMux,
 ];
 
@@ -43,7 +43,7 @@ impl Handoff {
             Handoff::Raw => "sqlx hand-written pg_advisory_lock",
             Handoff::Sqlx => "sqlx PgAdvisoryLock::acquire",
             Handoff::Distlock => "distlock lock()",
-            Handoff::DistlockNoPing => "distlock lock(), pool without acquire ping",
+            Handoff::DistlockCold => "distlock lock(), keep_warm(0)",
             Handoff::DistlockMux => "distlock multiplexed lock()",
         }
     }
@@ -53,7 +53,7 @@ impl Handoff {
             Handoff::Raw => "sqlx raw",
             Handoff::Sqlx => "PgAdvisoryLock",
             Handoff::Distlock => "distlock",
-            Handoff::DistlockNoPing => "distlock, no acquire ping",
+            Handoff::DistlockCold => "distlock, no warm conns",
             Handoff::DistlockMux => "distlock mux",
         }
     }
@@ -139,16 +139,17 @@ pub async fn run(
                 });
             }
         }
-        Handoff::Distlock | Handoff::DistlockNoPing | Handoff::DistlockMux => {
+        Handoff::Distlock | Handoff::DistlockCold | Handoff::DistlockMux => {
             let p = PgPoolOptions::new()
-                .test_before_acquire(variant != Handoff::DistlockNoPing)
                 .max_connections(u32::try_from(waiters + 4)?)
                 .min_connections(u32::try_from(waiters + 1)?)
                 .connect_with(opts.clone())
                 .await?;
             let mut builder = PgLocker::builder(p.clone());
-            if variant == Handoff::DistlockMux {
-                builder = builder.multiplex(2);
+            match variant {
+                Handoff::DistlockMux => builder = builder.multiplex(2),
+                Handoff::DistlockCold => builder = builder.keep_warm(0, Duration::ZERO),
+                _ => {}
             }
             let locker = builder.build();
             // Warm up: pooler probe, shared connections, prepared statements.

@@ -15,6 +15,10 @@ pub(crate) struct Config {
     /// Multiplexed mode: at most this many locks held at once (`None`: no
     /// cap).
     pub(crate) max_locks: Option<usize>,
+    /// At most this many connections kept warm between locks, each for at
+    /// most `warm_idle` (see `warm`).
+    pub(crate) warm: usize,
+    pub(crate) warm_idle: Duration,
 }
 
 /// Default interval between two heartbeats of a session lock.
@@ -31,6 +35,8 @@ impl Default for Config {
             fencing: false,
             multiplex: 0,
             max_locks: None,
+            warm: super::warm::DEFAULT_WARM,
+            warm_idle: super::warm::DEFAULT_WARM_IDLE,
         }
     }
 }

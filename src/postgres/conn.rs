@@ -1,12 +1,17 @@
 //! A pooled connection that is closed, not returned, while it may hold a lock.
 
+use std::sync::Arc;
+
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, Postgres};
+
+use super::warm::Warm;
 
 /// Wraps a pooled connection. While *armed* (it may hold a session lock or be
 /// blocked in a lock wait), dropping it detaches the connection from the pool
 /// and drops the socket, so PostgreSQL ends the session and frees its locks.
-/// Disarmed, it returns to the pool as usual.
+/// Disarmed, it returns to the pool as usual, or to the locker's warm
+/// connections when it has a [`home`](Self::kept_by) there.
 ///
 /// Closing by dropping the socket needs no runtime and never blocks, which is
 /// what makes every future of this crate safe to drop at any `.await`.
@@ -14,6 +19,8 @@ use sqlx::postgres::{PgConnection, Postgres};
 pub(crate) struct HeldConn {
     conn: Option<PoolConnection<Postgres>>,
     armed: bool,
+    /// Where a disarmed connection goes instead of the pool.
+    home: Option<Arc<Warm>>,
 }
 
 impl HeldConn {
@@ -22,7 +29,15 @@ impl HeldConn {
         Self {
             conn: Some(conn),
             armed,
+            home: None,
         }
+    }
+
+    /// Disarmed, the connection goes to `warm` (which may still hand it
+    /// back to the pool) instead of straight to the pool.
+    pub(crate) fn kept_by(mut self, warm: &Arc<Warm>) -> Self {
+        self.home = Some(Arc::clone(warm));
+        self
     }
 
     /// The connection, for running statements.
@@ -34,7 +49,8 @@ impl HeldConn {
         }
     }
 
-    /// Returns the connection to the pool (it must hold no lock).
+    /// Returns the connection to the pool, or to its warm home (it must hold
+    /// no lock).
     pub(crate) fn into_pool(mut self) {
         self.armed = false;
     }
@@ -82,6 +98,8 @@ impl Drop for HeldConn {
             // the socket without a graceful Terminate, which is what we want
             // for a session that may still hold a lock.
             drop(conn.detach());
+        } else if let Some(home) = self.home.take() {
+            home.put(conn);
         }
     }
 }

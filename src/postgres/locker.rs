@@ -15,7 +15,7 @@ use crate::{Error, LockKey};
 /// takes a key takes `impl Into<LockKey>`, so `"invoice:process"` works
 /// directly.
 ///
-/// | method | scope | waits | round trips (after the pool hands out a connection) |
+/// | method | scope | waits | round trips (plus the pool's 2 pings when no [warm connection](PgLockerBuilder::keep_warm) is kept) |
 /// |---|---|---|---|
 /// | [`with_advisory_lock`](Self::with_advisory_lock) | transaction | no | 3 + your statements (`BEGIN`, try, `COMMIT`) |
 /// | [`with_advisory_lock_wait`](Self::with_advisory_lock_wait) | transaction | on the server | 3 + your statements |
@@ -48,6 +48,8 @@ pub(crate) struct Inner {
     pub(crate) keepers: super::keeper::Timer,
     /// Present when built with `.multiplex(n)`, n > 0.
     pub(crate) mux: Option<super::mux::Mux>,
+    /// Connections kept between locks, so the next skips the pool.
+    pub(crate) warm: Arc<super::warm::Warm>,
 }
 
 impl PgLocker {
@@ -223,6 +225,45 @@ impl PgLockerBuilder {
         self
     }
 
+    /// Keep up to `connections` connections between locks, each for at
+    /// most `idle_timeout`, and take the next locks on them instead of
+    /// borrowing from the pool (default: 2 connections, 20 ms; `0`
+    /// connections turns it off).
+    ///
+    /// sqlx's pool pings a connection when it takes it back and again when
+    /// it hands it out (`test_before_acquire`), so a session lock or
+    /// [`with_advisory_lock`](PgLocker::with_advisory_lock) on a borrowed
+    /// connection costs 2 round trips on top of its statements. A connection
+    /// whose lock was released (or whose try found the key busy, or whose
+    /// `with_advisory_lock` transaction ended cleanly) is kept instead, but
+    /// only while the pool has an idle connection or room to open one, so no
+    /// one is waiting for it when it is kept. It goes back to the pool after
+    /// `idle_timeout` without use, or at once when the pool is closed; a pool
+    /// user who starts waiting while a connection is kept waits at most
+    /// `idle_timeout` for it. Loops that take the next lock at once (a
+    /// worker draining a queue, waiters handing a hot key to each other)
+    /// gain the most: see BENCHMARKS.md. A kept connection is not pinged: if the server ended
+    /// its session meanwhile, the lock statement fails on it and is run once
+    /// more on a connection from the pool, which costs the failed round
+    /// trip. Only connections that hold no lock are kept. Session state that
+    /// your own code sets on pooled connections (there is none of distlock's
+    /// beyond the settings its lock statements document) is as it would be
+    /// after a return to the pool: sqlx does not reset connections either.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool) {
+    /// use std::time::Duration;
+    /// let locker = distlock::PgLocker::builder(pool)
+    ///     .keep_warm(4, Duration::from_millis(500))
+    ///     .build();
+    /// # }
+    /// ```
+    pub fn keep_warm(mut self, connections: usize, idle_timeout: Duration) -> Self {
+        self.config.warm = connections;
+        self.config.warm_idle = idle_timeout;
+        self
+    }
+
     /// Builds the locker.
     ///
     /// A holder must give up its lock before the server frees it: a holder
@@ -241,8 +282,11 @@ impl PgLockerBuilder {
                 self.config.multiplex,
             )
         });
+        let warm =
+            super::warm::Warm::new(self.pool.clone(), self.config.warm, self.config.warm_idle);
         PgLocker {
             inner: Arc::new(Inner {
+                warm,
                 pool: self.pool,
                 config: self.config,
                 pooler: super::pooler::PoolerCheck::default(),

@@ -21,6 +21,7 @@ pub(crate) mod sqlstate;
 pub mod table;
 mod timeout;
 mod waiter;
+mod warm;
 mod xact;
 mod xact_lock;
 

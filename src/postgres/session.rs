@@ -14,6 +14,7 @@ use super::session_lock::SessionLock;
 use super::sql::{
     PgQuery, bind_key, client_check, keepalives, keyed, millis_setting, session_marker,
 };
+use super::warm::retry_on_pool;
 use crate::postgres::key_args::KeyArgs;
 use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
 use crate::{Error, FencingToken, LockKey, span};
@@ -25,7 +26,8 @@ impl PgLocker {
     /// The lock lives on a connection taken from the pool for as long as the
     /// returned [`SessionLock`] lives. Costs 1 round trip (the backend pid
     /// used by the heartbeat comes back with the lock attempt), plus whatever
-    /// the pool spends handing out a connection. The statement also sets
+    /// the pool spends handing out a connection (nothing when the locker
+    /// keeps a [warm connection](super::PgLockerBuilder::keep_warm)). The statement also sets
     /// `client_connection_check_interval = 100ms` on the connection (a
     /// harmless setting that lets the server notice a vanished client during
     /// a statement), which later users of the pooled connection keep. The
@@ -75,15 +77,22 @@ impl PgLocker {
         if let (Some(mux), Hold::Exclusive) = (&self.inner.mux, hold) {
             return mux.try_lock(key).await;
         }
-        let args = key.args()?;
+        // A bad key fails here, before a connection is taken.
+        key.args()?;
         let fencing = self.config().fencing && hold == Hold::Exclusive;
         let started = Instant::now();
-        let mut conn = HeldConn::new(self.pool().acquire().await?, true);
-        self.inner.pooler.ensure_session(conn.conn()).await?;
-        let row = try_lock_query(args, fencing, hold)
-            .fetch_one(conn.conn())
-            .await
-            .map_err(|err| session_locking_error(err, &key))?;
+        let warm = &self.inner.warm;
+        let (mut conn, kept) = match warm.checkout() {
+            Some(conn) => (conn, true),
+            None => (warm.adopt(self.pool().acquire().await?), false),
+        };
+        let mut row = self.try_statement(&mut conn, &key, fencing, hold).await;
+        if retry_on_pool(kept, &row) {
+            // Replacing the armed wrapper closes the broken connection.
+            conn = warm.adopt(self.pool().acquire().await?);
+            row = self.try_statement(&mut conn, &key, fencing, hold).await;
+        }
+        let row = row?;
         let pid: i32 = row.try_get(1)?;
         let locked = taken(&row, 0, pid)?;
         span::record_wait(started);
@@ -103,6 +112,22 @@ impl PgLocker {
             token,
             (self.config(), &self.inner.keepers),
         )))
+    }
+
+    /// The try statement of [`try_lock`](Self::try_lock), after the pooler
+    /// probe if this locker has not run it yet.
+    async fn try_statement(
+        &self,
+        conn: &mut HeldConn,
+        key: &LockKey,
+        fencing: bool,
+        hold: Hold,
+    ) -> Result<PgRow, Error> {
+        self.inner.pooler.ensure_session(conn.conn()).await?;
+        try_lock_query(key.args()?, fencing, hold)
+            .fetch_one(conn.conn())
+            .await
+            .map_err(|err| session_locking_error(err, key))
     }
 
     /// Takes the session-scoped lock `key`, waiting up to `timeout`; fails
@@ -186,17 +211,21 @@ impl PgLocker {
         let deadline = crate::deadline::after_std(started, timeout);
         // A zero timeout is a single try: it still needs a connection, so the
         // pool's own acquire timeout applies then.
-        let pooled = if timeout.is_zero() {
-            Ok(self.pool().acquire().await)
-        } else {
-            tokio::time::timeout_at(deadline, self.pool().acquire()).await
+        let warm = &self.inner.warm;
+        let (mut conn, kept) = match warm.checkout() {
+            Some(conn) => (conn, true),
+            None => match self.pooled_within(&key, started, timeout).await {
+                Ok(pooled) => (warm.adopt(pooled), false),
+                Err(err) => return Err(err),
+            },
         };
-        let Ok(pooled) = pooled else {
-            return Err(self.timeout_error(&key, started, None).await);
-        };
-        let mut conn = HeldConn::new(pooled?, true);
         let fencing = self.config().fencing && hold == Hold::Exclusive;
-        let attempt = self.try_then_wait(&mut conn, &key, args, deadline, (fencing, hold));
+        let attempt = self.try_then_wait_warm(
+            (&mut conn, kept),
+            (&key, args),
+            (started, timeout, deadline),
+            (fencing, hold),
+        );
         // The server gives up at the deadline (lock_timeout); no answer a
         // heartbeat deadline later means the network is stalled.
         let grace = crate::deadline::after(
@@ -238,6 +267,45 @@ impl PgLocker {
                 Err(self.timeout_error(&key, started, None).await)
             }
         }
+    }
+
+    /// A connection from the pool within the lock's `timeout` (a zero
+    /// timeout: within the pool's own acquire timeout), or the timeout error.
+    async fn pooled_within(
+        &self,
+        key: &LockKey,
+        started: Instant,
+        timeout: Duration,
+    ) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, Error> {
+        if timeout.is_zero() {
+            return Ok(self.pool().acquire().await?);
+        }
+        let deadline = crate::deadline::after_std(started, timeout);
+        match tokio::time::timeout_at(deadline, self.pool().acquire()).await {
+            Ok(pooled) => Ok(pooled?),
+            Err(_) => Err(self.timeout_error(key, started, None).await),
+        }
+    }
+
+    /// [`try_then_wait`](Self::try_then_wait) on `conn`; once more on a
+    /// connection from the pool if `conn` was a kept one found broken.
+    async fn try_then_wait_warm(
+        &self,
+        (conn, kept): (&mut HeldConn, bool),
+        (key, args): (&LockKey, KeyArgs<'_>),
+        (started, timeout, deadline): (Instant, Duration, tokio::time::Instant),
+        how: (bool, Hold),
+    ) -> Result<Option<(i32, Option<FencingToken>)>, Error> {
+        let outcome = self.try_then_wait(conn, key, args, deadline, how).await;
+        if !retry_on_pool(kept, &outcome) {
+            return outcome;
+        }
+        // Replacing the armed wrapper closes the broken connection.
+        *conn = self
+            .inner
+            .warm
+            .adopt(self.pooled_within(key, started, timeout).await?);
+        self.try_then_wait(conn, key, args, deadline, how).await
     }
 
     /// Takes the lock within `deadline`, waiting on the server. `Ok(None)`:

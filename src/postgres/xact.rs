@@ -4,12 +4,14 @@
 use std::time::{Duration, Instant};
 
 use sqlx::Connection;
-use sqlx::postgres::PgConnection;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnection, Postgres};
 use tracing::Instrument;
 
 use super::conn::HeldConn;
 use super::locker::PgLocker;
 use super::sql::{bind_key, client_check, keepalives, keyed, millis_setting};
+use super::warm::retry_on_pool;
 use crate::postgres::key_args::KeyArgs;
 use crate::postgres::sqlstate::{
     IN_FAILED_TRANSACTION, LOCK_NOT_AVAILABLE, UNDEFINED_OBJECT, locking_error, sqlstate,
@@ -232,19 +234,13 @@ impl PgLocker {
         let deadline = mode
             .timeout()
             .map(|timeout| crate::deadline::after_std(started, timeout));
-        let pooled = match deadline {
-            // A zero timeout is a single try: it still needs a connection,
-            // so the pool's own acquire timeout applies then.
-            Some(_) if mode.timeout().is_some_and(|timeout| timeout.is_zero()) => {
-                self.pool().acquire().await
-            }
-            Some(deadline) => {
-                match tokio::time::timeout_at(deadline, self.pool().acquire()).await {
-                    Ok(pooled) => pooled,
-                    Err(_) => return Err(self.timeout_error(&key, started, None).await.into()),
-                }
-            }
-            None => self.pool().acquire().await,
+        let warm = &self.inner.warm;
+        let (mut held, kept) = match warm.checkout() {
+            Some(held) => (held, true),
+            None => (
+                warm.adopt(self.xact_pooled(&key, mode, started).await?),
+                false,
+            ),
         };
         // Armed until the transaction has ended: if this future is dropped,
         // the connection is closed rather than pooled. The lock statement
@@ -252,8 +248,15 @@ impl PgLocker {
         // server then aborts a statement still running (a lock wait, or the
         // closure's own) within 100 ms and frees the lock, instead of
         // finishing it first as a pooled connection's clean-up would.
-        let mut held = HeldConn::new(pooled.map_err(Error::from)?, true);
-        let mut tx = held.conn().begin().await.map_err(Error::from)?;
+        let began = held.conn().begin().await.map_err(Error::from);
+        let mut tx = if retry_on_pool(kept, &began) {
+            drop(began);
+            // Replacing the armed wrapper closes the broken connection.
+            held = warm.adopt(self.xact_pooled(&key, mode, started).await?);
+            held.conn().begin().await.map_err(Error::from)?
+        } else {
+            began?
+        };
         let attempt = lock_in_xact(&mut tx, args, mode, deadline);
         let attempt = match deadline {
             // The server gives up at the deadline (lock_timeout); if it does
@@ -348,6 +351,28 @@ impl PgLocker {
 
     /// Turns a failed lock statement into the error to report: a missed
     /// deadline becomes [`Error::Timeout`] naming the holder.
+    /// A connection from the pool for `mode`: within its timeout if it has
+    /// one (a zero timeout, a single try: within the pool's own acquire
+    /// timeout), or the timeout error.
+    async fn xact_pooled(
+        &self,
+        key: &LockKey,
+        mode: Mode,
+        started: Instant,
+    ) -> Result<PoolConnection<Postgres>, Error> {
+        let pooled = match mode.timeout() {
+            Some(timeout) if !timeout.is_zero() => {
+                let deadline = crate::deadline::after_std(started, timeout);
+                match tokio::time::timeout_at(deadline, self.pool().acquire()).await {
+                    Ok(pooled) => pooled,
+                    Err(_) => return Err(self.timeout_error(key, started, None).await),
+                }
+            }
+            _ => self.pool().acquire().await,
+        };
+        Ok(pooled?)
+    }
+
     async fn xact_lock_failed(
         &self,
         err: sqlx::Error,

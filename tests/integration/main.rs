@@ -28,4 +28,5 @@ mod redlock;
 mod security;
 mod session;
 mod table;
+mod warm;
 mod xact;

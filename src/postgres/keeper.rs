@@ -6,18 +6,17 @@
 //! task: no hop to the keeper and back sits on the release path. The keeper
 //! holds the slot's mutex only while a heartbeat is in flight.
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Row;
-use tokio::sync::{Mutex, Notify, mpsc, oneshot, watch};
+use tokio::sync::{Mutex, Notify, oneshot, watch};
 use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 use tracing::Instrument;
 
 use super::conn::HeldConn;
 use super::sql::{bind_key, keyed, session_marker};
+use super::timer::Timer;
 use crate::postgres::config::Config;
 use crate::{Error, LockKey, LossReason};
 
@@ -67,7 +66,7 @@ impl Shared {
     }
 
     /// Takes the parked keeper, if it has not been started.
-    fn unpark(&self) -> Option<Keeper> {
+    pub(super) fn unpark(&self) -> Option<Keeper> {
         match self.parked.lock() {
             Ok(mut parked) => parked.take(),
             Err(poisoned) => poisoned.into_inner().take(),
@@ -177,7 +176,7 @@ impl Keeper {
         }
     }
 
-    fn span(&self) -> tracing::Span {
+    pub(super) fn span(&self) -> tracing::Span {
         tracing::debug_span!("distlock.keeper", key = %self.key, pid = self.pid)
     }
 
@@ -366,96 +365,4 @@ async fn release(
     }
     conn.into_pool();
     Ok(())
-}
-
-/// Starts parked keepers when their first heartbeat is due: one task per
-/// `PgLocker`, started with its first session lock, instead of one task per
-/// lock at grant time. It ends once the locker is gone and no keeper waits.
-#[derive(Debug, Default)]
-pub(crate) struct Timer {
-    inbox: std::sync::OnceLock<mpsc::UnboundedSender<(Instant, Weak<Shared>)>>,
-}
-
-impl Timer {
-    fn schedule(&self, due: Instant, slot: Weak<Shared>) {
-        let inbox = self.inbox.get_or_init(|| {
-            let (inbox, due_keepers) = mpsc::unbounded_channel();
-            tokio::spawn(start_when_due(due_keepers));
-            inbox
-        });
-        if let Err(mpsc::error::SendError((_, slot))) = inbox.send((due, slot)) {
-            // The timer task is gone (its runtime shut down): start the
-            // keeper at once, if there is a runtime to run it.
-            if let Some(shared) = slot.upgrade()
-                && let Some(keeper) = shared.unpark()
-                && let Ok(runtime) = tokio::runtime::Handle::try_current()
-            {
-                let span = keeper.span();
-                runtime.spawn(keeper.run(due).instrument(span));
-            }
-        }
-    }
-}
-
-/// The timer task: a heap of (due, slot), ordered by due time.
-async fn start_when_due(mut inbox: mpsc::UnboundedReceiver<(Instant, Weak<Shared>)>) {
-    let mut heap: BinaryHeap<Reverse<Due>> = BinaryHeap::new();
-    let mut open = true;
-    loop {
-        let next = heap.peek().map(|Reverse(due)| due.at);
-        tokio::select! {
-            biased;
-            received = inbox.recv(), if open => match received {
-                Some((at, slot)) => heap.push(Reverse(Due { at, slot })),
-                None => open = false,
-            },
-            () = sleep_until(next.unwrap_or_else(Instant::now)), if next.is_some() => {
-                let now = Instant::now();
-                while heap.peek().is_some_and(|Reverse(due)| due.at <= now) {
-                    if let Some(Reverse(due)) = heap.pop() {
-                        start(&due);
-                    }
-                }
-            }
-            else => return,
-        }
-    }
-}
-
-/// Starts the keeper parked in `due`'s slot, if the lock is still held and
-/// its keeper still parked.
-fn start(due: &Due) {
-    if let Some(shared) = due.slot.upgrade()
-        && let Some(keeper) = shared.unpark()
-    {
-        let span = keeper.span();
-        tokio::spawn(keeper.run(due.at).instrument(span));
-    }
-}
-
-/// A parked keeper's first heartbeat.
-#[derive(Debug)]
-struct Due {
-    at: Instant,
-    slot: Weak<Shared>,
-}
-
-impl PartialEq for Due {
-    fn eq(&self, other: &Self) -> bool {
-        self.at == other.at
-    }
-}
-
-impl Eq for Due {}
-
-impl PartialOrd for Due {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Due {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.at.cmp(&other.at)
-    }
 }

@@ -45,7 +45,7 @@ pub(crate) struct Inner {
     pub(crate) config: Config,
     pub(crate) pooler: super::pooler::PoolerCheck,
     /// Starts session locks' keepers when their first heartbeat is due.
-    pub(crate) keepers: super::keeper::Timer,
+    pub(crate) keepers: super::timer::Timer,
     /// Present when built with `.multiplex(n)`, n > 0.
     pub(crate) mux: Option<super::mux::Mux>,
     /// Connections kept between locks, so the next skips the pool.
@@ -290,7 +290,7 @@ impl PgLockerBuilder {
                 pool: self.pool,
                 config: self.config,
                 pooler: super::pooler::PoolerCheck::default(),
-                keepers: super::keeper::Timer::default(),
+                keepers: super::timer::Timer::default(),
                 mux,
             }),
         }

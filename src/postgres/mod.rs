@@ -20,6 +20,7 @@ mod sql;
 pub(crate) mod sqlstate;
 pub mod table;
 mod timeout;
+mod timer;
 mod waiter;
 mod warm;
 mod xact;

@@ -8,7 +8,8 @@ use tokio::sync::{oneshot, watch};
 
 use super::config::Config;
 use super::conn::HeldConn;
-use super::keeper::{Hold, Keeper, ReleaseRequest, Slot, Timer, release_from_slot};
+use super::keeper::{Hold, Keeper, ReleaseRequest, Slot, release_from_slot};
+use super::timer::Timer;
 use crate::{Error, FencingToken, LockKey, LossReason};
 
 /// A session-scoped advisory lock, held on a dedicated pooled connection until

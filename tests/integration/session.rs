@@ -861,6 +861,78 @@ async fn a_guard_dropped_after_its_runtime_shut_down_does_not_panic(
     .await;
 }
 
+/// The timer task idles once every keeper it knew of has started or gone; a
+/// lock taken then must wake it, or the lock would never get its keeper and
+/// a loss would go unreported.
+#[sqlx::test(migrations = false)]
+async fn a_lock_taken_while_the_timer_idles_gets_its_keeper(pool: PgPool) {
+    let mut obs = observer_for(&pool).await;
+    let locker = PgLocker::builder(pool)
+        .heartbeat(Duration::from_millis(100))
+        .build();
+    let quick = locker.try_lock("session:idle1").await.unwrap().unwrap();
+    quick.release().await.unwrap();
+    // Its heartbeat would have been due: the timer has nothing left.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let lock = locker.try_lock("session:idle2").await.unwrap().unwrap();
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(lock.backend_pid())
+        .fetch_one(&mut obs)
+        .await
+        .unwrap();
+    assert!(terminated);
+    bounded(
+        "lost() after the timer idled",
+        Duration::from_secs(5),
+        lock.lost(),
+    )
+    .await;
+}
+
+/// A locker's keepers are started by one timer task, spawned on the runtime
+/// of its first session lock. When that runtime shuts down, the task is
+/// gone; a lock taken on another runtime must still get its keeper (and so
+/// report its loss).
+#[sqlx::test(migrations = false)]
+async fn keepers_start_after_the_first_runtime_shut_down(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let mut obs = observer(&connect).await;
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_lazy_with(connect.clone());
+    let locker = PgLocker::builder(pool)
+        .heartbeat(Duration::from_millis(100))
+        .keep_warm(0, Duration::ZERO)
+        .build();
+    let first = locker.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let lock = first.try_lock("session:rt1").await.unwrap().unwrap();
+            // Past its first heartbeat: the timer task has run.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            lock.release().await.unwrap();
+        });
+    })
+    .join()
+    .unwrap();
+    let lock = locker.try_lock("session:rt2").await.unwrap().unwrap();
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(lock.backend_pid())
+        .fetch_one(&mut obs)
+        .await
+        .unwrap();
+    assert!(terminated);
+    bounded(
+        "lost() on the second runtime",
+        Duration::from_secs(5),
+        lock.lost(),
+    )
+    .await;
+}
+
 // ---- Reader-writer session locks -------------------------------------------
 
 #[sqlx::test(migrations = false)]

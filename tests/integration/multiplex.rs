@@ -484,7 +484,7 @@ async fn a_stalled_shared_connection_loses_its_locks_within_the_heartbeat_bound(
         .expect("proxy");
     let pool = PgPoolOptions::new()
         .max_connections(2)
-        .connect_with(connect_opts.clone().host("127.0.0.1").port(proxy.port()))
+        .connect_with(proxy.options(&connect_opts))
         .await
         .expect("pool through the proxy");
     let heartbeat = Duration::from_millis(150);

@@ -11,6 +11,7 @@ pub mod netns;
 pub mod pgbouncer;
 pub mod proxy;
 pub mod redis;
+pub mod roles;
 pub mod txpool;
 
 use std::future::Future;

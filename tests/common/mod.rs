@@ -257,6 +257,15 @@ pub async fn wait_for_waiters(conn: &mut PgConnection, n: usize, limit: Duration
     .await;
 }
 
+/// Waits (bounded) until no session waits for an advisory lock in the
+/// current database (granted locks may remain). Returns the time it took.
+pub async fn wait_for_no_waiters(conn: &mut PgConnection, limit: Duration) -> Duration {
+    eventually("no waiter left in pg_locks", limit, async || {
+        advisory_locks(conn).await.iter().all(|r| r.granted)
+    })
+    .await
+}
+
 /// Runs `fut` with a hard upper bound so a hang fails the test instead of
 /// stalling the suite.
 pub async fn bounded<F: Future>(what: &str, limit: Duration, fut: F) -> F::Output {

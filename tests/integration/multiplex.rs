@@ -617,12 +617,7 @@ async fn a_cancelled_wait_is_abandoned_on_the_server_promptly(pool: PgPool) {
     };
     wait_for_waiters(&mut obs, 1, Duration::from_secs(5)).await;
     waiting.abort();
-    let gone = eventually(
-        "the server drops the wait",
-        Duration::from_secs(3),
-        async || advisory_locks(&mut obs).await.iter().all(|r| r.granted),
-    )
-    .await;
+    let gone = wait_for_no_waiters(&mut obs, Duration::from_secs(3)).await;
     println!("cancelled wait gone from pg_locks after {gone:?}");
     assert!(gone < Duration::from_secs(1), "{gone:?}");
     assert!(raw_unlock(&mut obs, &Raw::text("mux:abandon")).await);

@@ -20,18 +20,6 @@ const EXIT_LOST: i32 = 76;
 const EXIT_TIMEOUT: i32 = 124;
 const EXIT_UNAVAILABLE: i32 = 69;
 
-/// A URL for the test's own database (trust authentication, no password).
-fn url_of(pool: &PgPool) -> String {
-    let opts = pool.connect_options();
-    format!(
-        "postgres://{}@{}:{}/{}",
-        opts.get_username(),
-        opts.get_host(),
-        opts.get_port(),
-        opts.get_database().unwrap_or("postgres")
-    )
-}
-
 /// `distlock ARGS` with DATABASE_URL pointing at `url`, output captured.
 fn distlock(url: &str, args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_distlock"));

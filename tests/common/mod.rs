@@ -11,6 +11,7 @@ pub mod netns;
 pub mod pgbouncer;
 pub mod proxy;
 pub mod redis;
+pub mod roles;
 pub mod txpool;
 
 use std::future::Future;
@@ -254,6 +255,15 @@ pub async fn wait_for_waiters(conn: &mut PgConnection, n: usize, limit: Duration
             >= n
     })
     .await;
+}
+
+/// Waits (bounded) until no session waits for an advisory lock in the
+/// current database (granted locks may remain). Returns the time it took.
+pub async fn wait_for_no_waiters(conn: &mut PgConnection, limit: Duration) -> Duration {
+    eventually("no waiter left in pg_locks", limit, async || {
+        advisory_locks(conn).await.iter().all(|r| r.granted)
+    })
+    .await
 }
 
 /// Runs `fut` with a hard upper bound so a hang fails the test instead of

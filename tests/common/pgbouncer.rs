@@ -1,16 +1,17 @@
-//! A private PgBouncer in transaction-pooling mode, in front of the shared
-//! PostgreSQL on 127.0.0.1:5432.
+//! A private PgBouncer in transaction-pooling mode, in front of a
+//! PostgreSQL on 127.0.0.1.
 //!
-//! It runs as the `postgres` OS user (`runuser -u postgres -- pgbouncer`,
-//! since PgBouncer refuses to run as root), listens on a free loopback port,
-//! keeps its configuration and log in a scratch directory of its own, and is
-//! stopped (by the pid it writes) when dropped. A missing binary is a test
-//! failure, not a skip: `.ci/run` installs Debian's package.
+//! It listens on a free loopback port, keeps its generated configuration and
+//! its log in a directory of its own, and is stopped when dropped.
+//! PgBouncer refuses to run as root: when the tests run as root it runs as
+//! the `postgres` OS user (`pgbouncer -u postgres`). Debian's package
+//! (`apt-get install pgbouncer`, 1.18 on bookworm); a missing binary is a
+//! test failure, not a skip: `.ci/run` installs it.
 
 use std::fs;
 use std::net::TcpListener;
-use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -38,12 +39,122 @@ fn binary() -> PathBuf {
     )
 }
 
+/// What to start: see [`PgBouncer::builder`].
+#[derive(Debug, Clone)]
+pub struct Builder {
+    pg_port: u16,
+    /// `(database, user)`; `None`: every database, as the client's user.
+    database: Option<(String, String)>,
+    overrides: Vec<(String, String)>,
+    parent: Option<PathBuf>,
+}
+
+impl Builder {
+    /// Serves only database `db`, under the same name, connecting to
+    /// PostgreSQL as `user` (the default: every database, as the client's
+    /// user, `postgres`).
+    pub fn database(mut self, db: &str, user: &str) -> Self {
+        self.database = Some((db.to_owned(), user.to_owned()));
+        self
+    }
+
+    /// Replaces (or adds) one setting of the `[pgbouncer]` section.
+    pub fn set(mut self, key: &str, value: &str) -> Self {
+        self.overrides.push((key.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// Keeps the configuration and the log in a new directory under
+    /// `parent`, left in place when the PgBouncer is dropped (the default:
+    /// a scratch directory, removed then).
+    pub fn dir_in(mut self, parent: &Path) -> Self {
+        self.parent = Some(parent.to_owned());
+        self
+    }
+
+    pub async fn start(self) -> PgBouncer {
+        static STARTED: AtomicUsize = AtomicUsize::new(0);
+        let binary = binary();
+        let name = format!(
+            "distlock-pgbouncer-{}-{}",
+            std::process::id(),
+            STARTED.fetch_add(1, Ordering::SeqCst)
+        );
+        let keep_dir = self.parent.is_some();
+        let dir = self.parent.unwrap_or_else(std::env::temp_dir).join(name);
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).expect("pgbouncer directory");
+        // Writable by `postgres` (its log).
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).expect("chmod");
+        let port = free_port();
+        let path = |name: &str| dir.join(name).display().to_string();
+        let pg_port = self.pg_port;
+        let (entry, auth_user) = match &self.database {
+            None => (format!("* = host=127.0.0.1 port={pg_port}"), "postgres"),
+            Some((db, user)) => (
+                format!("{db} = host=127.0.0.1 port={pg_port} dbname={db} user={user}"),
+                user.as_str(),
+            ),
+        };
+        fs::write(dir.join("users.txt"), format!("\"{auth_user}\" \"\"\n")).expect("auth file");
+        let mut settings: Vec<(String, String)> = [
+            ("listen_addr", "127.0.0.1".to_owned()),
+            ("listen_port", port.to_string()),
+            ("unix_socket_dir", String::new()),
+            ("auth_type", "trust".to_owned()),
+            ("auth_file", path("users.txt")),
+            ("pool_mode", "transaction".to_owned()),
+            ("server_round_robin", "1".to_owned()),
+            ("default_pool_size", "4".to_owned()),
+            ("max_client_conn", "200".to_owned()),
+            ("ignore_startup_parameters", "extra_float_digits".to_owned()),
+            ("logfile", path("pgbouncer.log")),
+        ]
+        .into_iter()
+        .map(|(key, value)| (key.to_owned(), value))
+        .collect();
+        for (key, value) in self.overrides {
+            settings.retain(|(k, _)| *k != key);
+            settings.push((key, value));
+        }
+        let mut ini = format!("[databases]\n{entry}\n[pgbouncer]\n");
+        for (key, value) in settings {
+            ini.push_str(&format!("{key} = {value}\n"));
+        }
+        fs::write(dir.join("pgbouncer.ini"), ini).expect("ini");
+        for file in ["users.txt", "pgbouncer.ini"] {
+            fs::set_permissions(dir.join(file), fs::Permissions::from_mode(0o644)).expect("chmod");
+        }
+        let is_root = fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
+        let mut cmd = Command::new(&binary);
+        if is_root {
+            cmd.args(["-u", "postgres"]);
+        }
+        let child = cmd
+            .arg(dir.join("pgbouncer.ini"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(dir.join("stderr")).expect("stderr"))
+            .spawn()
+            .expect("spawn pgbouncer");
+        let mut bouncer = PgBouncer {
+            child,
+            port,
+            dir,
+            keep_dir,
+        };
+        bouncer.wait_ready().await;
+        bouncer
+    }
+}
+
 /// A running PgBouncer; stopped when dropped.
 #[derive(Debug)]
 pub struct PgBouncer {
-    runuser: Child,
+    child: Child,
     port: u16,
     dir: PathBuf,
+    keep_dir: bool,
 }
 
 impl PgBouncer {
@@ -51,56 +162,18 @@ impl PgBouncer {
     /// PostgreSQL on 127.0.0.1:`pg_port` (trust authentication, four server
     /// connections per database and user, handed out round robin).
     pub async fn start(pg_port: u16) -> Self {
-        static STARTED: AtomicUsize = AtomicUsize::new(0);
-        let binary = binary();
-        let dir = std::env::temp_dir().join(format!(
-            "distlock-pgbouncer-{}-{}",
-            std::process::id(),
-            STARTED.fetch_add(1, Ordering::SeqCst)
-        ));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).expect("pgbouncer directory");
-        // Readable and writable by `postgres` (log, pid file).
-        fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).expect("chmod");
-        let port = free_port();
-        let path = |name: &str| dir.join(name).display().to_string();
-        fs::write(dir.join("users.txt"), "\"postgres\" \"\"\n").expect("auth file");
-        let ini = format!(
-            "[databases]\n\
-             * = host=127.0.0.1 port={pg_port}\n\
-             [pgbouncer]\n\
-             listen_addr = 127.0.0.1\n\
-             listen_port = {port}\n\
-             unix_socket_dir =\n\
-             auth_type = trust\n\
-             auth_file = {auth}\n\
-             pool_mode = transaction\n\
-             server_round_robin = 1\n\
-             default_pool_size = 4\n\
-             max_client_conn = 200\n\
-             ignore_startup_parameters = extra_float_digits\n\
-             logfile = {log}\n\
-             pidfile = {pid}\n",
-            auth = path("users.txt"),
-            log = path("pgbouncer.log"),
-            pid = path("pgbouncer.pid"),
-        );
-        fs::write(dir.join("pgbouncer.ini"), ini).expect("ini");
-        for file in ["users.txt", "pgbouncer.ini"] {
-            fs::set_permissions(dir.join(file), fs::Permissions::from_mode(0o644)).expect("chmod");
+        Self::builder(pg_port).start().await
+    }
+
+    /// A PgBouncer like [`PgBouncer::start`]'s, to be changed before it
+    /// starts.
+    pub fn builder(pg_port: u16) -> Builder {
+        Builder {
+            pg_port,
+            database: None,
+            overrides: Vec::new(),
+            parent: None,
         }
-        let runuser = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(&binary)
-            .arg(dir.join("pgbouncer.ini"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(fs::File::create(dir.join("stderr")).expect("stderr"))
-            .spawn()
-            .expect("spawn runuser -u postgres -- pgbouncer");
-        let mut bouncer = Self { runuser, port, dir };
-        bouncer.wait_ready().await;
-        bouncer
     }
 
     /// The port it listens on (127.0.0.1).
@@ -122,7 +195,7 @@ impl PgBouncer {
     async fn wait_ready(&mut self) {
         let started = Instant::now();
         loop {
-            if let Ok(Some(status)) = self.runuser.try_wait() {
+            if let Ok(Some(status)) = self.child.try_wait() {
                 panic!("pgbouncer exited ({status}): {}", self.log());
             }
             if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
@@ -146,36 +219,28 @@ impl PgBouncer {
         let err = fs::read_to_string(self.dir.join("stderr")).unwrap_or_default();
         format!("{log}{err}")
     }
-
-    fn pid(&self) -> Option<i32> {
-        fs::read_to_string(self.dir.join("pgbouncer.pid"))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-    }
 }
 
 impl Drop for PgBouncer {
     fn drop(&mut self) {
-        // PgBouncer itself (started by runuser, running as postgres), by the
-        // pid it wrote; then runuser, which waits for it.
-        if let Some(pid) = self.pid() {
-            let pid = nix::unistd::Pid::from_raw(pid);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            let gone = Instant::now();
-            let mut exited = false;
-            while !exited && gone.elapsed() < Duration::from_secs(2) {
-                exited = matches!(self.runuser.try_wait(), Ok(Some(_)));
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            if !exited {
-                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-            }
+        // SIGTERM (shut down at once, closing every connection), then
+        // SIGKILL if it is still there after two seconds.
+        let pid = i32::try_from(self.child.id()).expect("pid fits");
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let gone = Instant::now();
+        while !matches!(self.child.try_wait(), Ok(Some(_)))
+            && gone.elapsed() < Duration::from_secs(2)
+        {
+            std::thread::sleep(Duration::from_millis(10));
         }
-        let _ = self.runuser.kill();
-        let _ = self.runuser.wait();
-        let _ = fs::remove_dir_all(&self.dir);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if !self.keep_dir {
+            let _ = fs::remove_dir_all(&self.dir);
+        }
     }
 }
 

@@ -1,78 +1,102 @@
-//! A tiny loopback TCP proxy for fault injection: it forwards bytes between
-//! clients and an upstream server and can *stall* (stop forwarding in both
-//! directions, as a partitioned network would, without closing anything) or
-//! *cut* (close every proxied connection on both sides).
+//! A loopback TCP proxy for network faults between clients and a server
+//! (PostgreSQL, mostly).
 //!
-//! It listens on `127.0.0.1:0` only.
+//! Modes (for all connections, current and new): **pass**, **delay** (each
+//! chunk is held back for a while in each direction) and **stall** (nothing
+//! is read, so bytes, FINs and all queue up in the kernel; nothing is
+//! closed). Actions (on the connections open at that moment): **cut** (both
+//! sockets closed, as a peer that closes would: FIN, or RST where the kernel
+//! still holds bytes nobody read, as after a stall), **reset** (both sockets
+//! reset with RST, as a crashed middlebox would), **half-close towards the
+//! client** (FIN to the client, nothing more forwarded to it; its bytes
+//! still reach the server) and **half-close towards the server** (the
+//! mirror image). Any later action closes a half-closed connection; a reset
+//! resets it.
+//!
+//! Its upstream can be switched (a failover): new connections go to the new
+//! address, open ones stay where they are.
+//!
+//! It listens on `127.0.0.1:0` only. Dropping it stops it and cuts every
+//! connection.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
+use sqlx::postgres::PgConnectOptions;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{broadcast, watch};
 use tokio::task::AbortHandle;
 
-/// Whether bytes flow.
+/// Whether and how bytes flow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// Forward everything.
     Pass,
+    /// Forward everything, each chunk held back this long (in each
+    /// direction, so a statement's round trip takes at least two).
+    Delay(Duration),
     /// Forward nothing (bytes stay queued); connections stay open; EOFs are
     /// not propagated either.
     Stall,
-    /// Forward everything, each chunk held back this many microseconds.
-    Delay(u64),
 }
 
-/// A running proxy; stops (and cuts every connection) when dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Cut,
+    Reset,
+    HalfCloseClient,
+    HalfCloseServer,
+}
+
+/// A running proxy; stops, and cuts every connection, when dropped.
 #[derive(Debug)]
 pub struct Proxy {
     addr: SocketAddr,
     mode: watch::Sender<Mode>,
-    conns: Arc<Mutex<Vec<AbortHandle>>>,
+    actions: broadcast::Sender<Action>,
     accepted: Arc<AtomicUsize>,
-    listener: AbortHandle,
     upstream: Arc<Mutex<(String, u16)>>,
+    listener: AbortHandle,
 }
 
 impl Proxy {
-    /// Starts a proxy on `127.0.0.1:0` forwarding to `upstream_host:upstream_port`.
+    /// Starts a proxy on `127.0.0.1:0` forwarding to
+    /// `upstream_host:upstream_port`.
     pub async fn start(upstream_host: &str, upstream_port: u16) -> std::io::Result<Self> {
         let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
         let addr = listener.local_addr()?;
         let (mode, _) = watch::channel(Mode::Pass);
-        let conns: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
+        let (actions, _) = broadcast::channel(16);
         let accepted = Arc::new(AtomicUsize::new(0));
         let upstream = Arc::new(Mutex::new((upstream_host.to_owned(), upstream_port)));
         let task = {
-            let upstream = upstream.clone();
             let mode = mode.clone();
-            let conns = conns.clone();
+            let actions = actions.clone();
             let accepted = accepted.clone();
+            let upstream = upstream.clone();
             tokio::spawn(async move {
                 loop {
                     let Ok((client, _)) = listener.accept().await else {
                         continue;
                     };
                     accepted.fetch_add(1, Ordering::SeqCst);
+                    // Subscribe before spawning so no action is missed.
+                    let rx = actions.subscribe();
                     let target = upstream.lock().expect("proxy mutex").clone();
-                    let handle = tokio::spawn(serve(client, target, mode.subscribe()));
-                    let mut conns = conns.lock().expect("proxy mutex");
-                    conns.retain(|h| !h.is_finished());
-                    conns.push(handle.abort_handle());
+                    tokio::spawn(serve(client, target, mode.subscribe(), rx));
                 }
             })
         };
         Ok(Self {
             addr,
             mode,
-            conns,
+            actions,
             accepted,
-            listener: task.abort_handle(),
             upstream,
+            listener: task.abort_handle(),
         })
     }
 
@@ -81,40 +105,64 @@ impl Proxy {
         self.addr.port()
     }
 
-    /// Stops forwarding in both directions; nothing is closed.
-    pub fn stall(&self) {
-        self.mode.send_replace(Mode::Stall);
-    }
-
-    /// Forwards every chunk after `micros` µs (both directions), so every
-    /// statement takes at least two such delays.
-    pub fn delay(&self, micros: u64) {
-        self.mode.send_replace(Mode::Delay(micros));
-    }
-
-    /// Resumes forwarding.
-    pub fn pass(&self) {
-        self.mode.send_replace(Mode::Pass);
-    }
-
-    /// Closes every current proxied connection on both sides (new ones are
-    /// still accepted).
-    pub fn cut(&self) {
-        for handle in self.conns.lock().expect("proxy mutex").drain(..) {
-            handle.abort();
-        }
-    }
-
-    /// Sends new connections to `127.0.0.1:port` from now on (as a DNS name
-    /// or a virtual IP moved to a promoted standby would); current
-    /// connections stay where they are.
-    pub fn set_upstream(&self, port: u16) {
-        *self.upstream.lock().expect("proxy mutex") = ("127.0.0.1".to_owned(), port);
+    /// `options` pointed at this proxy instead.
+    pub fn options(&self, options: &PgConnectOptions) -> PgConnectOptions {
+        options.clone().host("127.0.0.1").port(self.port())
     }
 
     /// How many client connections were accepted so far.
     pub fn accepted(&self) -> usize {
         self.accepted.load(Ordering::SeqCst)
+    }
+
+    /// Sends new connections to `127.0.0.1:port` from now on (as a DNS name
+    /// or a virtual IP moved to a promoted standby would); connections
+    /// already open stay where they are.
+    pub fn set_upstream(&self, port: u16) {
+        *self.upstream.lock().expect("proxy mutex") = ("127.0.0.1".to_owned(), port);
+    }
+
+    /// Sets the mode of every connection, current and new.
+    pub fn set(&self, mode: Mode) {
+        self.mode.send_replace(mode);
+    }
+
+    /// Forwards everything again.
+    pub fn pass(&self) {
+        self.set(Mode::Pass);
+    }
+
+    /// Stops forwarding in both directions; nothing is closed.
+    pub fn stall(&self) {
+        self.set(Mode::Stall);
+    }
+
+    /// Forwards every chunk after `delay` (both directions).
+    pub fn delay(&self, delay: Duration) {
+        self.set(Mode::Delay(delay));
+    }
+
+    /// Closes every open connection on both sides (new ones are still
+    /// accepted).
+    pub fn cut(&self) {
+        let _ = self.actions.send(Action::Cut);
+    }
+
+    /// Resets every open connection with RST, on both sides (new ones are
+    /// still accepted).
+    pub fn reset(&self) {
+        let _ = self.actions.send(Action::Reset);
+    }
+
+    /// Sends FIN to every client and forwards nothing more to them.
+    pub fn half_close_client(&self) {
+        let _ = self.actions.send(Action::HalfCloseClient);
+    }
+
+    /// Sends FIN to the server on every connection and forwards nothing
+    /// more to it.
+    pub fn half_close_server(&self) {
+        let _ = self.actions.send(Action::HalfCloseServer);
     }
 }
 
@@ -125,38 +173,90 @@ impl Drop for Proxy {
     }
 }
 
-async fn serve(client: TcpStream, upstream: (String, u16), mode: watch::Receiver<Mode>) {
-    let Ok(server) = TcpStream::connect((upstream.0.as_str(), upstream.1)).await else {
+async fn serve(
+    mut client: TcpStream,
+    upstream: (String, u16),
+    mode: watch::Receiver<Mode>,
+    mut actions: broadcast::Receiver<Action>,
+) {
+    let Ok(mut server) = TcpStream::connect((upstream.0.as_str(), upstream.1)).await else {
         return;
     };
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
-    let (client_read, client_write) = client.into_split();
-    let (server_read, server_write) = server.into_split();
-    tokio::join!(
-        pump(client_read, server_write, mode.clone()),
-        pump(server_read, client_write, mode),
-    );
+    let action = {
+        let (client_read, client_write) = client.split();
+        let (server_read, server_write) = server.split();
+        let both = async {
+            tokio::join!(
+                pump(client_read, server_write, mode.clone()),
+                pump(server_read, client_write, mode.clone()),
+            )
+        };
+        tokio::select! {
+            _ = both => return,
+            action = next_action(&mut actions) => action,
+        }
+    };
+    let reset_later = match action {
+        Action::Cut => false,
+        Action::Reset => true,
+        Action::HalfCloseClient => {
+            let _ = client.shutdown().await;
+            let (client_read, _) = client.split();
+            let (_, server_write) = server.split();
+            tokio::select! {
+                _ = pump(client_read, server_write, mode) => false,
+                action = next_action(&mut actions) => action == Action::Reset,
+            }
+        }
+        Action::HalfCloseServer => {
+            let _ = server.shutdown().await;
+            let (server_read, _) = server.split();
+            let (_, client_write) = client.split();
+            tokio::select! {
+                _ = pump(server_read, client_write, mode) => false,
+                action = next_action(&mut actions) => action == Action::Reset,
+            }
+        }
+    };
+    if reset_later {
+        // RST instead of FIN.
+        let _ = client.set_zero_linger();
+        let _ = server.set_zero_linger();
+    }
+    drop((client, server));
 }
 
-/// Copies `from` to `to` while the mode is `Pass`. A read that completes
-/// during a stall is held back until forwarding resumes, and so is an EOF.
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut mode: watch::Receiver<Mode>) {
+async fn next_action(actions: &mut broadcast::Receiver<Action>) -> Action {
+    loop {
+        match actions.recv().await {
+            Ok(action) => return action,
+            Err(broadcast::error::RecvError::Lagged(_)) => continue,
+            Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+        }
+    }
+}
+
+/// Copies one direction while the mode lets it: a stall stops reading (a
+/// chunk already read waits, and so does an EOF), a delay holds each chunk.
+async fn pump(
+    mut from: impl AsyncReadExt + Unpin,
+    mut to: impl AsyncWriteExt + Unpin,
+    mut mode: watch::Receiver<Mode>,
+) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         if mode.wait_for(|m| *m != Mode::Stall).await.is_err() {
             return;
         }
         let n = from.read(&mut buf).await.unwrap_or(0);
-        if mode.wait_for(|m| *m != Mode::Stall).await.is_err() {
-            return;
-        }
-        let delay = match *mode.borrow() {
-            Mode::Delay(micros) => micros,
-            _ => 0,
+        let current = match mode.wait_for(|m| *m != Mode::Stall).await {
+            Ok(current) => *current,
+            Err(_) => return,
         };
-        if delay > 0 {
-            tokio::time::sleep(std::time::Duration::from_micros(delay)).await;
+        if let Mode::Delay(delay) = current {
+            tokio::time::sleep(delay).await;
         }
         if n == 0 {
             let _ = to.shutdown().await;

@@ -17,6 +17,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::roles::{drop_role, grant_documented_rights, make_role};
 use common::*;
 use distlock::{Error, PgLocker, SessionLock};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -178,47 +179,6 @@ fn classify(err: &Error) -> Outcome {
         Error::TooManyConnections { .. } => Outcome::Failed("TooManyConnections"),
         other => Outcome::Unexpected(format!("{other:?}")),
     }
-}
-
-/// A login role that is not a superuser, with the README's grants, unique
-/// per test (roles are cluster-wide).
-async fn make_role(admin: &PgPool, tag: &str) -> String {
-    let db: String = sqlx::query_scalar("SELECT current_database()::text")
-        .fetch_one(admin)
-        .await
-        .expect("current_database");
-    let suffix: String = db
-        .chars()
-        .filter(char::is_ascii_alphanumeric)
-        .map(|c| c.to_ascii_lowercase())
-        .collect();
-    let role = format!(
-        "dlconn_{tag}_{}",
-        &suffix[suffix.len().saturating_sub(10)..]
-    );
-    admin
-        .execute(sqlx::AssertSqlSafe(format!(
-            "DROP ROLE IF EXISTS {role};
-             CREATE ROLE {role} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE;
-             GRANT USAGE ON SCHEMA distlock TO {role};
-             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA distlock TO {role};
-             GRANT SELECT ON distlock._sqlx_migrations, distlock.fence_seen,
-                             distlock.fencing_counters TO {role};
-             GRANT SELECT, INSERT, UPDATE, DELETE ON distlock.idempotency_keys,
-                             distlock.job_runs TO {role};"
-        )))
-        .await
-        .expect("create role");
-    role
-}
-
-async fn drop_role(admin: &PgPool, role: &str) {
-    admin
-        .execute(sqlx::AssertSqlSafe(format!(
-            "DROP OWNED BY {role} CASCADE; DROP ROLE IF EXISTS {role};"
-        )))
-        .await
-        .expect("drop role");
 }
 
 async fn set_limit(admin: &PgPool, db: &str, limit: i64) {
@@ -396,7 +356,8 @@ async fn contend_through_a_connection_limit(
         .expect("admin pool");
     distlock::migrate(&admin).await.expect("migrate");
     let tag = if multiplex > 0 { "mux" } else { "dflt" };
-    let role = make_role(&admin, tag).await;
+    let role = make_role(&admin, &format!("dlconn_{tag}")).await;
+    grant_documented_rights(&admin, &role).await;
     let db: String = sqlx::query_scalar("SELECT current_database()::text")
         .fetch_one(&admin)
         .await
@@ -616,7 +577,7 @@ async fn contend_through_a_connection_limit(
         async || sessions_of(&admin, &role).await == 0,
     )
     .await;
-    drop_role(&admin, &role).await;
+    drop_role(&admin, &role).await.expect("drop role");
     admin.close().await;
 }
 
@@ -720,7 +681,8 @@ async fn a_connection_limit_is_reported_as_a_typed_error(
         .await
         .expect("admin pool");
     distlock::migrate(&admin).await.expect("migrate");
-    let role = make_role(&admin, "typed").await;
+    let role = make_role(&admin, "dlconn_typed").await;
+    grant_documented_rights(&admin, &role).await;
     let db: String = sqlx::query_scalar("SELECT current_database()::text")
         .fetch_one(&admin)
         .await
@@ -783,6 +745,6 @@ async fn a_connection_limit_is_reported_as_a_typed_error(
         async || sessions_of(&admin, &role).await == 0,
     )
     .await;
-    drop_role(&admin, &role).await;
+    drop_role(&admin, &role).await.expect("drop role");
     admin.close().await;
 }

@@ -22,10 +22,8 @@ async fn proxied(connect_opts: &PgConnectOptions, max: u32) -> (Proxy, PgPool) {
         .max_connections(max)
         .acquire_timeout(Duration::from_secs(3))
         .connect_with(
-            connect_opts
-                .clone()
-                .host("127.0.0.1")
-                .port(proxy.port())
+            proxy
+                .options(connect_opts)
                 .application_name("distlock-proxied"),
         )
         .await
@@ -262,7 +260,7 @@ async fn proxied_unpinged(connect_opts: &PgConnectOptions) -> (Proxy, PgPool) {
     let pool = PgPoolOptions::new()
         .max_connections(1)
         .test_before_acquire(false)
-        .connect_with(connect_opts.clone().host("127.0.0.1").port(proxy.port()))
+        .connect_with(proxy.options(connect_opts))
         .await
         .unwrap();
     (proxy, pool)

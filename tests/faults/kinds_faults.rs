@@ -262,10 +262,10 @@ mod cancel {
         let proxy = Proxy::start(opts.get_host(), opts.get_port())
             .await
             .expect("proxy");
-        proxy.delay(300);
+        proxy.delay(Duration::from_micros(300));
         let slow = PgPoolOptions::new()
             .max_connections(8)
-            .connect_with(opts.clone().host("127.0.0.1").port(proxy.port()))
+            .connect_with(proxy.options(&opts))
             .await
             .expect("pool through the proxy");
         let locker = PgLocker::new(slow.clone());

@@ -1,5 +1,6 @@
 //! `distlock::migrate`: idempotent, concurrent-safe, works without superuser.
 
+use crate::common::roles::{drop_role, make_role, pool_as};
 use distlock::{FencingToken, PgLocker};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -81,38 +82,8 @@ async fn concurrent_migrate_calls_all_succeed(
     assert_eq!(applied(&pool).await, migration_count());
 }
 
-/// A role that is not a superuser, unique per test (roles are cluster-wide).
-async fn make_role(admin: &PgPool, tag: &str) -> String {
-    let db: String = sqlx::query_scalar("SELECT current_database()")
-        .fetch_one(admin)
-        .await
-        .unwrap();
-    let role = format!("dl_{tag}_{}", &db[db.len().saturating_sub(12)..])
-        .replace(['-', '.'], "_")
-        .to_lowercase();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE;"
-    )))
-    .execute(admin)
-    .await
-    .unwrap();
-    role
-}
-
-async fn drop_role(admin: &PgPool, role: &str) {
-    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP OWNED BY {role} CASCADE; DROP ROLE IF EXISTS {role};"
-    )))
-    .execute(admin)
-    .await;
-}
-
 async fn exercise_as(connect_opts: &PgConnectOptions, role: &str) {
-    let pool = PgPoolOptions::new()
-        .max_connections(3)
-        .connect_with(connect_opts.clone().username(role))
-        .await
-        .unwrap();
+    let pool = pool_as(connect_opts, role).await;
     let is_super: bool =
         sqlx::query_scalar("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
             .fetch_one(&pool)
@@ -145,7 +116,7 @@ async fn exercise_as(connect_opts: &PgConnectOptions, role: &str) {
 
 #[sqlx::test(migrations = false)]
 async fn role_owning_the_schema_can_migrate(pool: PgPool) {
-    let role = make_role(&pool, "own").await;
+    let role = make_role(&pool, "dl_own").await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE SCHEMA distlock AUTHORIZATION {role}"
     )))
@@ -154,12 +125,12 @@ async fn role_owning_the_schema_can_migrate(pool: PgPool) {
     .unwrap();
     let opts = pool.connect_options().as_ref().clone();
     exercise_as(&opts, &role).await;
-    drop_role(&pool, &role).await;
+    let _ = drop_role(&pool, &role).await;
 }
 
 #[sqlx::test(migrations = false)]
 async fn role_allowed_to_create_the_schema_can_migrate(pool: PgPool) {
-    let role = make_role(&pool, "crt").await;
+    let role = make_role(&pool, "dl_crt").await;
     let db: String = sqlx::query_scalar("SELECT current_database()")
         .fetch_one(&pool)
         .await
@@ -178,13 +149,13 @@ async fn role_allowed_to_create_the_schema_can_migrate(pool: PgPool) {
     .execute(&pool)
     .await
     .unwrap();
-    drop_role(&pool, &role).await;
+    let _ = drop_role(&pool, &role).await;
 }
 
 #[sqlx::test(migrations = false)]
 async fn other_roles_work_with_the_documented_grants(pool: PgPool) {
     distlock::migrate(&pool).await.unwrap();
-    let role = make_role(&pool, "use").await;
+    let role = make_role(&pool, "dl_use").await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "GRANT USAGE ON SCHEMA distlock TO {role};
          GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA distlock TO {role};
@@ -195,5 +166,5 @@ async fn other_roles_work_with_the_documented_grants(pool: PgPool) {
     .unwrap();
     let opts = pool.connect_options().as_ref().clone();
     exercise_as(&opts, &role).await;
-    drop_role(&pool, &role).await;
+    let _ = drop_role(&pool, &role).await;
 }

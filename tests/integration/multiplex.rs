@@ -484,7 +484,7 @@ async fn a_stalled_shared_connection_loses_its_locks_within_the_heartbeat_bound(
         .expect("proxy");
     let pool = PgPoolOptions::new()
         .max_connections(2)
-        .connect_with(connect_opts.clone().host("127.0.0.1").port(proxy.port()))
+        .connect_with(proxy.options(&connect_opts))
         .await
         .expect("pool through the proxy");
     let heartbeat = Duration::from_millis(150);
@@ -617,12 +617,7 @@ async fn a_cancelled_wait_is_abandoned_on_the_server_promptly(pool: PgPool) {
     };
     wait_for_waiters(&mut obs, 1, Duration::from_secs(5)).await;
     waiting.abort();
-    let gone = eventually(
-        "the server drops the wait",
-        Duration::from_secs(3),
-        async || advisory_locks(&mut obs).await.iter().all(|r| r.granted),
-    )
-    .await;
+    let gone = wait_for_no_waiters(&mut obs, Duration::from_secs(3)).await;
     println!("cancelled wait gone from pg_locks after {gone:?}");
     assert!(gone < Duration::from_secs(1), "{gone:?}");
     assert!(raw_unlock(&mut obs, &Raw::text("mux:abandon")).await);

@@ -9,48 +9,10 @@ use crate::common;
 
 use std::sync::{Arc, Mutex};
 
+use common::roles::{drop_role, grant_documented_rights, make_role, pool_as};
 use distlock::{Error, FencingToken, LockKey, MigrateOptions, PgLocker};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Executor, PgPool};
-
-/// A login role that is not a superuser, unique per test (roles are
-/// cluster-wide).
-async fn make_role(admin: &PgPool, tag: &str) -> String {
-    let db: String = sqlx::query_scalar("SELECT current_database()::text")
-        .fetch_one(admin)
-        .await
-        .unwrap();
-    // Unquoted identifiers fold to lower case.
-    let suffix: String = db
-        .chars()
-        .filter(char::is_ascii_alphanumeric)
-        .map(|c| c.to_ascii_lowercase())
-        .collect();
-    let role = format!("dlsec_{tag}_{}", &suffix[suffix.len().saturating_sub(10)..]);
-    admin
-        .execute(sqlx::AssertSqlSafe(format!(
-            "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE;"
-        )))
-        .await
-        .unwrap();
-    role
-}
-
-async fn drop_role(admin: &PgPool, role: &str) {
-    let _ = admin
-        .execute(sqlx::AssertSqlSafe(format!(
-            "DROP OWNED BY {role} CASCADE; DROP ROLE IF EXISTS {role};"
-        )))
-        .await;
-}
-
-async fn pool_as(opts: &PgConnectOptions, role: &str) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(3)
-        .connect_with(opts.clone().username(role))
-        .await
-        .unwrap()
-}
 
 fn token(value: i64) -> FencingToken {
     FencingToken::new(value)
@@ -65,7 +27,7 @@ async fn migrate_refuses_a_schema_owned_by_another_role(
     connect_opts: PgConnectOptions,
 ) {
     let pool = pool_opts.connect_with(connect_opts.clone()).await.unwrap();
-    let squatter = make_role(&pool, "squat").await;
+    let squatter = make_role(&pool, "dlsec_squat").await;
     pool.execute(sqlx::AssertSqlSafe(format!(
         "CREATE SCHEMA distlock AUTHORIZATION {squatter}"
     )))
@@ -107,7 +69,7 @@ async fn migrate_refuses_a_schema_owned_by_another_role(
         .expect("the planted fence accepts a stale token");
     drop(conn);
     pool.execute("DROP SCHEMA distlock CASCADE").await.unwrap();
-    drop_role(&pool, &squatter).await;
+    let _ = drop_role(&pool, &squatter).await;
 }
 
 #[sqlx::test(migrations = false)]
@@ -118,7 +80,7 @@ async fn migrate_trusts_its_own_schema_and_a_superusers(
     let pool = pool_opts.connect_with(connect_opts.clone()).await.unwrap();
     // Created by the superuser: trusted by a role with the usage grants.
     distlock::migrate(&pool).await.unwrap();
-    let app = make_role(&pool, "user").await;
+    let app = make_role(&pool, "dlsec_user").await;
     grant_documented_rights(&pool, &app).await;
     let app_pool = pool_as(&connect_opts, &app).await;
     distlock::migrate(&app_pool)
@@ -128,7 +90,7 @@ async fn migrate_trusts_its_own_schema_and_a_superusers(
     pool.execute("DROP SCHEMA distlock CASCADE").await.unwrap();
 
     // Created and owned by the role itself.
-    let owner = make_role(&pool, "own").await;
+    let owner = make_role(&pool, "dlsec_own").await;
     pool.execute(sqlx::AssertSqlSafe(format!(
         "CREATE SCHEMA distlock AUTHORIZATION {owner}"
     )))
@@ -140,8 +102,8 @@ async fn migrate_trusts_its_own_schema_and_a_superusers(
         .expect("its own schema is trusted");
     owner_pool.close().await;
     pool.execute("DROP SCHEMA distlock CASCADE").await.unwrap();
-    drop_role(&pool, &app).await;
-    drop_role(&pool, &owner).await;
+    let _ = drop_role(&pool, &app).await;
+    let _ = drop_role(&pool, &owner).await;
 }
 
 // ---------------------------------------------------------------------------
@@ -197,21 +159,6 @@ async fn every_function_in_schema_distlock_has_a_fixed_search_path(pool: PgPool)
 
 // ---------------------------------------------------------------------------
 // Fencing state an application role cannot lower
-
-/// The grants the README documents for an application role.
-async fn grant_documented_rights(admin: &PgPool, role: &str) {
-    admin
-        .execute(sqlx::AssertSqlSafe(format!(
-            "GRANT USAGE ON SCHEMA distlock TO {role};
-             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA distlock TO {role};
-             GRANT SELECT ON distlock._sqlx_migrations, distlock.fence_seen,
-                             distlock.fencing_counters TO {role};
-             GRANT SELECT, INSERT, UPDATE, DELETE ON distlock.idempotency_keys,
-                             distlock.job_runs TO {role};"
-        )))
-        .await
-        .unwrap();
-}
 
 /// Statements that would lower, reset or delete fencing state, or replace
 /// the functions that guard it.
@@ -274,7 +221,7 @@ async fn an_application_role_cannot_lower_or_delete_fencing_state(
 ) {
     let pool = pool_opts.connect_with(connect_opts.clone()).await.unwrap();
     distlock::migrate(&pool).await.unwrap();
-    let app = make_role(&pool, "fence").await;
+    let app = make_role(&pool, "dlsec_fence").await;
     grant_documented_rights(&pool, &app).await;
     let app_pool = pool_as(&connect_opts, &app).await;
 
@@ -335,7 +282,7 @@ async fn an_application_role_cannot_lower_or_delete_fencing_state(
 
     app_pool.close().await;
     pool.execute("DROP SCHEMA distlock CASCADE").await.unwrap();
-    drop_role(&pool, &app).await;
+    let _ = drop_role(&pool, &app).await;
 }
 
 // ---------------------------------------------------------------------------

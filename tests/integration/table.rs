@@ -400,12 +400,7 @@ async fn cut_off(pool: &PgPool, holder: Holder, key: &str, ttl: Duration) -> (In
     let proxy = Proxy::start("127.0.0.1", pool.connect_options().get_port())
         .await
         .expect("proxy");
-    let via_proxy = pool
-        .connect_options()
-        .as_ref()
-        .clone()
-        .host("127.0.0.1")
-        .port(proxy.port());
+    let via_proxy = proxy.options(&pool.connect_options());
     let other = locker(pool, ttl);
     let (lost, lease) = match holder {
         Holder::Library => {

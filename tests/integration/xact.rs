@@ -486,12 +486,7 @@ async fn dropping_with_advisory_lock_future_while_closure_sleeps_frees_the_lock(
         entered.load(Ordering::SeqCst),
         "the closure was entered, so the lock was held"
     );
-    let took = eventually(
-        "lock freed after the future was dropped",
-        Duration::from_secs(5),
-        async || advisory_locks(&mut obs).await.is_empty(),
-    )
-    .await;
+    let took = assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
     println!("lock freed {took:?} after dropping the with_advisory_lock future");
     assert!(raw_can_take(&mut obs, &Raw::text("xact:drop")).await);
 
@@ -520,12 +515,7 @@ async fn dropping_with_advisory_lock_future_while_closure_sleeps_frees_the_lock(
             .is_err()
     );
     assert!(entered.load(Ordering::SeqCst));
-    eventually(
-        "wait-variant lock freed after drop",
-        Duration::from_secs(5),
-        async || advisory_locks(&mut obs).await.is_empty(),
-    )
-    .await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
     close(obs).await;
 }
 
@@ -547,12 +537,7 @@ async fn dropping_with_advisory_lock_future_during_a_server_statement_frees_the_
             .await
             .is_err()
     );
-    eventually(
-        "lock freed after dropping the future mid-statement",
-        Duration::from_secs(5),
-        async || advisory_locks(&mut obs).await.is_empty(),
-    )
-    .await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(5)).await;
     close(obs).await;
 }
 
@@ -612,12 +597,7 @@ async fn cancelled_wait_variant_waiter_leaves_pg_locks_promptly(pool: PgPool) {
     });
     wait_for_waiters(&mut obs, 1, Duration::from_secs(10)).await;
     waiter.abort();
-    let took = eventually(
-        "orphaned xact waiter leaves pg_locks",
-        Duration::from_secs(3),
-        async || advisory_locks(&mut obs).await.iter().all(|r| r.granted),
-    )
-    .await;
+    let took = wait_for_no_waiters(&mut obs, Duration::from_secs(3)).await;
     println!("orphaned xact waiter gone after {took:?}");
     assert!(raw_unlock(&mut obs, &Raw::text("xact:cancel-wait")).await);
     close(obs).await;

@@ -26,7 +26,7 @@ use super::cluster::Cluster;
 use super::db::{TestDb, advisory_holders};
 use super::history::{CONTROL, Recorder};
 use super::procs::{Fleet, RunDir};
-use super::proxy::FaultProxy;
+use super::proxy::Proxy;
 use super::report::{Outcome, SESSION, XACT};
 use super::worker::{Broken, Config, Mode};
 use super::{run_name, scale, scenario};
@@ -110,7 +110,9 @@ async fn failover(broken: Broken) {
     ];
     let mut primary = Cluster::primary(&format!("torture-{name}"), &conf).await;
     let mut standby = Some(synchronous_standby(&primary, 0).await);
-    let proxy = FaultProxy::start(primary.port()).await;
+    let proxy = Proxy::start("127.0.0.1", primary.port())
+        .await
+        .expect("proxy");
     let db = TestDb::create_on(name, primary.options().port(proxy.port())).await;
     db.prepare(32).await;
     let dir = RunDir::new(name);

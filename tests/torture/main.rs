@@ -29,6 +29,12 @@ mod worker;
 #[allow(dead_code)]
 #[path = "../common/cluster.rs"]
 mod cluster;
+#[allow(dead_code)]
+#[path = "../common/pgbouncer.rs"]
+mod pgbouncer;
+#[allow(dead_code)]
+#[path = "../common/proxy.rs"]
+mod proxy;
 
 mod cancel;
 mod checker_tests;
@@ -37,9 +43,7 @@ mod failover;
 mod idle;
 mod kill9;
 mod network;
-mod pgbouncer;
 mod pooler;
-mod proxy;
 mod sigstop;
 mod terminate;
 

@@ -10,7 +10,7 @@ use super::checker::{Percentiles, Status};
 use super::db::admin_options;
 use super::history::{CONTROL, Recorder};
 use super::procs::Fleet;
-use super::proxy::{FaultProxy, Mode as Net};
+use super::proxy::{Mode as Net, Proxy};
 use super::report::{Outcome, SESSION, XACT};
 use super::worker::{Broken, Config, Mode};
 use super::{run_name, scale, scenario, setup};
@@ -34,7 +34,7 @@ async fn network(broken: Broken) {
     let name = &run_name("network", broken);
     let (db, dir) = setup(name, 32).await;
     let pg = admin_options().get_port();
-    let proxy = FaultProxy::start(pg).await;
+    let proxy = Proxy::start("127.0.0.1", pg).await.expect("proxy");
     let heartbeat = Duration::from_millis(200);
     let heartbeat_timeout = Duration::from_millis(500);
     // 0: session via proxy, 1: session direct, 2: xact via proxy,
@@ -99,7 +99,7 @@ async fn network(broken: Broken) {
         proxy.set(Net::Pass);
         sleep(1_000).await;
         fault("cut");
-        proxy.cut();
+        proxy.reset();
         sleep(1_000).await;
         fault("half-close-client");
         proxy.half_close_client();

@@ -38,7 +38,7 @@ const RECIPE: &[(&str, &str)] = &[
 async fn pool_through(bouncer: &PgBouncer, db: &TestDb, cache: Option<usize>) -> PgPool {
     let mut opts = db
         .options()
-        .port(bouncer.port)
+        .port(bouncer.port())
         .application_name("torture-pgbouncer");
     if let Some(capacity) = cache {
         opts = opts.statement_cache_capacity(capacity);
@@ -70,19 +70,20 @@ async fn open_server_connections(pool: &PgPool, n: usize) {
     }
 }
 
+/// A PgBouncer for `db` alone, its configuration and log kept in the run
+/// directory; two server connections opened at once. A scenario that
+/// cannot run must not pass: a missing binary fails it.
 async fn start(dir: &RunDir, db: &TestDb, overrides: &[(&str, &str)]) -> PgBouncer {
     let admin = admin_options();
-    let bouncer = PgBouncer::start(
-        &dir.path,
-        &db.name,
-        admin.get_username(),
-        admin.get_port(),
-        overrides,
-    )
-    .await;
-    // A scenario that cannot run must not pass: `.ci/run` installs it.
-    bouncer
-        .expect("pgbouncer is not installed (apt-get install pgbouncer): the scenario cannot run")
+    let mut bouncer = PgBouncer::builder(admin.get_port())
+        .database(&db.name, admin.get_username())
+        .dir_in(&dir.path)
+        .set("min_pool_size", "2")
+        .set("max_client_conn", "100");
+    for (key, value) in overrides {
+        bouncer = bouncer.set(key, value);
+    }
+    bouncer.start().await
 }
 
 #[test]
@@ -233,7 +234,7 @@ async fn pgbouncer_xact(broken: Broken) {
     let configs: Vec<Config> = (0..3)
         .map(|p| {
             // 0 and 1 through PgBouncer, 2 directly, on the same keys.
-            let port = if p < 2 { bouncer.port } else { pg };
+            let port = if p < 2 { bouncer.port() } else { pg };
             Config {
                 tasks: 8,
                 hold_us: (0, 5_000),

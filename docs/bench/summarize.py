@@ -29,7 +29,8 @@ for r in runs:
         pg=med('sqlx PgAdvisoryLock'); hw=med('sqlx hand-written BEGIN / try / COMMIT')
         d=med('distlock try_lock+release')
         m[key]=dict(
-          xact=med('distlock with_advisory_lock')/hw, xactcaller=med('distlock try_lock_xact in the caller\'s BEGIN / COMMIT')/hw,
+          xact=med('distlock with_advisory_lock')/hw, xactcold=med('distlock with_advisory_lock, keep_warm(0)')/hw,
+          sesscold=med('distlock try_lock+release, keep_warm(0)')/pg, xactcaller=med('distlock try_lock_xact in the caller\'s BEGIN / COMMIT')/hw,
           sess=d/pg, mux=med('distlock multiplexed try_lock+release')/pg, fenced=med('distlock try_lock+release, fencing on')/d,
           shared=med('distlock try_lock_shared+release')/pg, sem=med('distlock Semaphore(4) try_acquire+release')/pg,
           all1=med('distlock try_lock_all(1 key)+release')/pg, all4=med('distlock try_lock_all(4 keys)+release')/pg, all16=med('distlock try_lock_all(16 keys)+release')/pg,

@@ -9,12 +9,13 @@
 //! test failure, not a skip: `.ci/run` installs it.
 
 use std::fs;
-use std::net::TcpListener;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+use super::cluster::free_port;
 
 use sqlx::postgres::PgConnectOptions;
 
@@ -242,9 +243,4 @@ impl Drop for PgBouncer {
             let _ = fs::remove_dir_all(&self.dir);
         }
     }
-}
-
-fn free_port() -> u16 {
-    let listener = TcpListener::bind(("127.0.0.1", 0)).expect("bind");
-    listener.local_addr().expect("address").port()
 }

@@ -2,9 +2,10 @@
 //! free loopback ports, killed when dropped.
 #![allow(dead_code)]
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use super::cluster::free_port;
 
 use redis::aio::MultiplexedConnection;
 
@@ -128,14 +129,6 @@ async fn try_connect(url: &str) -> redis::RedisResult<MultiplexedConnection> {
     redis::Client::open(url)?
         .get_multiplexed_async_connection()
         .await
-}
-
-/// A port on 127.0.0.1 that nothing listens on right now.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("bind 127.0.0.1:0")
-        .port()
 }
 
 /// `n` independent servers.

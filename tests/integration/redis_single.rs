@@ -327,7 +327,7 @@ async fn works_through_the_backend_agnostic_traits() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn connect_fails_when_no_server_answers() {
-    let port = common::redis::free_port();
+    let port = common::cluster::free_port();
     let err = RedisLocker::connect(&format!("redis://127.0.0.1:{port}")).await;
     assert!(matches!(err, Err(Error::Redis(_))), "{err:?}");
     let err = RedisLocker::connect("not a url").await;
@@ -603,7 +603,7 @@ async fn server_in_own_dir(args: &[&str]) -> (RedisServer, std::path::PathBuf) {
     let dir = std::env::temp_dir().join(format!(
         "distlock-redis-{}-{}",
         std::process::id(),
-        common::redis::free_port()
+        common::cluster::free_port()
     ));
     std::fs::create_dir_all(&dir).expect("dir");
     let mut all = vec!["--dir", dir.to_str().expect("utf-8")];

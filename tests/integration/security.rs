@@ -448,7 +448,7 @@ async fn passwords_stay_out_of_debug_errors_and_tracing(
 #[tokio::test]
 async fn redis_passwords_stay_out_of_debug_and_errors() {
     use distlock::redis::{RedisLocker, Redlock};
-    let port = common::redis::free_port();
+    let port = common::cluster::free_port();
     let mut child = std::process::Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no", "--requirepass", SECRET])

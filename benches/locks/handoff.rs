@@ -21,6 +21,10 @@ pub enum Handoff {
     Sqlx,
     /// `locker.lock(key, timeout)` / `release()` (pooled connection per lock).
     Distlock,
+    /// `Raw`'s dedicated connections running distlock's own wait and unlock
+    /// statements (as `lock()` sends them on a warm connection): separates
+    /// what the statements cost from what the client side costs.
+    RawDistlockSql,
     /// `Distlock` with `.keep_warm(0, ..)`: every `lock()` borrows from the
     /// pool, which pings the connection on its way back and out again.
     DistlockCold,
@@ -29,9 +33,10 @@ pub enum Handoff {
     DistlockMux,
 }
 
-pub const ALL: [Handoff; 5] = [
+pub const ALL: [Handoff; 6] = [
     Handoff::Raw,
     Handoff::Sqlx,
+    Handoff::RawDistlockSql,
     Handoff::Distlock,
     Handoff::DistlockCold,
     Handoff::DistlockMux,
@@ -42,6 +47,7 @@ impl Handoff {
         match self {
             Handoff::Raw => "sqlx hand-written pg_advisory_lock",
             Handoff::Sqlx => "sqlx PgAdvisoryLock::acquire",
+            Handoff::RawDistlockSql => "sqlx hand-written, distlock's statements",
             Handoff::Distlock => "distlock lock()",
             Handoff::DistlockCold => "distlock lock(), keep_warm(0)",
             Handoff::DistlockMux => "distlock multiplexed lock()",
@@ -52,6 +58,7 @@ impl Handoff {
         match self {
             Handoff::Raw => "sqlx raw",
             Handoff::Sqlx => "PgAdvisoryLock",
+            Handoff::RawDistlockSql => "sqlx raw, distlock SQL",
             Handoff::Distlock => "distlock",
             Handoff::DistlockCold => "distlock, no warm conns",
             Handoff::DistlockMux => "distlock mux",
@@ -123,7 +130,7 @@ pub async fn run(
     let mut pool: Option<PgPool> = None;
     let mut tasks = tokio::task::JoinSet::new();
     match variant {
-        Handoff::Raw | Handoff::Sqlx => {
+        Handoff::Raw | Handoff::Sqlx | Handoff::RawDistlockSql => {
             let mut conns = Vec::new();
             for _ in 0..waiters {
                 conns.push(opts.connect().await?);
@@ -131,10 +138,12 @@ pub async fn run(
             for conn in conns {
                 let baton = baton.clone();
                 tasks.spawn(async move {
-                    if variant == Handoff::Raw {
-                        raw_loop(conn, key, &baton, target).await
-                    } else {
-                        sqlx_loop(conn, key, &baton, target).await
+                    match variant {
+                        Handoff::Raw => raw_loop(conn, key, &baton, target).await,
+                        Handoff::RawDistlockSql => {
+                            distlock_sql_loop(conn, key, &baton, target).await
+                        }
+                        _ => sqlx_loop(conn, key, &baton, target).await,
                     }
                 });
             }
@@ -219,6 +228,61 @@ async fn raw_loop(
         sqlx::query("SELECT pg_advisory_unlock($1)")
             .bind(key)
             .execute(&mut conn)
+            .await?;
+        if stop {
+            return Ok(conn.close().await?);
+        }
+    }
+}
+
+/// The statement `PgLocker::lock` sends for a free-or-busy exclusive `i64`
+/// key without fencing, as built by `src/postgres/session.rs`
+/// (`try_or_wait_query`) from the fragments in `src/postgres/sql.rs`.
+const DISTLOCK_WAIT: &str = "WITH l AS (SELECT pg_backend_pid() AS pid, \
+     set_config('lock_timeout', $1, true), \
+     CASE WHEN NOT coalesce(current_setting('distlock.locks', true), '') IN ('', '0') THEN NULL \
+     WHEN current_setting('client_connection_check_interval') = '100ms' \
+     THEN (SELECT true FROM pg_advisory_lock($2::int8)) \
+     ELSE pg_try_advisory_lock($2::int8) END AS ok, \
+     CASE WHEN current_setting('client_connection_check_interval') <> '100ms' THEN \
+     set_config('client_connection_check_interval', '100ms', false) END, \
+     CASE WHEN current_setting('tcp_user_timeout') <> '30000' \
+     OR current_setting('tcp_keepalives_idle') <> '10' \
+     OR current_setting('tcp_keepalives_interval') <> '5' \
+     OR current_setting('tcp_keepalives_count') <> '3' THEN \
+     set_config('tcp_keepalives_idle', '10', false) || \
+     set_config('tcp_keepalives_interval', '5', false) || \
+     set_config('tcp_keepalives_count', '3', false) || \
+     set_config('tcp_user_timeout', '30000', false) END) \
+     SELECT l.ok, l.pid, NULL::int8, \
+     CASE WHEN l.ok THEN set_config('distlock.locks', '1', false) END FROM l";
+
+/// The statement `SessionLock::release` sends for the same key
+/// (`src/postgres/keeper.rs`).
+const DISTLOCK_UNLOCK: &str = "SELECT pg_advisory_unlock($1::int8), pg_backend_pid(), \
+     set_config('distlock.locks', '0', false)";
+
+async fn distlock_sql_loop(
+    mut conn: PgConnection,
+    key: i64,
+    baton: &Baton,
+    target: usize,
+) -> anyhow::Result<()> {
+    loop {
+        let (ok,): (Option<bool>,) = sqlx::query_as(DISTLOCK_WAIT)
+            .bind("120000ms")
+            .bind(key)
+            .fetch_one(&mut conn)
+            .await?;
+        // A fresh connection only tries (its client check is not set yet).
+        if ok != Some(true) {
+            continue;
+        }
+        let stop = baton.acquired(target);
+        baton.releasing();
+        let _: (bool,) = sqlx::query_as(DISTLOCK_UNLOCK)
+            .bind(key)
+            .fetch_one(&mut conn)
             .await?;
         if stop {
             return Ok(conn.close().await?);

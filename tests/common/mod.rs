@@ -266,6 +266,28 @@ pub async fn wait_for_no_waiters(conn: &mut PgConnection, limit: Duration) -> Du
     .await
 }
 
+/// Terminates backend `pid` (`pg_terminate_backend`, waiting up to 5 s for
+/// it to exit); panics if there was no such backend.
+pub async fn terminate(conn: &mut PgConnection, pid: i32) {
+    let done: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 5000)")
+        .bind(pid)
+        .fetch_one(&mut *conn)
+        .await
+        .expect("pg_terminate_backend");
+    assert!(done, "backend {pid} was not terminated");
+}
+
+/// Terminates `lock`'s backend and waits (bounded) until `lost()` says so.
+pub async fn terminate_and_await_loss(conn: &mut PgConnection, lock: &distlock::SessionLock) {
+    terminate(conn, lock.backend_pid()).await;
+    bounded(
+        "lost() after the backend was terminated",
+        Duration::from_secs(5),
+        lock.lost(),
+    )
+    .await;
+}
+
 /// Runs `fut` with a hard upper bound so a hang fails the test instead of
 /// stalling the suite.
 pub async fn bounded<F: Future>(what: &str, limit: Duration, fut: F) -> F::Output {

@@ -870,18 +870,7 @@ async fn a_lock_taken_while_the_timer_idles_gets_its_keeper(pool: PgPool) {
     // Its heartbeat would have been due: the timer has nothing left.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let lock = locker.try_lock("session:idle2").await.unwrap().unwrap();
-    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-        .bind(lock.backend_pid())
-        .fetch_one(&mut obs)
-        .await
-        .unwrap();
-    assert!(terminated);
-    bounded(
-        "lost() after the timer idled",
-        Duration::from_secs(5),
-        lock.lost(),
-    )
-    .await;
+    terminate_and_await_loss(&mut obs, &lock).await;
 }
 
 /// A locker's keepers are started by one timer task, spawned on the runtime
@@ -914,18 +903,7 @@ async fn keepers_start_after_the_first_runtime_shut_down(
     .join()
     .unwrap();
     let lock = locker.try_lock("session:rt2").await.unwrap().unwrap();
-    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-        .bind(lock.backend_pid())
-        .fetch_one(&mut obs)
-        .await
-        .unwrap();
-    assert!(terminated);
-    bounded(
-        "lost() on the second runtime",
-        Duration::from_secs(5),
-        lock.lost(),
-    )
-    .await;
+    terminate_and_await_loss(&mut obs, &lock).await;
 }
 
 // ---- Reader-writer session locks -------------------------------------------

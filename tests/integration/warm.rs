@@ -94,15 +94,6 @@ async fn a_kept_connection_the_server_ended_is_replaced_once(pool: PgPool) {
     }
 }
 
-async fn terminate(obs: &mut sqlx::PgConnection, pid: i32) {
-    let done: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 5000)")
-        .bind(pid)
-        .fetch_one(&mut *obs)
-        .await
-        .unwrap();
-    assert!(done);
-}
-
 /// With no slack in the pool (one connection, in use), a released
 /// connection goes straight back to the pool: a task waiting for it gets it
 /// at once, not after the locker's (here: hour-long) idle timeout.

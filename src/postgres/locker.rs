@@ -242,13 +242,22 @@ impl PgLockerBuilder {
     /// user who starts waiting while a connection is kept waits at most
     /// `idle_timeout` for it. Loops that take the next lock at once (a
     /// worker draining a queue, waiters handing a hot key to each other)
-    /// gain the most: see BENCHMARKS.md. A kept connection is not pinged: if the server ended
-    /// its session meanwhile, the lock statement fails on it and is run once
-    /// more on a connection from the pool, which costs the failed round
-    /// trip. Only connections that hold no lock are kept. Session state that
-    /// your own code sets on pooled connections (there is none of distlock's
-    /// beyond the settings its lock statements document) is as it would be
-    /// after a return to the pool: sqlx does not reset connections either.
+    /// gain the most: see BENCHMARKS.md.
+    ///
+    /// A kept connection is not pinged: if the server ended its session
+    /// meanwhile, the lock statement fails on it with a connection error and
+    /// is run once more on a connection from the pool, which costs the
+    /// failed round trip. This also holds when the session ends *during* a
+    /// [`lock`](PgLocker::lock) wait on a kept connection: the wait goes on,
+    /// on the new connection, within the same deadline (on a borrowed
+    /// connection, that call fails instead). The failed connection is closed,
+    /// so whatever its statement may have taken ends with its session, as
+    /// for any connection distlock closes.
+    ///
+    /// Only connections that hold no lock are kept. Session state that your
+    /// own code sets on pooled connections (distlock sets none beyond the
+    /// settings its lock statements document) is as it would be after a
+    /// return to the pool: sqlx does not reset connections either.
     ///
     /// ```no_run
     /// # async fn demo(pool: sqlx::PgPool) {

@@ -23,8 +23,9 @@
 //! A kept connection is not pinged before use. If the server ended its
 //! session meanwhile, the acquisition's first statement fails with a
 //! connection error; the caller then closes it and runs the statement once
-//! more on a connection from the pool ([`is_broken`]). A statement that
-//! fails that way took no lock that could outlive it: its session is gone.
+//! more on a connection from the pool ([`is_broken`]). The failed
+//! connection is closed, so whatever its statement may have taken ends with
+//! its session, as for any connection distlock closes.
 
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;

@@ -76,7 +76,9 @@ impl PgLocker {
     ///
     /// Costs 3 round trips plus the closure's own (`BEGIN`, the lock attempt,
     /// `COMMIT`/`ROLLBACK`); contention costs the same 3. The check above
-    /// rides in the `COMMIT` round trip.
+    /// rides in the `COMMIT` round trip. On a connection borrowed from the
+    /// pool, sqlx adds its 2 pings; a [warm connection](super::PgLockerBuilder::keep_warm)
+    /// (the default after the first call) skips them.
     ///
     /// ```no_run
     /// # async fn demo(locker: distlock::PgLocker) -> Result<(), distlock::Error> {

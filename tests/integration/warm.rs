@@ -168,3 +168,43 @@ async fn all_back_in_the_pool(pool: &PgPool) {
     )
     .await;
 }
+
+/// The server ends a kept connection's session while `lock()` waits on it:
+/// the wait goes on, on a pooled connection, within the same deadline, and
+/// gets the lock when its holder lets go (documented on `keep_warm`).
+#[sqlx::test(migrations = false)]
+async fn a_wait_whose_kept_connection_is_ended_goes_on_on_the_pool(pool: PgPool) {
+    let holder = PgLocker::new(pool.clone());
+    let waiter = keeping_locker(&pool);
+    let mut obs = observer_for(&pool).await;
+    let held = holder.try_lock("warm:wait").await.unwrap().expect("free");
+    // A busy try leaves the waiter's locker with a kept connection.
+    assert!(waiter.try_lock("warm:wait").await.unwrap().is_none());
+    let waiting = tokio::spawn({
+        let waiter = waiter.clone();
+        async move { waiter.lock("warm:wait", Duration::from_secs(20)).await }
+    });
+    wait_for_waiters(&mut obs, 1, Duration::from_secs(5)).await;
+    let rows = advisory_locks(&mut obs).await;
+    let waiting_pid = rows.iter().find(|r| !r.granted).expect("a waiter").pid;
+    terminate(&mut obs, waiting_pid).await;
+    // The wait is back in the server's queue, on another session.
+    eventually(
+        "the wait resumes on a new session",
+        Duration::from_secs(5),
+        async || {
+            advisory_locks(&mut obs)
+                .await
+                .iter()
+                .any(|r| !r.granted && r.pid != waiting_pid)
+        },
+    )
+    .await;
+    held.release().await.unwrap();
+    let lock = bounded("the resumed wait", Duration::from_secs(10), waiting)
+        .await
+        .unwrap()
+        .expect("granted after the holder let go");
+    assert_ne!(lock.backend_pid(), waiting_pid);
+    lock.release().await.unwrap();
+}

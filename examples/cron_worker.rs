@@ -127,8 +127,9 @@ async fn worker(
 ) -> Result<(usize, usize), BoxError> {
     let pool = PgPoolOptions::new().max_connections(2).connect(url).await?;
     let locker = Arc::new(PgLocker::new(pool.clone()));
-    let job =
-        SingletonJob::new(locker, "cron:invoice-reminders").min_hold(Duration::from_millis(500));
+    let job = SingletonJob::builder(locker, "cron:invoice-reminders")
+        .min_hold(Duration::from_millis(500))
+        .build()?;
     let mut tick = tokio::time::interval_at(start, Duration::from_secs(1));
     let (mut runs, mut skips) = (0, 0);
     for n in 1..=ticks {

@@ -55,7 +55,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let locker = PgLocker::builder(pool.clone())
         .fencing(true)
         .heartbeat(Duration::from_millis(200))
-        .build();
+        .build()?;
 
     let a = locker
         .lock("example:nightly-report", Duration::from_secs(10))

@@ -1,12 +1,14 @@
 //! Three replicas of a scheduler; only the elected leader schedules.
 //!
-//! Every replica campaigns for `scheduler` with [`distlock::LeaderElection`].
-//! The leader writes one scheduling round every 100 ms into a table, and
-//! each write carries the leader's term (its fencing token) through
-//! `distlock::fence::check`, so a deposed leader that is still running
-//! cannot write after its successor. Halfway through, the leader's database
+//! Every replica campaigns for `scheduler` with [`distlock::LeaderElection`],
+//! proclaiming its name. The leader writes one scheduling round every 100 ms
+//! into a table while its term lasts, and each write carries the term's
+//! fencing token through `distlock::fence::check`, so a deposed leader that
+//! is still running cannot write after its successor. An observer (not a
+//! candidate) prints who leads. Halfway through, the leader's database
 //! session is terminated, as if its process had died: another replica takes
-//! over, waiting on the server (no poll), and its term is higher.
+//! over (waiting on the server, then the takeover grace, since the dead
+//! leader could not step down), under a higher term.
 //!
 //! ```sh
 //! cargo run --example leader
@@ -18,7 +20,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use distlock::{Campaign, LeaderElection, PgLocker};
+use distlock::{Campaign, FencingToken, LeaderElection, PgLocker};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -46,6 +48,8 @@ pub struct Summary {
     pub rounds: Vec<(i32, i64)>,
     /// Writes refused because a newer term had written first.
     pub fenced_off: usize,
+    /// Who led, as an observer saw it: (identity, term number).
+    pub observed: Vec<(String, u64)>,
 }
 
 impl Summary {
@@ -67,6 +71,13 @@ pub async fn run(url: &str) -> Result<Summary, BoxError> {
     let admin = PgPoolOptions::new().max_connections(2).connect(url).await?;
     setup(&admin).await?;
 
+    // An observer, not a candidate: who leads, as the server sees it.
+    let watcher = LeaderElection::builder(Arc::new(PgLocker::new(admin.clone())), "scheduler")
+        .poll(Duration::from_millis(100))
+        .build()?;
+    let (stop_observing, observer_stopped) = tokio::sync::oneshot::channel();
+    let observing = tokio::spawn(observe(watcher, observer_stopped));
+
     let mut replicas = Vec::new();
     for id in 1..=REPLICAS as i32 {
         // Each replica has its own pool, as separate processes would.
@@ -75,8 +86,11 @@ pub async fn run(url: &str) -> Result<Summary, BoxError> {
             .fencing(true)
             .heartbeat(Duration::from_millis(200))
             .heartbeat_timeout(Duration::from_millis(500))
-            .build();
-        let campaign = LeaderElection::new(Arc::new(locker), "scheduler").campaign();
+            .build()?;
+        let campaign = LeaderElection::builder(Arc::new(locker), "scheduler")
+            .identity(format!("replica-{id}"))
+            .build()?
+            .campaign();
         replicas.push(tokio::spawn(schedule(id, pool, campaign)));
     }
 
@@ -91,7 +105,8 @@ pub async fn run(url: &str) -> Result<Summary, BoxError> {
     .fetch_one(&admin)
     .await?;
     println!("terminated the leader's session ({killed} backend)");
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The takeover waits out the grace (1.25 x (heartbeat + deadline)).
+    tokio::time::sleep(Duration::from_secs(2)).await;
 
     let mut fenced_off = 0;
     for replica in &replicas {
@@ -102,11 +117,17 @@ pub async fn run(url: &str) -> Result<Summary, BoxError> {
             fenced_off += refused?;
         }
     }
+    let _ = stop_observing.send(());
+    let observed = observing.await?;
     let rounds: Vec<(i32, i64)> =
         sqlx::query_as("SELECT replica, term FROM distlock_example_leader.rounds ORDER BY id")
             .fetch_all(&admin)
             .await?;
-    let summary = Summary { rounds, fenced_off };
+    let summary = Summary {
+        rounds,
+        fenced_off,
+        observed,
+    };
     let mut terms: Vec<i64> = summary.rounds.iter().map(|r| r.1).collect();
     terms.dedup();
     println!(
@@ -119,38 +140,79 @@ pub async fn run(url: &str) -> Result<Summary, BoxError> {
     Ok(summary)
 }
 
-/// One replica: while it leads, it schedules a round per tick under its
-/// term. Returns how many of its writes were fenced off.
+/// One replica: in each term it leads, it schedules a round per tick
+/// under the term's token, and stops the moment the term ends. Returns how
+/// many of its writes were fenced off.
 async fn schedule(id: i32, pool: PgPool, campaign: Campaign) -> Result<usize, BoxError> {
-    let mut leadership = campaign.leadership();
     let mut refused = 0;
     loop {
-        leadership.wait_for(|leader| *leader).await?;
-        let Some(term) = campaign.fencing_token() else {
-            continue;
-        };
-        println!("replica {id} leads, term {term}");
-        while *leadership.borrow() {
-            let mut tx = pool.begin().await?;
-            match distlock::fence::check(&mut tx, "scheduler", term).await {
-                Ok(()) => {
-                    sqlx::query(
-                        "INSERT INTO distlock_example_leader.rounds (replica, term) VALUES ($1, $2)",
-                    )
-                    .bind(id)
-                    .bind(term.value())
-                    .execute(&mut *tx)
-                    .await?;
-                    tx.commit().await?;
-                }
-                Err(distlock::Error::StaleFencingToken { .. }) => refused += 1,
-                Err(err) => return Err(err.into()),
-            }
-            tokio::time::sleep(TICK).await;
+        // Err once the campaign ends (resigned, or an error no retry cures).
+        let term = campaign.elected().await?;
+        let token = term
+            .fencing_token()
+            .ok_or("the locker issues fencing tokens")?;
+        println!("replica {id} leads term {:?}, token {token}", term.number());
+        tokio::select! {
+            // Deposed: stop at once (an unfinished round's transaction
+            // rolls back), and campaign on.
+            () = term.ended() => println!("replica {id}: its term ended"),
+            failed = rounds(id, &pool, token, &mut refused) => failed?,
         }
-        println!("replica {id} no longer leads");
         if refused > 100 {
             return Ok(refused);
+        }
+    }
+}
+
+/// Scheduling rounds under `token`, one per tick, until an error.
+async fn rounds(
+    id: i32,
+    pool: &PgPool,
+    token: FencingToken,
+    refused: &mut usize,
+) -> Result<(), BoxError> {
+    loop {
+        let mut tx = pool.begin().await?;
+        match distlock::fence::check(&mut tx, "scheduler", token).await {
+            Ok(()) => {
+                sqlx::query(
+                    "INSERT INTO distlock_example_leader.rounds (replica, term) VALUES ($1, $2)",
+                )
+                .bind(id)
+                .bind(token.value())
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+            }
+            Err(distlock::Error::StaleFencingToken { .. }) => *refused += 1,
+            Err(err) => return Err(err.into()),
+        }
+        tokio::time::sleep(TICK).await;
+    }
+}
+
+/// Prints every change of who leads until `stop`; returns what it saw.
+async fn observe(
+    election: LeaderElection,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) -> Vec<(String, u64)> {
+    let mut observer = election.observe();
+    let mut seen = Vec::new();
+    loop {
+        let change = tokio::select! {
+            _ = &mut stop => return seen,
+            change = observer.changed() => change,
+        };
+        match change {
+            Ok(Some(leader)) => {
+                println!("observer: {} leads, term {}", leader.identity, leader.term);
+                seen.push((leader.identity, leader.term));
+            }
+            Ok(None) => println!("observer: nobody leads"),
+            Err(err) => {
+                println!("observer ended: {err}");
+                return seen;
+            }
         }
     }
 }

@@ -19,7 +19,8 @@
 use std::process::{Command, ExitStatus};
 use std::time::Duration;
 
-use distlock::{LockWaiter, PgLocker};
+use distlock::PgLocker;
+use distlock::postgres::LockWaiter;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
 

@@ -13,7 +13,7 @@
 //! same code runs directly against PostgreSQL or through PgBouncer in
 //! transaction mode. Each worker waits for the key with `lock()`, which a
 //! release wakes at once (`LISTEN`/`NOTIFY`), keeps the lease while it works
-//! (renewed in the background every third of the TTL), and stops if the
+//! (renewed in the background every quarter of the TTL), and stops if the
 //! lease is lost.
 
 use std::time::Duration;
@@ -37,7 +37,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(listen_url) = std::env::var("LISTEN_URL") {
         builder = builder.listen_options(listen_url.parse()?);
     }
-    let locker = builder.build();
+    let locker = builder.build()?;
 
     let mut workers = tokio::task::JoinSet::new();
     for worker in 1..=3 {

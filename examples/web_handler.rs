@@ -232,13 +232,10 @@ async fn charge(State(app): State<App>, Path(order): Path<i32>, headers: HeaderM
 async fn charge_once(conn: &mut PgConnection, order: i32, key: &str) -> Result<Charged, Refused> {
     if !distlock::idempotency::claim(conn, SCOPE, key).await? {
         // Claimed by a committed request: replay its result.
-        let stored: Option<String> = sqlx::query_scalar(
-            "SELECT result FROM distlock.idempotency_keys WHERE scope = $1 AND key = $2",
-        )
-        .bind(SCOPE)
-        .bind(key)
-        .fetch_one(&mut *conn)
-        .await?;
+        let stored = match distlock::idempotency::stored(conn, SCOPE, key).await? {
+            Some(distlock::idempotency::Once::AlreadyDone { result, .. }) => result,
+            _ => None,
+        };
         return Ok(Charged::Before(stored.unwrap_or_default()));
     }
     let status: Option<(String, i32)> = sqlx::query_as(
@@ -271,12 +268,7 @@ async fn charge_once(conn: &mut PgConnection, order: i32, key: &str) -> Result<C
         amount % 100
     );
     // Stored with the claim, so a retry gets the same answer.
-    sqlx::query("UPDATE distlock.idempotency_keys SET result = $3 WHERE scope = $1 AND key = $2")
-        .bind(SCOPE)
-        .bind(key)
-        .bind(&body)
-        .execute(&mut *conn)
-        .await?;
+    distlock::idempotency::store(conn, SCOPE, key, &body).await?;
     Ok(Charged::Now(body))
 }
 

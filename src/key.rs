@@ -33,8 +33,6 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::Error;
-
 /// The name of a distributed lock and the PostgreSQL advisory key it maps to.
 ///
 /// Displays as the name it was made from (or the number, for [`LockKey::id`]).
@@ -54,6 +52,11 @@ use crate::Error;
 pub struct LockKey {
     pub(crate) repr: Repr,
 }
+
+/// The namespace of upgrade intents (see
+/// [`UpgradeableLock::INTENT_NAMESPACE`](crate::UpgradeableLock::INTENT_NAMESPACE)),
+/// refused in keys.
+pub(crate) const INTENT_NAMESPACE: i32 = i32::MIN + 1;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Repr {
@@ -120,35 +123,6 @@ impl LockKey {
             Repr::Text(_) | Repr::Namespaced(..) => None,
         }
     }
-
-    /// Checks that the key can name a lock: its name is neither empty nor
-    /// contains a NUL byte.
-    ///
-    /// Every locking call runs this check first; call it yourself to reject a
-    /// bad name early.
-    ///
-    /// ```
-    /// # use distlock::{Error, LockKey};
-    /// assert!(LockKey::from("jobs:nightly").validate().is_ok());
-    /// assert!(matches!(LockKey::from("").validate(), Err(Error::InvalidKey { .. })));
-    /// assert!(matches!(LockKey::from("a\0b").validate(), Err(Error::InvalidKey { .. })));
-    /// ```
-    pub fn validate(&self) -> Result<(), Error> {
-        let Some(name) = self.name() else {
-            return Ok(());
-        };
-        let reason = if name.is_empty() {
-            "the name is empty"
-        } else if name.contains('\0') {
-            "the name contains a NUL byte, which PostgreSQL text cannot hold"
-        } else {
-            return Ok(());
-        };
-        Err(Error::InvalidKey {
-            name: name.chars().take(64).collect(),
-            reason,
-        })
-    }
 }
 
 /// sqlx's derivation for `PgAdvisoryLock::new(name)` (HKDF-SHA256 of the
@@ -198,6 +172,28 @@ impl fmt::Display for LockKey {
             Repr::Text(name) | Repr::Namespaced(_, name) | Repr::Hashed64(name, _) => {
                 f.write_str(name)
             }
+        }
+    }
+}
+
+impl LockKey {
+    /// How a key reads in a message: a name in quotes, an id bare, so that
+    /// `LockKey::from("42")` and `LockKey::id(42)` (two different locks) never
+    /// read the same. Long names are cut at 64 characters.
+    pub(crate) fn shown(&self) -> String {
+        let quoted = |name: &str| {
+            let cut: String = name.chars().take(64).collect();
+            if cut.len() < name.len() {
+                format!("{cut:?}...")
+            } else {
+                format!("{cut:?}")
+            }
+        };
+        match &self.repr {
+            Repr::Id(id) => id.to_string(),
+            Repr::Text(name) => quoted(name),
+            Repr::Namespaced(ns, name) => format!("{} in namespace {ns}", quoted(name)),
+            Repr::Hashed64(name, _) => format!("{} (hashed64)", quoted(name)),
         }
     }
 }

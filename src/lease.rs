@@ -13,7 +13,27 @@ use async_trait::async_trait;
 
 use crate::{Error, FencingToken, LockKey, LossReason};
 
+/// The default time to live of a lease on the backends whose leases expire
+/// unless renewed (the lease table, Redis): renewed every 10 s, a holder
+/// that cannot renew reports loss within 20 s, and the key of a holder that
+/// vanished is free again 30 s after its last renewal.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
+
 /// Hands out exclusive leases on named keys.
+///
+/// Discarding the `Box<dyn Lease>` that [`lock`](Self::lock) returns warns,
+/// since [`Lease`] is `#[must_use]`.
+///
+/// # Re-entrancy
+///
+/// No backend is re-entrant. A second `try_lock` of a key that this
+/// process already holds, from the same locker or another, on the same task
+/// or another, gets `Ok(None)`, as any other holder would, and a second
+/// `lock` waits for the first lease to be released. (PostgreSQL's advisory
+/// locks are re-entrant per server session; distlock never takes a second
+/// lock on a session that holds one, so that one unlock never leaves a key
+/// held.) Transaction-scoped locks nested on the same key in one task are
+/// refused with [`Error::NestedLock`].
 #[async_trait]
 pub trait Locker: Debug + Send + Sync {
     /// Takes the lease `key` if it is free; `Ok(None)` if someone else holds it.
@@ -25,23 +45,115 @@ pub trait Locker: Debug + Send + Sync {
 
     /// A short name of the backend, for logs and metrics (`"postgres"`, `"redis"`, ...).
     fn backend(&self) -> &'static str;
+
+    /// The backend's record of who leads an election, if it keeps one
+    /// ([`ElectionLocker`](crate::ElectionLocker)): `None` by default, and
+    /// on backends that keep none (Redis).
+    fn election(&self) -> Option<&dyn crate::ElectionLocker> {
+        None
+    }
 }
 
 /// A held lease. Dropping it releases it in the background.
+///
+/// Every guard of every backend implements it ([`SessionLock`](crate::SessionLock),
+/// [`MultiLock`](crate::MultiLock), [`UpgradeableLock`](crate::UpgradeableLock),
+/// [`TableLease`](crate::postgres::TableLease), the
+/// Redis lease, [`MemoryLease`](crate::memory::MemoryLease)) with the same
+/// vocabulary as its inherent methods, which document each backend's costs
+/// and cancel safety. None of the methods but [`release`](Self::release)
+/// costs a round trip: they read what the backend's keeper last learnt.
+///
+/// # Keys
+///
+/// [`keys`](Self::keys) is every key the lease holds; [`key`](Self::key) is
+/// the one key of a single-key lease, and for a lease on several keys (a
+/// [`MultiLock`](crate::MultiLock)) the first key given, the one its logs
+/// and metrics name. Code that must see every key uses `keys()`.
+///
+/// # Discarding
+///
+/// The trait is `#[must_use]`, so a `Box<dyn Lease>` dropped where it is
+/// returned warns (`unused_must_use`), as every guard type does:
+///
+/// ```compile_fail
+/// #![deny(unused_must_use)]
+/// # async fn demo(locker: &dyn distlock::Locker) -> Result<(), distlock::Error> {
+/// locker.lock("job".into(), std::time::Duration::from_secs(1)).await?; // released at once
+/// # Ok(()) }
+/// # fn main() {}
+/// ```
+///
+/// Held, as it should be, it compiles:
+///
+/// ```
+/// #![deny(unused_must_use)]
+/// # async fn demo(locker: &dyn distlock::Locker) -> Result<(), distlock::Error> {
+/// let lease = locker.lock("job".into(), std::time::Duration::from_secs(1)).await?;
+/// lease.release().await?;
+/// # Ok(()) }
+/// # fn main() {}
+/// ```
 #[async_trait]
+#[must_use = "the lease is released as soon as it is dropped"]
 pub trait Lease: Debug + Send + Sync {
-    /// The key this lease holds.
+    /// The key this lease holds; for a lease on several keys, the first
+    /// given (see [Keys](#keys)).
     fn key(&self) -> &LockKey;
+
+    /// Every key this lease holds, in the order given: one for a single-key
+    /// lease (the default).
+    fn keys(&self) -> &[LockKey] {
+        std::slice::from_ref(self.key())
+    }
 
     /// The fencing token issued with the lease, if the backend issues them.
     fn fencing_token(&self) -> Option<FencingToken>;
 
     /// Completes when the lease can no longer be trusted, with the reason.
+    /// Cancel safe on every backend: it only watches a channel.
     async fn lost(&self) -> LossReason;
 
-    /// `true` once [`lost`](Self::lost) would complete.
+    /// `true` once [`lost`](Self::lost) would complete; exactly when
+    /// [`loss`](Self::loss) is `Some`.
     fn is_lost(&self) -> bool;
 
-    /// Releases the lease.
+    /// Why the lease was lost, if it was; `None` while it is held.
+    fn loss(&self) -> Option<LossReason>;
+
+    /// How long the lease has been held, from its grant as this process saw
+    /// it.
+    fn held_for(&self) -> Duration;
+
+    /// Releases the lease (on PostgreSQL and Redis 1 round trip; see each
+    /// guard's `release` for its errors and cancel safety).
     async fn release(self: Box<Self>) -> Result<(), Error>;
 }
+
+/// `impl Lease for $guard` by calling the guard's inherent methods of the
+/// same names, so that the trait and the type cannot drift apart. A guard on
+/// several keys names the inherent method that gives its first key
+/// (`keys = first_key`); its `keys()` is then forwarded too.
+macro_rules! lease_from_inherent {
+    ($guard:ty) => {
+        $crate::lease::lease_from_inherent!(@impl $guard, key);
+    };
+    ($guard:ty, keys = $first:ident) => {
+        $crate::lease::lease_from_inherent!(@impl $guard, $first,
+            fn keys(&self) -> &[$crate::LockKey] { <$guard>::keys(self) });
+    };
+    (@impl $guard:ty, $key:ident $(, $keys:item)?) => {
+        #[::async_trait::async_trait]
+        impl $crate::Lease for $guard {
+            fn key(&self) -> &$crate::LockKey { <$guard>::$key(self) }
+            $($keys)?
+            fn fencing_token(&self) -> Option<$crate::FencingToken> { <$guard>::fencing_token(self) }
+            async fn lost(&self) -> $crate::LossReason { <$guard>::lost(self).await }
+            fn is_lost(&self) -> bool { <$guard>::is_lost(self) }
+            fn loss(&self) -> Option<$crate::LossReason> { <$guard>::loss(self) }
+            fn held_for(&self) -> ::std::time::Duration { <$guard>::held_for(self) }
+            async fn release(self: Box<Self>) -> Result<(), $crate::Error> { <$guard>::release(*self).await }
+        }
+    };
+}
+pub(crate) use lease_from_inherent;

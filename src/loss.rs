@@ -36,9 +36,19 @@ pub enum LossReason {
     /// The lease's time to live ran out or its key now holds another owner's
     /// token (lease-based backends such as Redis).
     Expired,
+    /// A release found the lock not held by the session that took it: the
+    /// server answered that it had nothing to unlock, so the lock had
+    /// already gone (how and when is not known).
+    NotHeld,
     /// The background task keeping the lock stopped (for example because the
     /// runtime shut down); the connection was closed.
     KeeperStopped,
+    /// An operation that changes what a held lock holds (an
+    /// [`UpgradeableLock`](crate::UpgradeableLock)'s upgrade or downgrade)
+    /// was dropped before it finished, its statement perhaps still running:
+    /// the lock's connection was closed, which frees everything the lock
+    /// held, rather than leave the server holding something no guard knows.
+    Interrupted,
 }
 
 impl fmt::Display for LossReason {
@@ -65,7 +75,11 @@ impl fmt::Display for LossReason {
                  its lock, so the session was closed: {msg}"
             ),
             Self::Expired => f.write_str("the lease expired or was taken over"),
+            Self::NotHeld => f.write_str("the server did not hold it at release"),
             Self::KeeperStopped => f.write_str("the task keeping the lock stopped"),
+            Self::Interrupted => f.write_str(
+                "an upgrade or downgrade was dropped midway, so the lock's connection was closed",
+            ),
         }
     }
 }

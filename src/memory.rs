@@ -9,12 +9,16 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
-use tokio::sync::{Notify, watch};
+use tokio::sync::Notify;
 
-use crate::{Error, FencingToken, Lease, LockKey, Locker, LossReason};
+use crate::loss_state::{self, LossSender, LossState};
+use crate::{
+    ElectionLocker, Error, FencingToken, LeaderInfo, Lease, LockKey, Locker, LossReason,
+    Proclaimed, Proclamation, Seat,
+};
 
 /// An in-memory [`Locker`] for tests. Cheap to clone; clones share one lock
 /// table.
@@ -26,12 +30,12 @@ use crate::{Error, FencingToken, Lease, LockKey, Locker, LossReason};
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::Error> {
 /// use distlock::memory::MemoryLocker;
-/// use distlock::LockKey;
 ///
 /// let locker = MemoryLocker::new();
 /// let lease = locker.try_lock("job").await?.expect("free");
 /// assert!(locker.try_lock("job").await?.is_none());
-/// locker.lose(&LockKey::from("job"));
+/// assert!(locker.is_held("job"));
+/// locker.lose("job");
 /// lease.lost().await; // fires at once
 /// assert!(locker.try_lock("job").await?.is_some());
 /// # Ok(()) }
@@ -51,10 +55,21 @@ struct Table {
 #[derive(Default)]
 struct Entry {
     /// The current holder's id and loss channel, if held.
-    holder: Option<(u64, watch::Sender<Option<LossReason>>)>,
+    holder: Option<(u64, LossSender)>,
     /// The last token issued for this key.
     token: i64,
     next_id: u64,
+    /// The leader record of an election on this key, if one was proclaimed.
+    record: Option<Record>,
+    /// Terms proclaimed on this key so far.
+    terms: u64,
+}
+
+/// Who leads an election on a key: believed only while `holder` holds it.
+struct Record {
+    holder: u64,
+    leader: LeaderInfo,
+    withdrawn: bool,
 }
 
 impl fmt::Debug for MemoryLocker {
@@ -86,12 +101,15 @@ impl Table {
         }
         entry.token += 1;
         entry.next_id += 1;
-        let (loss, lost) = watch::channel(None);
+        // The table keeps the sender while the lease holds the key; it goes
+        // only with the holder, after `lose` reported why.
+        let (loss, lost) = loss_state::channel(LossReason::Expired);
         entry.holder = Some((entry.next_id, loss));
         Some(MemoryLease {
             key: key.clone(),
             id: entry.next_id,
             token: FencingToken::new(entry.token),
+            acquired_at: Instant::now(),
             lost,
             table: Arc::clone(self),
             released: false,
@@ -125,11 +143,13 @@ impl MemoryLocker {
 
     /// Makes the current holder of `key` lose it: its `lost()` completes
     /// with [`LossReason::Expired`] and the key is free for others at once.
-    /// Returns whether anyone held it.
-    pub fn lose(&self, key: &LockKey) -> bool {
+    /// Returns whether anyone held it. Takes any key form (`lose("job")`,
+    /// `lose(&key)`), like the locking calls. No round trip.
+    pub fn lose(&self, key: impl Into<LockKey>) -> bool {
+        let key = key.into();
         let lost = {
             let mut keys = self.table.lock();
-            keys.get_mut(key).and_then(|entry| entry.holder.take())
+            keys.get_mut(&key).and_then(|entry| entry.holder.take())
         };
         let Some((_, loss)) = lost else {
             return false;
@@ -139,11 +159,13 @@ impl MemoryLocker {
         true
     }
 
-    /// Whether someone holds `key` right now.
-    pub fn is_held(&self, key: &LockKey) -> bool {
+    /// Whether someone holds `key` right now. Takes any key form, like
+    /// [`lose`](Self::lose). No round trip.
+    pub fn is_held(&self, key: impl Into<LockKey>) -> bool {
+        let key = key.into();
         self.table
             .lock()
-            .get(key)
+            .get(&key)
             .is_some_and(|entry| entry.holder.is_some())
     }
 
@@ -168,7 +190,7 @@ impl MemoryLocker {
     ) -> Result<MemoryLease, Error> {
         let key = key.into();
         key.validate()?;
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let deadline = crate::deadline::from_now(timeout);
         loop {
             // Register for the wake-up before checking, so a release between
@@ -179,10 +201,11 @@ impl MemoryLocker {
             }
             if tokio::time::timeout_at(deadline, freed).await.is_err() {
                 return Err(Error::Timeout {
-                    key: key.to_string(),
+                    key: key.clone(),
                     waited: started.elapsed(),
                     holder_pid: None,
                     holder_application: None,
+                    chain: Default::default(),
                 });
             }
         }
@@ -195,7 +218,8 @@ pub struct MemoryLease {
     key: LockKey,
     id: u64,
     token: FencingToken,
-    lost: watch::Receiver<Option<LossReason>>,
+    acquired_at: Instant,
+    lost: LossState,
     table: Arc<Table>,
     released: bool,
 }
@@ -216,38 +240,48 @@ impl MemoryLease {
         &self.key
     }
 
-    /// The lease's fencing token: strictly increasing per key.
-    pub fn fencing_token(&self) -> FencingToken {
-        self.token
+    /// The lease's fencing token: always `Some`, strictly increasing per
+    /// key. No round trip.
+    pub fn fencing_token(&self) -> Option<FencingToken> {
+        Some(self.token)
     }
 
-    /// Completes when [`MemoryLocker::lose`] took the key away.
+    /// Completes when [`MemoryLocker::lose`] took the key away, with
+    /// [`LossReason::Expired`].
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: it only watches a channel.
     pub async fn lost(&self) -> LossReason {
-        let mut lost = self.lost.clone();
-        match lost.wait_for(Option::is_some).await {
-            Ok(reason) => reason.clone().unwrap_or(LossReason::Expired),
-            Err(_) => LossReason::Expired,
-        }
+        self.lost.lost().await
     }
 
-    /// `true` once [`lost`](Self::lost) would complete.
+    /// `true` once [`lost`](Self::lost) would complete; exactly when
+    /// [`loss`](Self::loss) is `Some`.
     pub fn is_lost(&self) -> bool {
-        self.lost.borrow().is_some()
+        self.lost.is_lost()
     }
 
-    /// Frees the key; [`Error::LockLost`] if it had been lost.
+    /// Why the lease was lost, if it was: `None` while it is held.
+    pub fn loss(&self) -> Option<LossReason> {
+        self.lost.loss()
+    }
+
+    /// How long the lease has been held.
+    pub fn held_for(&self) -> Duration {
+        self.acquired_at.elapsed()
+    }
+
+    /// Frees the key; [`Error::LockLost`] if it had been lost. No round
+    /// trip; cancel safe (it never waits).
     pub async fn release(mut self) -> Result<(), Error> {
         self.released = true;
         if self.table.free(&self.key, self.id) {
             return Ok(());
         }
         Err(Error::LockLost {
-            key: self.key.to_string(),
-            reason: self.lost.borrow().clone().unwrap_or(LossReason::Expired),
+            key: self.key.clone(),
+            reason: self.lost.loss().unwrap_or(LossReason::Expired),
         })
     }
 }
@@ -274,27 +308,101 @@ impl Locker for MemoryLocker {
     fn backend(&self) -> &'static str {
         "memory"
     }
+
+    fn election(&self) -> Option<&dyn ElectionLocker> {
+        Some(self)
+    }
 }
 
+/// The leader record lives beside the key in the table; a seat is a
+/// lease's number. No round trips; every method is cancel safe (none
+/// waits but `lock_seat`, which is `lock`).
 #[async_trait]
-impl Lease for MemoryLease {
-    fn key(&self) -> &LockKey {
-        MemoryLease::key(self)
+impl ElectionLocker for MemoryLocker {
+    async fn lock_seat(
+        &self,
+        key: LockKey,
+        timeout: Duration,
+    ) -> Result<(Box<dyn Lease>, Seat), Error> {
+        let lease = MemoryLocker::lock(self, key, timeout).await?;
+        let seat = Seat::new(u128::from(lease.id));
+        Ok((Box::new(lease), seat))
     }
 
-    fn fencing_token(&self) -> Option<FencingToken> {
-        Some(self.token)
+    async fn proclaim(
+        &self,
+        key: &LockKey,
+        seat: Seat,
+        proclamation: &Proclamation,
+    ) -> Result<Option<Proclaimed>, Error> {
+        key.validate()?;
+        let mut keys = self.table.lock();
+        let Some(entry) = keys.get_mut(key) else {
+            return Ok(None);
+        };
+        let Some(holder) = holding(entry, seat) else {
+            return Ok(None);
+        };
+        entry.terms += 1;
+        let after_loss = entry.record.as_ref().is_some_and(|r| !r.withdrawn);
+        let grace = if after_loss {
+            proclamation.grace
+        } else {
+            Duration::ZERO
+        };
+        let leader = LeaderInfo::new(
+            proclamation.identity.clone(),
+            proclamation.value.clone(),
+            entry.terms,
+            SystemTime::now() + grace,
+            proclamation.fencing_token,
+        );
+        entry.record = Some(Record {
+            holder,
+            leader: leader.clone(),
+            withdrawn: false,
+        });
+        Ok(Some(Proclaimed { leader, after_loss }))
     }
 
-    async fn lost(&self) -> LossReason {
-        MemoryLease::lost(self).await
+    async fn withdraw(&self, key: &LockKey, seat: Seat, term: Option<u64>) -> Result<(), Error> {
+        let mut keys = self.table.lock();
+        if let Some(record) = keys.get_mut(key).and_then(|e| e.record.as_mut())
+            && u128::from(record.holder) == seat.id()
+            && term.is_none_or(|term| term == record.leader.term)
+        {
+            record.withdrawn = true;
+        }
+        Ok(())
     }
 
-    fn is_lost(&self) -> bool {
-        MemoryLease::is_lost(self)
+    async fn leader(&self, key: &LockKey) -> Result<Option<LeaderInfo>, Error> {
+        key.validate()?;
+        let keys = self.table.lock();
+        let Some(entry) = keys.get(key) else {
+            return Ok(None);
+        };
+        Ok(entry
+            .record
+            .as_ref()
+            .filter(|r| !r.withdrawn && r.leader.since <= SystemTime::now())
+            .filter(|r| entry.holder.as_ref().is_some_and(|(h, _)| *h == r.holder))
+            .map(|r| r.leader.clone()))
     }
 
-    async fn release(self: Box<Self>) -> Result<(), Error> {
-        MemoryLease::release(*self).await
+    fn loss_notice_bound(&self) -> Duration {
+        // `lose` tells the holder before it frees the key.
+        Duration::ZERO
     }
 }
+
+/// The id of the holder of `entry` if it is `seat`.
+fn holding(entry: &Entry, seat: Seat) -> Option<u64> {
+    entry
+        .holder
+        .as_ref()
+        .map(|(id, _)| *id)
+        .filter(|id| u128::from(*id) == seat.id())
+}
+
+crate::lease::lease_from_inherent!(MemoryLease);

@@ -29,6 +29,7 @@ use crate::LockKey;
 
 /// What the `key` (and `job`) label of distlock's metrics carries.
 #[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum KeyLabel {
@@ -140,6 +141,7 @@ mod enabled {
 }
 
 #[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use enabled::{key_label, set_key_label};
 
 // The crate-internal entry points. They take plain values so a call site is

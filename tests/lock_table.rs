@@ -84,7 +84,10 @@ async fn lock_table_exhaustion_is_typed_leaves_nothing_held_and_recovers(
         .await
         .expect("pool");
     let locker = PgLocker::new(pool.clone());
-    let mux = PgLocker::builder(pool.clone()).multiplex(1).build();
+    let mux = PgLocker::builder(pool.clone())
+        .multiplex(1)
+        .build()
+        .expect("valid settings");
     // Every connection this test needs is open before the table fills:
     // the pool's three, the multiplexed one, the observer.
     for l in [&locker, &mux] {
@@ -185,7 +188,9 @@ async fn lock_table_exhaustion_is_typed_leaves_nothing_held_and_recovers(
     for (what, outcome) in &outcomes {
         println!("  {what}: {outcome:?}");
         match outcome {
-            Some(Error::LockTableFull { key }) => assert!(key.starts_with("lt:"), "{key}"),
+            Some(Error::LockTableFull { key }) => {
+                assert!(key.to_string().starts_with("lt:"), "{key}")
+            }
             other => panic!("{what} with a full lock table: {other:?}"),
         }
     }

@@ -159,7 +159,7 @@ pub struct Ctx {
     mux: PgLocker,
     fenced: PgLocker,
     semaphore: distlock::Semaphore,
-    table: distlock::TableLocker,
+    table: distlock::postgres::TableLocker,
 }
 
 impl Ctx {
@@ -171,11 +171,7 @@ impl Ctx {
             .connect_with(opts.clone())
             .await?;
         distlock::migrate(&pool).await?;
-        let semaphore = distlock::Semaphore::new(
-            std::sync::Arc::new(PgLocker::new(pool.clone())),
-            "bench-semaphore",
-            4,
-        );
+        let semaphore = PgLocker::new(pool.clone()).semaphore("bench-semaphore", 4)?;
         sqlx::raw_sql(
             "CREATE TABLE IF NOT EXISTS bench_leases (
                  key bigint PRIMARY KEY, owner uuid NOT NULL, expires_at timestamptz NOT NULL)",
@@ -184,15 +180,23 @@ impl Ctx {
         .await?;
         Ok(Self {
             semaphore,
-            table: distlock::TableLocker::builder(pool.clone())
+            table: distlock::postgres::TableLocker::builder(pool.clone())
                 .listen(false)
-                .build(),
+                .build()
+                .expect("valid settings"),
             locker: PgLocker::new(pool.clone()),
             cold: PgLocker::builder(pool.clone())
                 .keep_warm(0, std::time::Duration::ZERO)
-                .build(),
-            mux: PgLocker::builder(pool.clone()).multiplex(2).build(),
-            fenced: PgLocker::builder(pool.clone()).fencing(true).build(),
+                .build()
+                .expect("valid settings"),
+            mux: PgLocker::builder(pool.clone())
+                .multiplex(2)
+                .build()
+                .expect("valid settings"),
+            fenced: PgLocker::builder(pool.clone())
+                .fencing(true)
+                .build()
+                .expect("valid settings"),
             pool,
         })
     }
@@ -396,15 +400,29 @@ pub struct CycleResult {
     pub round_trips: f64,
 }
 
-/// Runs `rounds` rounds; in each, every alternative does `per_round` timed
-/// cycles (alternatives interleaved, so drift in machine load hits all).
+/// The cycles a filter picks (see `filter.rs`), with the references their
+/// ratios need; every cycle when it picks none.
+pub fn selected(filter: &crate::filter::Filter) -> Vec<Cycle> {
+    let picked: Vec<Cycle> = ALL.into_iter().filter(|c| filter.row(c.short())).collect();
+    if picked.is_empty() {
+        return ALL.to_vec();
+    }
+    ALL.into_iter()
+        .filter(|c| picked.contains(c) || picked.iter().any(|p| p.baseline() == *c))
+        .collect()
+}
+
+/// Runs `rounds` rounds; in each, every alternative of `cycles` does
+/// `per_round` timed cycles (alternatives interleaved, so drift in machine
+/// load hits all).
 pub async fn measure(
     opts: &PgConnectOptions,
+    cycles: &[Cycle],
     rounds: usize,
     per_round: usize,
 ) -> anyhow::Result<Vec<CycleResult>> {
     let ctx = Ctx::new(opts).await?;
-    let mut results: Vec<CycleResult> = ALL
+    let mut results: Vec<CycleResult> = cycles
         .iter()
         .map(|&cycle| CycleResult {
             cycle,
@@ -414,16 +432,16 @@ pub async fn measure(
             round_trips: f64::NAN,
         })
         .collect();
-    for cycle in ALL {
+    for &cycle in cycles {
         for _ in 0..50 {
             ctx.once(cycle).await?; // warm up: prepared statements, probes
         }
     }
     for round in 0..rounds {
         // Rotate the order each round so no alternative always runs first.
-        for i in 0..ALL.len() {
-            let slot = (i + round) % ALL.len();
-            let cycle = ALL[slot];
+        for i in 0..cycles.len() {
+            let slot = (i + round) % cycles.len();
+            let cycle = cycles[slot];
             let mut samples = Vec::with_capacity(per_round);
             for _ in 0..per_round {
                 let (take, total) = ctx.timed(cycle).await?;

@@ -31,9 +31,16 @@ pub enum Handoff {
     /// The same with `.multiplex(2)` (wake-up on a pooled connection, then a
     /// try on the shared one).
     DistlockMux,
+    /// `RedisLocker::lock` / `release()`, one locker shared by the tasks:
+    /// waiters woken by the release's signal (`benches/locks/redis_handoff.rs`).
+    Redis,
+    /// `RedisLocker::try_lock` polled with jittered backoff, 5 ms doubling
+    /// to 100 ms: how `lock()` waited before release signals.
+    RedisPolled,
 }
 
-pub const ALL: [Handoff; 6] = [
+/// The PostgreSQL alternatives.
+pub const POSTGRES: [Handoff; 6] = [
     Handoff::Raw,
     Handoff::Sqlx,
     Handoff::RawDistlockSql,
@@ -41,6 +48,19 @@ pub const ALL: [Handoff; 6] = [
     Handoff::DistlockCold,
     Handoff::DistlockMux,
 ];
+
+/// The Redis alternatives (run with the `redis` feature).
+pub const REDIS: [Handoff; 2] = [Handoff::Redis, Handoff::RedisPolled];
+
+/// Every alternative this build can run: PostgreSQL's, and with the
+/// `redis` feature Redis's.
+pub fn all() -> Vec<Handoff> {
+    let mut all = POSTGRES.to_vec();
+    if cfg!(feature = "redis") {
+        all.extend(REDIS);
+    }
+    all
+}
 
 impl Handoff {
     pub fn label(self) -> &'static str {
@@ -51,6 +71,8 @@ impl Handoff {
             Handoff::Distlock => "distlock lock()",
             Handoff::DistlockCold => "distlock lock(), keep_warm(0)",
             Handoff::DistlockMux => "distlock multiplexed lock()",
+            Handoff::Redis => "distlock RedisLocker lock(), woken by the release",
+            Handoff::RedisPolled => "RedisLocker try_lock() polled, 5–100 ms backoff",
         }
     }
 
@@ -62,11 +84,17 @@ impl Handoff {
             Handoff::Distlock => "distlock",
             Handoff::DistlockCold => "distlock, no warm conns",
             Handoff::DistlockMux => "distlock mux",
+            Handoff::Redis => "Redis, woken",
+            Handoff::RedisPolled => "Redis, polled",
         }
     }
 
+    pub fn is_redis(self) -> bool {
+        REDIS.contains(&self)
+    }
+
     fn key(self) -> i64 {
-        4_200 + ALL.iter().position(|h| *h == self).unwrap_or(0) as i64
+        4_200 + POSTGRES.iter().position(|h| *h == self).unwrap_or(0) as i64
     }
 }
 
@@ -78,7 +106,7 @@ pub struct Run {
 }
 
 /// Shared between the tasks of one run.
-struct Baton {
+pub struct Baton {
     released_at: Mutex<Option<Instant>>,
     latencies: Mutex<Vec<Duration>>,
     done: AtomicUsize,
@@ -89,7 +117,7 @@ struct Baton {
 
 impl Baton {
     /// Called right after acquiring; returns whether the task should stop.
-    fn acquired(&self, target: usize) -> bool {
+    pub fn acquired(&self, target: usize) -> bool {
         let now = Instant::now();
         if self.inside.fetch_add(1, Ordering::SeqCst) != 0 {
             self.violations.fetch_add(1, Ordering::SeqCst);
@@ -104,7 +132,7 @@ impl Baton {
     }
 
     /// Called right before releasing.
-    fn releasing(&self) {
+    pub fn releasing(&self) {
         self.inside.fetch_sub(1, Ordering::SeqCst);
         *self.released_at.lock().expect("baton") = Some(Instant::now());
     }
@@ -160,7 +188,7 @@ pub async fn run(
                 Handoff::DistlockCold => builder = builder.keep_warm(0, Duration::ZERO),
                 _ => {}
             }
-            let locker = builder.build();
+            let locker = builder.build().expect("valid settings");
             // Warm up: pooler probe, shared connections, prepared statements.
             for _ in 0..waiters + 2 {
                 if let Some(lock) = locker.try_lock(LockKey::id(key)).await? {
@@ -184,6 +212,12 @@ pub async fn run(
                 });
             }
             pool = Some(p);
+        }
+        Handoff::Redis | Handoff::RedisPolled => {
+            #[cfg(feature = "redis")]
+            crate::redis_handoff::spawn(variant, waiters, target, &baton, &mut tasks).await?;
+            #[cfg(not(feature = "redis"))]
+            bail!("{} needs the `redis` feature", variant.label());
         }
     }
     let started = Instant::now();

@@ -52,20 +52,12 @@ async fn pool(opts: &PgConnectOptions, size: u32) -> anyhow::Result<PgPool> {
 pub async fn permit_handoff(opts: &PgConnectOptions, trials: usize) -> anyhow::Result<Latencies> {
     let holder_pool = pool(opts, 4).await?;
     let waiter_pool = pool(opts, 4).await?;
-    let holder = Semaphore::new(
-        Arc::new(PgLocker::new(holder_pool.clone())),
-        "bench-permits",
-        2,
-    );
-    let waiter = Semaphore::new(
-        Arc::new(PgLocker::new(waiter_pool.clone())),
-        "bench-permits",
-        2,
-    );
+    let holder = PgLocker::new(holder_pool.clone()).semaphore("bench-permits", 2)?;
+    let waiter = PgLocker::new(waiter_pool.clone()).semaphore("bench-permits", 2)?;
     let mut samples = Vec::with_capacity(trials);
     for _ in 0..trials {
-        // A waiter that got one slot abandons its waits on the others; the
-        // server ends those within 100 ms, so wait for both to be free.
+        // The waiter of the round before may still be letting go of the
+        // queue: wait for both permits to be free.
         let a = acquire_now(&holder).await?;
         let b = acquire_now(&holder).await?;
         let waiting = {
@@ -94,7 +86,7 @@ pub async fn permit_handoff(opts: &PgConnectOptions, trials: usize) -> anyhow::R
     ))
 }
 
-async fn acquire_now(semaphore: &Semaphore) -> anyhow::Result<Box<dyn distlock::Lease>> {
+async fn acquire_now(semaphore: &Semaphore) -> anyhow::Result<distlock::SemaphorePermit> {
     for _ in 0..100 {
         if let Some(permit) = semaphore.try_acquire().await? {
             return Ok(permit);
@@ -114,17 +106,21 @@ pub async fn leader_takeover(opts: &PgConnectOptions, trials: usize) -> anyhow::
         let key = format!("bench-leader-{trial}");
         let leader_pool = pool(opts, 2).await?;
         let follower_pool = pool(opts, 2).await?;
-        let leader =
-            LeaderElection::new(Arc::new(PgLocker::new(leader_pool.clone())), key.as_str())
-                .campaign();
+        // Grace 0: the server's hand-off itself. By default a takeover from
+        // a leader that did not step down waits 1.25 x (heartbeat +
+        // deadline) on top, so the deposed leader knows first.
+        let election = |pool: &PgPool| {
+            LeaderElection::builder(Arc::new(PgLocker::new(pool.clone())), key.as_str())
+                .grace(Duration::ZERO)
+                .build()
+        };
+        let leader = election(&leader_pool)?.campaign();
         leader
             .leadership()
             .wait_for(|l| *l)
             .await
             .context("leader campaign ended")?;
-        let follower =
-            LeaderElection::new(Arc::new(PgLocker::new(follower_pool.clone())), key.as_str())
-                .campaign();
+        let follower = election(&follower_pool)?.campaign();
         let mut following = follower.leadership();
         // Let the follower's wait reach the server.
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -150,7 +146,7 @@ pub async fn leader_takeover(opts: &PgConnectOptions, trials: usize) -> anyhow::
     }
     admin.close().await;
     Ok(Latencies::new(
-        "LeaderElection takeover by a waiting campaign",
+        "LeaderElection takeover by a waiting campaign (grace 0)",
         "pg_terminate_backend(leader) returned",
         samples,
     ))

@@ -3,16 +3,27 @@
 //! `docs/bench/results.md` and the charts to `docs/bench/*.svg`; BENCHMARKS.md
 //! explains them. Nothing here asserts timings.
 //!
-//! Options (after `--`): `--quick` (a short run), `--rounds N`.
+//! Options (after `--`): `--quick` (a short run), `--rounds N`, `--idle-us N`
+//! (the sleep after the other work in the interleaved cycles; 0 yields once
+//! instead; default 1000), words that pick what runs
+//! (`cargo bench --bench locks -- table`: see `filter.rs`), `--only
+//! redis-handoff` (only the Redis rows of the hand-off table, printed,
+//! nothing written; needs `--features redis`), `--help`.
 
 mod chart;
 mod counting;
 mod cycle;
+mod filter;
 mod handoff;
 mod hops;
+mod interleaved;
 mod kinds;
 mod many;
 mod pgbench;
+#[cfg(feature = "redis")]
+mod redis_handoff;
+mod scale;
+mod server;
 mod stats;
 
 use std::fmt::Write;
@@ -43,6 +54,9 @@ struct Settings {
     waiters: Vec<usize>,
     many_keys: Vec<usize>,
     pgbench_seconds: u64,
+    interleaved_cycles: usize,
+    other_work: interleaved::OtherWork,
+    quick: bool,
 }
 
 impl Settings {
@@ -53,6 +67,13 @@ impl Settings {
             .position(|a| a == "--rounds")
             .and_then(|i| args.get(i + 1))
             .and_then(|n| n.parse().ok());
+        let idle = args
+            .iter()
+            .position(|a| a == "--idle-us")
+            .and_then(|i| args.get(i + 1))
+            .and_then(|n| n.parse().ok())
+            .map_or(Duration::from_millis(1), Duration::from_micros);
+        let other_work = interleaved::OtherWork { idle };
         if quick {
             Self {
                 rounds: rounds.unwrap_or(2),
@@ -62,6 +83,9 @@ impl Settings {
                 waiters: vec![2, 8, 32],
                 many_keys: vec![1_000],
                 pgbench_seconds: 2,
+                interleaved_cycles: 40,
+                other_work,
+                quick,
             }
         } else {
             Self {
@@ -72,6 +96,9 @@ impl Settings {
                 waiters: vec![2, 8, 32],
                 many_keys: vec![1_000, 10_000],
                 pgbench_seconds: 5,
+                interleaved_cycles: 200,
+                other_work,
+                quick,
             }
         }
     }
@@ -80,6 +107,10 @@ impl Settings {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return Ok(());
+    }
     // `cargo bench` passes `--bench`; `cargo test --benches` does not, and a
     // minutes-long benchmark has no place in a test run.
     if !args.iter().any(|a| a == "--bench") {
@@ -87,96 +118,126 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let settings = Settings::from_args(&args);
+    let filter = filter::Filter::from_args(&args);
     let url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@localhost:5432/postgres".into());
     let admin: PgConnectOptions = url.parse()?;
+    if let Some(only) = option(&args, "--only") {
+        return only_section(&admin, &settings, only).await;
+    }
     let opts = prepare_database(&admin).await?;
     let mut report = String::new();
     let started = Instant::now();
     let load_before = loadavg();
 
     let _ = writeln!(report, "{}", machine(&opts).await?);
+    if filter.is_set() {
+        let _ = writeln!(report, "Filtered run: `{}`.", filter.describe());
+    }
 
-    eprintln!("== uncontended cycles");
-    let mut cycles = cycle::measure(&opts, settings.rounds, settings.cycles_per_round).await?;
-    cycle::count_round_trips(&opts, &mut cycles).await?;
-    report.push_str(&cycle_table(&mut cycles));
+    let mut interleaved_multi = Vec::new();
+    if filter.section("interleaved") {
+        eprintln!("== interleaved cycles");
+        let (multi, table) = interleaved_tables(&opts, &settings).await?;
+        interleaved_multi = multi;
+        report.push_str(&table);
+    }
+
+    let selected = cycle::selected(&filter);
+    let mut cycles = Vec::new();
+    if filter.section("cycles") {
+        eprintln!("== uncontended cycles");
+        cycles =
+            cycle::measure(&opts, &selected, settings.rounds, settings.cycles_per_round).await?;
+        cycle::count_round_trips(&opts, &mut cycles).await?;
+        report.push_str(&cycle_table(&mut cycles));
+    }
     // The same on a single-threaded runtime: a task hop there is a queue
     // push, not a wake-up of another thread, so the difference between the
     // two tables is what distlock's background tasks cost in hops.
-    eprintln!("== uncontended cycles, current-thread runtime");
-    let mut single = {
-        let (opts, rounds, per_round) = (opts.clone(), settings.rounds, settings.cycles_per_round);
-        std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?
-                .block_on(cycle::measure(&opts, rounds, per_round))
-        })
-        .join()
-        .map_err(|_| anyhow::anyhow!("current-thread run panicked"))??
-    };
-    for (one, many) in single.iter_mut().zip(&cycles) {
-        one.round_trips = many.round_trips;
+    if filter.section("current-thread") {
+        eprintln!("== uncontended cycles, current-thread runtime");
+        let mut single = {
+            let (opts, rounds, per_round) =
+                (opts.clone(), settings.rounds, settings.cycles_per_round);
+            let selected = selected.clone();
+            std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?
+                    .block_on(cycle::measure(&opts, &selected, rounds, per_round))
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("current-thread run panicked"))??
+        };
+        for (one, many) in single.iter_mut().zip(&cycles) {
+            one.round_trips = many.round_trips;
+        }
+        report.push_str("\n#### The same cycles on a current-thread tokio runtime\n");
+        report.push_str(&cycle_table(&mut single)[1..].replacen(
+            "### Uncontended cycle (one task, one free key)\n",
+            "",
+            1,
+        ));
     }
-    report.push_str("\n#### The same cycles on a current-thread tokio runtime\n");
-    report.push_str(&cycle_table(&mut single)[1..].replacen(
-        "### Uncontended cycle (one task, one free key)\n",
-        "",
-        1,
-    ));
 
-    let multi = hops::measure(2_000).await;
-    let single = std::thread::spawn(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map(|rt| rt.block_on(hops::measure(2_000)))
-    })
-    .join()
-    .map_err(|_| anyhow::anyhow!("hop measurement panicked"))??;
-    let _ = write!(
-        report,
-        "\n#### Task hops (no database)\n\n\
-         | runtime | request/reply to a parked task µs (median) | spawn + join µs (median) |\n\
-         |---|---:|---:|\n\
-         | multi-thread | {:.1} | {:.1} |\n| current-thread | {:.1} | {:.1} |\n",
-        multi.request_reply, multi.spawn_join, single.request_reply, single.spawn_join
-    );
+    if filter.section("hops") {
+        report.push_str(&hops_table().await?);
+    }
 
     // Loopback hides what a round trip costs on a network: run the cycles
     // again through a proxy adding 250 µs each way (0.5 ms round trips, as
     // between two hosts in one data centre).
-    eprintln!("== uncontended cycles over 0.5 ms round trips");
-    let delay = std::time::Duration::from_micros(250);
-    let proxy = counting::CountingProxy::start(opts.get_host(), opts.get_port(), delay)?;
-    let slow = opts.clone().host("127.0.0.1").port(proxy.port());
-    let mut far =
-        cycle::measure(&slow, settings.rounds.min(3), settings.cycles_per_round / 4).await?;
-    for (one, many) in far.iter_mut().zip(&cycles) {
-        one.round_trips = many.round_trips;
+    let mut far = Vec::new();
+    if filter.section("0.5ms") {
+        eprintln!("== uncontended cycles over 0.5 ms round trips");
+        let delay = std::time::Duration::from_micros(250);
+        let proxy = counting::CountingProxy::start(opts.get_host(), opts.get_port(), delay)?;
+        let slow = opts.clone().host("127.0.0.1").port(proxy.port());
+        far = cycle::measure(
+            &slow,
+            &selected,
+            settings.rounds.min(3),
+            settings.cycles_per_round / 4,
+        )
+        .await?;
+        for (one, many) in far.iter_mut().zip(&cycles) {
+            one.round_trips = many.round_trips;
+        }
+        report.push_str("\n#### The same cycles over a 0.5 ms round-trip link (delaying proxy)\n");
+        report.push_str(&cycle_table(&mut far)[1..].replacen(
+            "### Uncontended cycle (one task, one free key)\n",
+            "",
+            1,
+        ));
     }
-    report.push_str("\n#### The same cycles over a 0.5 ms round-trip link (delaying proxy)\n");
-    report.push_str(&cycle_table(&mut far)[1..].replacen(
-        "### Uncontended cycle (one task, one free key)\n",
-        "",
-        1,
-    ));
 
-    eprintln!("== contended hand-offs");
-    let handoffs = measure_handoffs(&opts, &settings).await?;
-    let pgbench_rates = run_pgbench(&admin, &settings);
-    report.push_str(&handoff_tables(&settings, &handoffs, &pgbench_rates));
+    let mut handoffs = Vec::new();
+    if filter.section("handoff") {
+        eprintln!("== contended hand-offs");
+        handoffs = measure_handoffs(&opts, &settings, &handoff::all()).await?;
+        let pgbench_rates = run_pgbench(&admin, &settings);
+        report.push_str(&handoff_tables(&settings, &handoffs, Some(&pgbench_rates)));
+    }
 
-    eprintln!("== lock kinds");
-    let trials = if settings.rounds <= 2 { 30 } else { 200 };
-    report.push_str(&kinds::table(&[
-        kinds::permit_handoff(&opts, trials).await?,
-        kinds::leader_takeover(&opts, trials / 2).await?,
-    ]));
+    if filter.section("kinds") {
+        eprintln!("== lock kinds");
+        let trials = if settings.rounds <= 2 { 30 } else { 200 };
+        report.push_str(&kinds::table(&[
+            kinds::permit_handoff(&opts, trials).await?,
+            kinds::leader_takeover(&opts, trials / 2).await?,
+        ]));
+    }
 
-    eprintln!("== many keys");
-    report.push_str(&many_table(&opts, &settings).await?);
+    if filter.section("many") {
+        eprintln!("== many keys");
+        report.push_str(&many_table(&opts, &settings).await?);
+    }
+
+    if filter.section("scale") {
+        eprintln!("== how cost grows");
+        report.push_str(&scale::table(settings.quick, &filter).await?);
+    }
 
     let _ = writeln!(
         report,
@@ -185,9 +246,21 @@ async fn main() -> anyhow::Result<()> {
         loadavg()
     );
 
+    if filter.is_set() {
+        println!("{report}");
+        eprintln!("filtered run: nothing written");
+        return Ok(());
+    }
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docs/bench");
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("results.md"), &report)?;
+    std::fs::write(
+        dir.join("interleaved.svg"),
+        interleaved::chart(
+            "Cost per interleaved cycle, multi-thread runtime (median)",
+            &interleaved_multi,
+        ),
+    )?;
     std::fs::write(
         dir.join("cycle.svg"),
         cycle_chart("Cost per uncontended cycle, loopback (median)", &cycles),
@@ -203,6 +276,98 @@ async fn main() -> anyhow::Result<()> {
     println!("{report}");
     eprintln!("wrote {}", dir.display());
     Ok(())
+}
+
+/// Task hops without a database, on both runtimes.
+async fn hops_table() -> anyhow::Result<String> {
+    let multi = hops::measure(2_000).await;
+    let single = std::thread::spawn(|| {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map(|rt| rt.block_on(hops::measure(2_000)))
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("hop measurement panicked"))??;
+    Ok(format!(
+        "\n#### Task hops (no database)\n\n\
+         | runtime | request/reply to a parked task µs (median) | spawn + join µs (median) |\n\
+         |---|---:|---:|\n\
+         | multi-thread | {:.1} | {:.1} |\n| current-thread | {:.1} | {:.1} |\n",
+        multi.request_reply, multi.spawn_join, single.request_reply, single.spawn_join
+    ))
+}
+
+const USAGE: &str = "\
+cargo bench --bench locks [-- OPTIONS]
+
+Runs every measurement, writes docs/bench/results.md and the charts.
+
+  --quick               a short run
+  --rounds N            rounds per measurement
+  --idle-us N           sleep after the other work in the interleaved cycles (0: yield)
+  --only redis-handoff  only the Redis rows of the hand-off table (needs
+                        --features redis; DISTLOCK_BENCH_REDIS_URL, default
+                        redis://127.0.0.1:6379); printed, nothing written
+  --help                this text";
+
+/// The value after `name` in `args`.
+fn option<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    let at = args.iter().position(|a| a == name)?;
+    args.get(at + 1).map(String::as_str)
+}
+
+/// Runs one section alone and prints it.
+async fn only_section(
+    opts: &PgConnectOptions,
+    settings: &Settings,
+    only: &str,
+) -> anyhow::Result<()> {
+    match only {
+        "redis-handoff" if cfg!(feature = "redis") => {
+            eprintln!("== contended hand-offs, Redis only");
+            let handoffs = measure_handoffs(opts, settings, &handoff::REDIS).await?;
+            println!("{}", handoff_tables(settings, &handoffs, None));
+            Ok(())
+        }
+        "redis-handoff" => anyhow::bail!("--only redis-handoff needs --features redis"),
+        other => anyhow::bail!("unknown section {other:?}; see --help"),
+    }
+}
+
+/// The interleaved cycles on the multi-thread runtime and on a
+/// current-thread one (as for the uncontended cycles below: the difference
+/// is what hops between threads cost).
+async fn interleaved_tables(
+    opts: &PgConnectOptions,
+    settings: &Settings,
+) -> anyhow::Result<(Vec<interleaved::AltResult>, String)> {
+    let (rounds, per_round, work) = (
+        settings.rounds,
+        settings.interleaved_cycles,
+        settings.other_work,
+    );
+    let multi = interleaved::measure(opts, rounds, per_round, work).await?;
+    let single = {
+        let opts = opts.clone();
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?
+                .block_on(interleaved::measure(&opts, rounds, per_round, work))
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("current-thread interleaved run panicked"))??
+    };
+    let mut out = format!(
+        "\n### Interleaved cycle (the alternatives take turns, other work between two locks)\n\n\
+         Other work: {}. {rounds} rounds of {per_round} turns of each alternative, a fresh key \
+         per cycle; counts from one more untimed round, lock cycle only.\n",
+        work.describe()
+    );
+    out.push_str(&interleaved::table("Multi-thread", &multi));
+    out.push_str(&interleaved::table("Current-thread", &single));
+    Ok((multi, out))
 }
 
 /// Creates the benchmark's own database (advisory locks are per database, so
@@ -312,6 +477,17 @@ fn cycle_table(results: &mut [cycle::CycleResult]) -> String {
             },
         );
     }
+    let median_of = |cycle| medians.iter().find(|(c, _)| *c == cycle).map(|(_, m)| *m);
+    if let (Some(table), Some(raw)) = (
+        median_of(cycle::Cycle::TableDistlock),
+        median_of(cycle::Cycle::TableRaw),
+    ) {
+        let _ = writeln!(
+            out,
+            "\n`TableLocker` try + release against the hand-written lease: {:.2}×.",
+            table / raw
+        );
+    }
     out
 }
 
@@ -335,10 +511,11 @@ type Handoffs = Vec<(usize, handoff::Handoff, Vec<handoff::Run>)>;
 async fn measure_handoffs(
     opts: &PgConnectOptions,
     settings: &Settings,
+    variants: &[handoff::Handoff],
 ) -> anyhow::Result<Handoffs> {
     let mut all: Handoffs = Vec::new();
     for &n in &settings.waiters {
-        for variant in handoff::ALL {
+        for &variant in variants {
             all.push((n, variant, Vec::new()));
         }
     }
@@ -378,10 +555,11 @@ fn run_pgbench(admin: &PgConnectOptions, settings: &Settings) -> Vec<(usize, Res
         .collect()
 }
 
+/// The hand-off table; `pgbench`: its reference rates, if it ran.
 fn handoff_tables(
     settings: &Settings,
     handoffs: &Handoffs,
-    pgbench: &[(usize, Result<f64, String>)],
+    pgbench: Option<&[(usize, Result<f64, String>)]>,
 ) -> String {
     let mut out = String::from(
         "\n### Contended hand-off (release → next holder), one hot key\n\n\
@@ -398,8 +576,9 @@ fn handoff_tables(
         let (lo, hi) = spread(&round_p50);
         let rate = median_f64(&runs.iter().map(|r| r.per_second).collect::<Vec<_>>());
         let vs = pgbench
+            .unwrap_or_default()
             .iter()
-            .find(|(c, _)| c == n)
+            .find(|(c, _)| c == n && !variant.is_redis())
             .and_then(|(_, r)| r.as_ref().ok())
             .map_or("–".into(), |tps| format!("{:.2}×", rate / tps));
         let _ = writeln!(
@@ -417,20 +596,29 @@ fn handoff_tables(
         settings.handoffs,
         settings.handoff_limit.as_secs()
     ));
-    if pgbench.is_empty() {
-        out.push_str("\npgbench was not found; no reference rate.\n");
-    } else {
+    if handoffs.iter().any(|(_, v, _)| v.is_redis()) {
         out.push_str(
+            "\nRedis rows: one `RedisLocker` shared by the tasks, on the Redis server of \
+             `DISTLOCK_BENCH_REDIS_URL` (loopback); no pgbench ratio.\n",
+        );
+    }
+    match pgbench {
+        // Not run (a section alone): nothing to say.
+        None => {}
+        Some([]) => out.push_str("\npgbench was not found; no reference rate.\n"),
+        Some(pgbench) => {
+            out.push_str(
             "\n#### pgbench reference: `SELECT pg_advisory_lock(k); SELECT pg_advisory_unlock(k);`, `-M prepared`\n\n\
              | clients | lock/unlock pairs per second |\n|---:|---:|\n",
-        );
-        for (n, rate) in pgbench {
-            match rate {
-                Ok(tps) => {
-                    let _ = writeln!(out, "| {n} | {tps:.0} |");
-                }
-                Err(err) => {
-                    let _ = writeln!(out, "| {n} | failed: {err} |");
+            );
+            for (n, rate) in pgbench {
+                match rate {
+                    Ok(tps) => {
+                        let _ = writeln!(out, "| {n} | {tps:.0} |");
+                    }
+                    Err(err) => {
+                        let _ = writeln!(out, "| {n} | failed: {err} |");
+                    }
                 }
             }
         }
@@ -440,7 +628,7 @@ fn handoff_tables(
 
 fn handoff_chart(settings: &Settings, handoffs: &Handoffs) -> String {
     let groups: Vec<String> = settings.waiters.iter().map(|n| n.to_string()).collect();
-    let series: Vec<chart::Series> = handoff::ALL
+    let series: Vec<chart::Series> = handoff::all()
         .iter()
         .map(|&variant| chart::Series {
             name: variant.short().to_owned(),

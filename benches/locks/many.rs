@@ -139,7 +139,10 @@ pub async fn measure(
                 .max_connections(4)
                 .connect_with(opts.clone())
                 .await?;
-            let locker = PgLocker::builder(pool.clone()).multiplex(conns).build();
+            let locker = PgLocker::builder(pool.clone())
+                .multiplex(conns)
+                .build()
+                .expect("valid settings");
             // Open the shared connections first: a process holds them for
             // its lifetime, so their setup is not part of taking the keys.
             for k in 0..(conns as i64 * 8) {

@@ -62,10 +62,12 @@ pub(crate) struct ConnArgs {
     /// lease is renewed every --heartbeat and expires three heartbeats after
     /// its last renewal if distlock dies. The command always gets a fencing
     /// token. Needs the distlock schema (see `distlock::migrate`).
+    /// DISTLOCK_LEASE_TABLE takes 1, true, yes, on, y, t (or 0, false, no,
+    /// off, n, f), in any case; anything else is a usage error (64).
     #[arg(
         long,
         env = "DISTLOCK_LEASE_TABLE",
-        value_parser = clap::builder::FalseyValueParser::new(),
+        value_parser = clap::builder::BoolishValueParser::new(),
         conflicts_with = "redis_urls"
     )]
     pub(crate) lease_table: bool,
@@ -83,16 +85,20 @@ pub(crate) struct RunArgs {
     pub(crate) wait: Option<Duration>,
 
     /// After the lock is lost (or when the command exits leaving processes
-    /// in its process group): how long the group may take to exit after
-    /// SIGTERM before it gets SIGKILL.
+    /// in its process group), and after a SIGTERM forwarded to the command:
+    /// how long the group may take to exit after SIGTERM before it gets
+    /// SIGKILL.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub(crate) grace: Duration,
 
     /// How often the lock's connection is checked (with --lease-table: how
     /// often the lease is renewed); a lost lock is noticed within about
-    /// twice this.
-    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
-    pub(crate) heartbeat: Duration,
+    /// twice this. Default 1s; for a session lock at least 10ms and at
+    /// most 10s (refused with 64 otherwise). PostgreSQL only: refused (64) with
+    /// --redis-url, whose leases their watchdog extends every third of the
+    /// TTL.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub(crate) heartbeat: Option<Duration>,
 
     /// Take the lock with a fencing token, passed to the command in
     /// DISTLOCK_FENCING_TOKEN (PostgreSQL; needs the distlock schema, see
@@ -119,8 +125,15 @@ pub(crate) struct HoldersArgs {
     pub(crate) key: Option<String>,
 
     /// Print JSON (an array of objects) instead of a table.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "tree")]
     pub(crate) json: bool,
+
+    /// Draw who waits for whom: each holder that waits for nothing, with
+    /// the sessions waiting for it indented below it, and theirs below them;
+    /// sessions that wait for each other (a deadlock not broken yet) are
+    /// drawn as a cycle.
+    #[arg(long)]
+    pub(crate) tree: bool,
 
     #[command(flatten)]
     pub(crate) conn: ConnArgs,

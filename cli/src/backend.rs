@@ -5,12 +5,17 @@
 //! PostgreSQL-only features such as naming holders). One `--redis-url` picks
 //! a single Redis instance, several pick Redlock over them.
 
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use distlock::postgres::TableLocker;
 use distlock::redis::{RedisLocker, Redlock};
-use distlock::{Locker, PgLocker, TableLocker};
+use distlock::{Locker, PgLocker};
+use redis::{ConnectionAddr, IntoConnectionInfo};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::Failure;
@@ -44,6 +49,7 @@ pub(crate) async fn connect(
                  use PostgreSQL or a single Redis instance",
             ));
         }
+        check_redis_urls(&conn.redis_urls).await?;
         return connect_redis(&conn.redis_urls).await;
     }
     let Some(url) = conn.database_url.as_deref() else {
@@ -76,7 +82,8 @@ pub(crate) async fn connect(
     let locker = PgLocker::builder(pool)
         .heartbeat(heartbeat)
         .fencing(fencing)
-        .build();
+        .build()
+        .map_err(|err| Failure::usage(format!("--heartbeat: {err}")))?;
     Ok(Backend {
         locker: Arc::new(locker.clone()),
         postgres: Some(locker),
@@ -100,15 +107,92 @@ async fn connect_lease_table(
         .connect_with(options.statement_cache_capacity(0))
         .await
         .map_err(|err| Failure::unavailable(format!("could not connect to {target}: {err}")))?;
-    let ttl = heartbeat.saturating_mul(3).clamp(
-        distlock::postgres::table::MIN_TTL,
-        distlock::postgres::table::MAX_TTL,
-    );
-    let locker = TableLocker::builder(pool).ttl(ttl).listen(false).build();
+    let ttl = heartbeat
+        .saturating_mul(3)
+        .clamp(distlock::postgres::MIN_TTL, distlock::postgres::MAX_TTL);
+    let locker = TableLocker::builder(pool)
+        .ttl(ttl)
+        .listen(false)
+        .build()
+        .map_err(|err| Failure::usage(format!("--heartbeat: {err}")))?;
     Ok(Backend {
         locker: Arc::new(locker),
         postgres: None,
     })
+}
+
+/// Refuses, as usage errors (before connecting), Redis URLs that are empty
+/// (`DISTLOCK_REDIS_URL="   "` splits into empty entries), that do not
+/// parse, or that name one server twice: Redlock counts a quorum of
+/// independent nodes, and one server spelled two ways (`127.0.0.1` and
+/// `localhost`) would be counted twice (with two URLs, its second "node"
+/// always finds the key taken, so every run reported "held elsewhere").
+/// Host names are resolved, each within 5 s; one that does not resolve is
+/// compared by its spelling (Redlock lets a node that is down join later).
+async fn check_redis_urls(urls: &[String]) -> Result<(), Failure> {
+    if urls.iter().any(|url| url.trim().is_empty()) {
+        return Err(Failure::usage(
+            "an empty Redis URL: give each --redis-url a URL, and separate several \
+             URLs in DISTLOCK_REDIS_URL by single spaces",
+        ));
+    }
+    let mut seen: Vec<(String, HashSet<Place>)> = Vec::with_capacity(urls.len());
+    for url in urls {
+        let target = redact_url(url);
+        let info = url
+            .as_str()
+            .into_connection_info()
+            .map_err(|err| Failure::usage(format!("invalid Redis URL {target}: {err}")))?;
+        if urls.len() == 1 {
+            return Ok(());
+        }
+        let places = places(info.addr()).await;
+        if let Some((earlier, _)) = seen.iter().find(|(_, other)| !other.is_disjoint(&places)) {
+            return Err(Failure::usage(format!(
+                "--redis-url {earlier} and {target} name the same Redis server; \
+                 Redlock needs independent nodes (give each server once)"
+            )));
+        }
+        seen.push((target, places));
+    }
+    Ok(())
+}
+
+/// Where a Redis server listens, to tell Redlock's nodes apart.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Place {
+    Socket(SocketAddr),
+    /// A host name that did not resolve, lower-cased, and its port.
+    Name(String, u16),
+    Path(PathBuf),
+}
+
+/// Every address `addr` stands for.
+async fn places(addr: &ConnectionAddr) -> HashSet<Place> {
+    match addr {
+        ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
+            let bare = host.trim_start_matches('[').trim_end_matches(']');
+            let resolved = tokio::time::timeout(
+                Duration::from_secs(5),
+                tokio::net::lookup_host((bare, *port)),
+            )
+            .await;
+            let places: HashSet<Place> = match resolved {
+                Ok(Ok(addrs)) => addrs.map(Place::Socket).collect(),
+                _ => HashSet::new(),
+            };
+            if places.is_empty() {
+                return HashSet::from([Place::Name(bare.to_ascii_lowercase(), *port)]);
+            }
+            places
+        }
+        ConnectionAddr::Unix(path) => {
+            let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.clone());
+            HashSet::from([Place::Path(path)])
+        }
+        // A kind of address this version does not know: nothing to compare.
+        _ => HashSet::new(),
+    }
 }
 
 /// A single Redis instance for one URL, Redlock over several.

@@ -2,7 +2,10 @@
 
 use std::time::{Duration, SystemTime};
 
-use distlock::{AdvisoryKey, Holder, LockKey, LockMode};
+use std::collections::HashSet;
+
+use distlock::LockKey;
+use distlock::postgres::{AdvisoryKey, ChainLink, Holder, LockMode};
 use serde_json::json;
 
 use crate::Failure;
@@ -44,6 +47,8 @@ pub(crate) async fn holders(args: HoldersArgs) -> Result<u8, Failure> {
     };
     if args.json {
         println!("{}", to_json(&holders, label));
+    } else if args.tree {
+        print!("{}", to_tree(&holders, label));
     } else {
         print!("{}", to_table(&holders, label));
     }
@@ -87,10 +92,31 @@ fn to_json(holders: &[Holder], label: impl Fn(&Holder) -> String) -> String {
                 "since": since(h),
                 "state": state(h),
                 "mode": mode(h),
+                "blocked_by": h.blocked_by,
+                "waits_for": h.waits_for.iter().map(|w| link_json(h, w, &label)).collect::<Vec<_>>(),
             })
         })
         .collect();
     serde_json::Value::Array(rows).to_string()
+}
+
+/// One session a waiter waits behind: its lock on the waiter's key.
+fn link_json(
+    waiter: &Holder,
+    link: &ChainLink,
+    label: &impl Fn(&Holder) -> String,
+) -> serde_json::Value {
+    json!({
+        "key": label(waiter),
+        "pid": link.pid,
+        "application": link.application_name,
+        "since": link.since.map(|t| humantime::format_rfc3339_seconds(t).to_string()),
+        "state": if link.granted { "held" } else { "waiting" },
+        "mode": match link.mode {
+            LockMode::Exclusive => "exclusive",
+            LockMode::Shared => "shared",
+        },
+    })
 }
 
 /// An aligned text table (or a sentence when there is nothing to show).
@@ -143,4 +169,108 @@ fn to_table(holders: &[Holder], label: impl Fn(&Holder) -> String) -> String {
         out.push('\n');
     }
     out
+}
+
+/// One line of the tree: what the session does with one lock.
+fn tree_line(holder: &Holder, label: &impl Fn(&Holder) -> String) -> String {
+    let verb = if holder.granted { "holds" } else { "waits for" };
+    let app = holder
+        .application_name
+        .as_deref()
+        .map(|name| format!(", application \"{name}\""))
+        .unwrap_or_default();
+    let age = age(holder)
+        .map(|age| format!(", for {age}"))
+        .unwrap_or_default();
+    format!(
+        "pid {} {verb} {} ({}{app}{age})",
+        holder.pid,
+        label(holder),
+        mode(holder)
+    )
+}
+
+/// The wait forest: every session that waits for nothing at the root (its
+/// rows: what it holds), and below each session the waiting rows of the
+/// sessions that wait for it. A session that waits for several appears
+/// below each. A cycle (a deadlock the server has not broken yet) has no
+/// such root: it is drawn from its lowest pid (what it holds and what it
+/// waits for), round to that pid again, marked as a cycle; so is what waits
+/// behind it.
+fn to_tree(holders: &[Holder], label: impl Fn(&Holder) -> String) -> String {
+    if holders.is_empty() {
+        return "no advisory locks are held or awaited\n".to_owned();
+    }
+    let waiting = |pid: i32| holders.iter().any(|h| h.pid == pid && !h.granted);
+    let mut tops: Vec<i32> = holders
+        .iter()
+        .filter(|h| !waiting(h.pid))
+        .map(|h| h.pid)
+        .collect();
+    tops.dedup();
+    let mut drawn = HashSet::new();
+    let mut out = String::new();
+    for top in tops {
+        draw_from(holders, top, &label, &mut drawn, &mut out);
+    }
+    // What no root reaches waits in (or behind) a cycle.
+    while let Some(left) = holders.iter().find(|h| !drawn.contains(&h.pid)) {
+        let chain = distlock::postgres::wait_chain(holders, left.pid);
+        let top = match chain.cycle {
+            Some(back) => {
+                let from = chain.links.iter().position(|l| l.pid == back);
+                let ring = &chain.links[from.unwrap_or(0)..];
+                ring.iter().map(|l| l.pid).min().unwrap_or(left.pid)
+            }
+            None => chain.links.last().map_or(left.pid, |l| l.pid),
+        };
+        // A top already drawn cannot repeat the loop: draw the row's own
+        // session then.
+        let top = if drawn.contains(&top) { left.pid } else { top };
+        draw_from(holders, top, &label, &mut drawn, &mut out);
+    }
+    out
+}
+
+/// Draws session `top`'s rows at the left margin and its waiters below.
+fn draw_from(
+    holders: &[Holder],
+    top: i32,
+    label: &impl Fn(&Holder) -> String,
+    drawn: &mut HashSet<i32>,
+    out: &mut String,
+) {
+    drawn.insert(top);
+    for row in holders.iter().filter(|h| h.pid == top) {
+        out.push_str(&tree_line(row, label));
+        out.push('\n');
+    }
+    waiters_below(holders, top, 1, &mut vec![top], (label, drawn), out);
+}
+
+fn waiters_below(
+    holders: &[Holder],
+    pid: i32,
+    depth: usize,
+    path: &mut Vec<i32>,
+    (label, drawn): (&impl Fn(&Holder) -> String, &mut HashSet<i32>),
+    out: &mut String,
+) {
+    for row in holders
+        .iter()
+        .filter(|h| !h.granted && h.blocked_by.contains(&pid))
+    {
+        out.push_str(&"   ".repeat(depth - 1));
+        out.push_str("└─ ");
+        out.push_str(&tree_line(row, label));
+        if path.contains(&row.pid) {
+            out.push_str(" (a cycle: a deadlock)\n");
+            continue;
+        }
+        out.push('\n');
+        drawn.insert(row.pid);
+        path.push(row.pid);
+        waiters_below(holders, row.pid, depth + 1, path, (label, drawn), out);
+        path.pop();
+    }
 }

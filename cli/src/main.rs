@@ -7,7 +7,8 @@
 //! distlock holders --json
 //! ```
 //!
-//! Installed with `cargo install --path cli` from a checkout of distlock.
+//! Installed with `cargo install distlock-cli` (or `cargo install --path cli`
+//! from a checkout of distlock).
 // `deny` rather than `forbid`: the one exception is the child's pre-exec
 // hook in `process.rs`, which the standard library only offers as `unsafe`.
 #![deny(unsafe_code)]
@@ -22,6 +23,7 @@
 mod args;
 mod backend;
 mod holders;
+mod inherit;
 mod process;
 mod redact;
 mod run;
@@ -65,8 +67,9 @@ Exit codes of `distlock run`:
 
 Environment:
   DATABASE_URL        connection URL when --database-url is not given
-  DISTLOCK_REDIS_URL  Redis URL(s), separated by spaces, when no --redis-url
-                      is given (keeps them off the command line)
+  DISTLOCK_REDIS_URL  Redis URL(s), separated by single spaces, when no
+                      --redis-url is given (keeps them off the command line)
+  DISTLOCK_LEASE_TABLE  as --lease-table: 1/true/yes/on or 0/false/no/off
   RUST_LOG            log filter (default: warn), e.g. RUST_LOG=info
 
 Environment of the command run by `distlock run`:

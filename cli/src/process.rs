@@ -3,6 +3,7 @@
 //! group while it runs, so that an interactive command still works.
 
 use std::fs::File;
+use std::os::fd::RawFd;
 
 use nix::errno::Errno;
 use nix::sys::signal::{SigSet, SigmaskHow, Signal, killpg, pthread_sigmask, raise};
@@ -167,9 +168,10 @@ impl Terminal {
 /// signal), so a distlock killed with SIGKILL, which cannot stop the command
 /// itself, does not leave it running without the lock. That signal reaches
 /// the command only, not processes it started; and the kernel drops it when
-/// the command executes a set-user-ID program.
+/// the command executes a set-user-ID program. The descriptors in `inherit`
+/// stay open in the command (see `inherit.rs`).
 #[allow(unsafe_code)]
-pub(crate) fn prepare(command: &mut Command, terminal: Option<&Terminal>) {
+pub(crate) fn prepare(command: &mut Command, terminal: Option<&Terminal>, inherit: Vec<RawFd>) {
     command.process_group(0);
     let tty = terminal.and_then(Terminal::for_child);
     #[cfg(target_os = "linux")]
@@ -187,6 +189,7 @@ pub(crate) fn prepare(command: &mut Command, terminal: Option<&Terminal>) {
                 return Err(Errno::ESRCH.into());
             }
         }
+        crate::inherit::keep_across_exec(&inherit);
         if let Some(tty) = &tty {
             // The child is not in the foreground group yet: block SIGTTOU
             // around the change. A failure leaves the command in the
@@ -198,7 +201,7 @@ pub(crate) fn prepare(command: &mut Command, terminal: Option<&Terminal>) {
     // SAFETY: the hook runs in the forked child between `fork` and `exec`
     // (after `process_group(0)` took effect), where only async-signal-safe
     // functions may be called. It makes system calls only (prctl, getppid,
-    // pthread_sigmask, tcsetpgrp, getpid) and builds its error from an errno
+    // fcntl, pthread_sigmask, tcsetpgrp, getpid) and builds its error from an errno
     // code: no allocation, no locks, no tracing.
     unsafe {
         command.pre_exec(hook);

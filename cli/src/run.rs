@@ -1,18 +1,23 @@
 //! `distlock run`: hold a lock while a command runs.
 
 use std::io::IsTerminal;
+use std::os::fd::RawFd;
 use std::os::unix::process::ExitStatusExt;
+use std::pin::Pin;
 use std::process::ExitStatus;
 use std::time::Duration;
 
-use distlock::{Error, FencingToken, Lease, LockKey, LockWaiter, LossReason};
+use distlock::postgres::LockWaiter;
+use distlock::{Error, FencingToken, Lease, LockKey, LossReason};
 use indicatif::{ProgressBar, ProgressStyle};
 use nix::sys::signal::Signal;
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{Signal as SignalStream, SignalKind, signal};
+use tokio::time::Sleep;
 
 use crate::args::RunArgs;
 use crate::backend::{self, Backend};
+use crate::inherit;
 use crate::process::{self, Group, Terminal};
 use crate::{
     EXIT_BUSY, EXIT_CANNOT_EXECUTE, EXIT_LOST, EXIT_NOT_FOUND, EXIT_TIMEOUT, EXIT_UNAVAILABLE,
@@ -23,6 +28,9 @@ use crate::{
 const ENV_KEY: &str = "DISTLOCK_KEY";
 /// The command's environment variable holding the lock's fencing token.
 const ENV_FENCING_TOKEN: &str = "DISTLOCK_FENCING_TOKEN";
+
+/// `--heartbeat` when not given.
+const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
 
 /// How the command's run ended.
 enum Ended {
@@ -39,8 +47,16 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     let key = LockKey::from(args.key.as_str());
     key.validate()
         .map_err(|err| Failure::usage(err.to_string()))?;
+    if args.heartbeat.is_some() && !args.conn.redis_urls.is_empty() {
+        // Silently ignoring it would promise a loss detection Redis does not do.
+        return Err(Failure::usage(
+            "--heartbeat is for PostgreSQL; a Redis lease is extended by its watchdog \
+             every third of its TTL: drop --heartbeat or --redis-url",
+        ));
+    }
+    let heartbeat = args.heartbeat.unwrap_or(DEFAULT_HEARTBEAT);
     let application = format!("distlock run {}", args.key);
-    let backend = backend::connect(&args.conn, &application, args.heartbeat, args.fencing).await?;
+    let backend = backend::connect(&args.conn, &application, heartbeat, args.fencing).await?;
 
     let Some(lease) = acquire(&backend, &key, args.wait, args.quiet).await? else {
         return Ok(EXIT_BUSY);
@@ -56,7 +72,15 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     };
     let terminal = Terminal::open();
     let token = lease.fencing_token();
-    let (mut child, group) = match spawn(&args, &key, token, terminal.as_ref()) {
+    // A session lock lives as long as its connection: the command holds it
+    // too, so a SIGKILL of distlock frees the lock only once the command and
+    // what it started are gone. A lease's expiry does not depend on sockets.
+    let inherit = if backend.postgres.is_some() {
+        inherit::database_sockets()
+    } else {
+        Vec::new()
+    };
+    let (mut child, group) = match spawn(&args, &key, token, terminal.as_ref(), inherit) {
         Ok(spawned) => spawned,
         Err(failure) => {
             if let Some(terminal) = &terminal {
@@ -67,7 +91,15 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
             return Err(failure);
         }
     };
-    let ended = supervise(&mut child, group, &*lease, &mut signals, terminal.as_ref()).await;
+    let ended = supervise(
+        &mut child,
+        group,
+        &*lease,
+        &mut signals,
+        terminal.as_ref(),
+        args.grace,
+    )
+    .await;
     // Nothing of the command may run on once the lock is released or lost.
     match &ended {
         Ok(Ended::Exited(_)) => {
@@ -198,6 +230,7 @@ fn spawn(
     key: &LockKey,
     token: Option<FencingToken>,
     terminal: Option<&Terminal>,
+    inherit: Vec<RawFd>,
 ) -> Result<(Child, Group), Failure> {
     let Some((program, rest)) = args.command.split_first() else {
         return Err(Failure::usage("no command given after --"));
@@ -209,7 +242,7 @@ fn spawn(
         // Not one inherited from an outer run: it would belong to another lock.
         None => command.env_remove(ENV_FENCING_TOKEN),
     };
-    process::prepare(&mut command, terminal);
+    process::prepare(&mut command, terminal, inherit);
     let child = command.spawn().map_err(|err| {
         let code = if err.kind() == std::io::ErrorKind::NotFound {
             EXIT_NOT_FOUND
@@ -255,13 +288,21 @@ impl Signals {
 
 /// Waits for the command to exit or the lease to be lost, forwarding
 /// SIGINT, SIGTERM and SIGHUP to the command's process group meanwhile.
+///
+/// A forwarded SIGTERM asks the command to end: if the group is still there
+/// `grace` later (it ignores or traps SIGTERM and goes on), it gets SIGKILL,
+/// as `timeout --kill-after` does. Otherwise a stop request would hold the
+/// lock for as long as the command chose to ignore it.
 async fn supervise(
     child: &mut Child,
     group: Group,
     lease: &dyn Lease,
     signals: &mut Signals,
     terminal: Option<&Terminal>,
+    grace: Duration,
 ) -> Result<Ended, Failure> {
+    // Armed by the first forwarded SIGTERM; `sleep` saturates a huge grace.
+    let mut kill_after: Option<Pin<Box<Sleep>>> = None;
     loop {
         tokio::select! {
             status = child.wait() => {
@@ -269,8 +310,18 @@ async fn supervise(
                 return Ok(Ended::Exited(status));
             }
             reason = lease.lost() => return Ok(Ended::Lost(reason)),
+            () = until_armed(&mut kill_after) => {
+                tracing::warn!("the command did not exit within the grace period after SIGTERM; sending SIGKILL");
+                group.signal(Signal::SIGKILL);
+                kill_after = None;
+            }
             Some(()) = signals.interrupt.recv() => group.signal(Signal::SIGINT),
-            Some(()) = signals.terminate.recv() => group.signal(Signal::SIGTERM),
+            Some(()) = signals.terminate.recv() => {
+                group.signal(Signal::SIGTERM);
+                if kill_after.is_none() {
+                    kill_after = Some(Box::pin(tokio::time::sleep(grace)));
+                }
+            }
             Some(()) = signals.hangup.recv() => group.signal(Signal::SIGHUP),
             Some(()) = signals.child.recv() => {
                 if let Some(terminal) = terminal
@@ -280,6 +331,14 @@ async fn supervise(
                 }
             }
         }
+    }
+}
+
+/// Completes when `timer` is set and has run out; never while it is unset.
+async fn until_armed(timer: &mut Option<Pin<Box<Sleep>>>) {
+    match timer {
+        Some(timer) => timer.await,
+        None => std::future::pending().await,
     }
 }
 
@@ -331,16 +390,13 @@ async fn release(lease: Box<dyn Lease>) -> Released {
     }
 }
 
-/// Whether a failed release shows that the lock was no longer held: lost,
-/// not held by the session, a different backend answering, or the lock's
+/// Whether a failed release shows that the lock was no longer held: lost
+/// (or not held by the session at release), a different backend answering, or the lock's
 /// PostgreSQL connection failed (which ends the session and its locks).
 fn shows_loss(err: &Error) -> bool {
     matches!(
         err,
-        Error::LockLost { .. }
-            | Error::LockNotHeld { .. }
-            | Error::PoolerDetected { .. }
-            | Error::Database(_)
+        Error::LockLost { .. } | Error::PoolerDetected { .. } | Error::Database(_)
     )
 }
 

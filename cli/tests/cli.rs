@@ -407,6 +407,150 @@ async fn holders_lists_a_running_lock_as_table_and_json(pool: PgPool) {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 }
 
+/// `holders --tree` draws the chain A holds 1 ← B waits for 1 (holding 2)
+/// ← C waits for 2, indented by depth.
+#[sqlx::test(migrations = false)]
+async fn holders_tree_draws_who_waits_for_whom(pool: PgPool) {
+    use sqlx::Connection;
+    let url = url_of(&pool);
+    let connect = || async { sqlx::PgConnection::connect(&url).await.expect("connect") };
+    let (mut a, mut b, mut c) = (connect().await, connect().await, connect().await);
+    async fn pid(conn: &mut sqlx::PgConnection) -> i32 {
+        sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(conn)
+            .await
+            .expect("pid")
+    }
+    let (pid_a, pid_b, pid_c) = (pid(&mut a).await, pid(&mut b).await, pid(&mut c).await);
+    for (conn, key) in [(&mut a, 1), (&mut b, 2)] {
+        sqlx::query("SELECT pg_advisory_lock($1::int8)")
+            .bind(key)
+            .execute(conn)
+            .await
+            .expect("lock");
+    }
+    let b_waits = tokio::spawn(async move {
+        let _ = sqlx::query("SELECT pg_advisory_lock(1::int8)")
+            .execute(&mut b)
+            .await;
+        b
+    });
+    let c_waits = tokio::spawn(async move {
+        let _ = sqlx::query("SELECT pg_advisory_lock(2::int8)")
+            .execute(&mut c)
+            .await;
+        c
+    });
+    let mut obs = observer_for(&pool).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+    )
+    .fetch_one(&mut obs)
+    .await
+    .expect("count waiters")
+        < 2
+    {
+        assert!(Instant::now() < deadline, "the waits never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let out = finish(
+        distlock(&url, &["holders", "--tree"])
+            .spawn()
+            .expect("holders --tree"),
+        "holders --tree",
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{stdout}");
+    assert!(
+        lines[0].starts_with(&format!("pid {pid_a} holds 1 ")),
+        "{stdout}"
+    );
+    assert!(
+        lines[1].starts_with(&format!("└─ pid {pid_b} waits for 1 ")),
+        "{stdout}"
+    );
+    assert!(
+        lines[2].starts_with(&format!("   └─ pid {pid_c} waits for 2 ")),
+        "{stdout}"
+    );
+    // --json names whom each waiter waits behind.
+    let out = finish(
+        distlock(&url, &["holders", "--json"])
+            .spawn()
+            .expect("holders --json"),
+        "holders --json",
+    )
+    .await;
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let waiting_b = rows
+        .as_array()
+        .expect("an array")
+        .iter()
+        .find(|r| r["pid"] == pid_b && r["state"] == "waiting")
+        .expect("B's waiting row");
+    assert_eq!(waiting_b["waits_for"][0]["pid"], pid_a, "{rows}");
+    assert_eq!(waiting_b["waits_for"][0]["state"], "held", "{rows}");
+    sqlx::query("SELECT pg_advisory_unlock_all()")
+        .execute(&mut a)
+        .await
+        .expect("unlock a");
+    let mut b = b_waits.await.expect("b");
+    sqlx::query("SELECT pg_advisory_unlock_all()")
+        .execute(&mut b)
+        .await
+        .expect("unlock b");
+    let _ = c_waits.await;
+}
+
+/// A ring where every session waits (a deadlock the server has not broken
+/// yet) has no session that waits for nothing, and is drawn all the same:
+/// from its lowest pid round to that pid again, marked as a cycle.
+#[sqlx::test(migrations = false)]
+async fn holders_tree_draws_a_cycle_where_every_session_waits(pool: PgPool) {
+    let ring = cycle::ring(&pool, &[1, 2]).await;
+    let (pid_a, pid_b) = (ring.pids[0], ring.pids[1]);
+    let out = finish(
+        distlock(&url_of(&pool), &["holders", "--tree"])
+            .spawn()
+            .expect("holders --tree"),
+        "holders --tree",
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    // The lower pid heads the cycle: what it holds, what it waits for, the
+    // other session waiting for it, and the head again, closing the cycle.
+    let (head, other, head_waits, other_waits) = if pid_a < pid_b {
+        (pid_a, pid_b, 2, 1)
+    } else {
+        (pid_b, pid_a, 1, 2)
+    };
+    assert_eq!(lines.len(), 4, "{stdout}");
+    assert!(
+        lines[0].starts_with(&format!("pid {head} holds {other_waits} ")),
+        "{stdout}"
+    );
+    assert!(
+        lines[1].starts_with(&format!("pid {head} waits for {head_waits} ")),
+        "{stdout}"
+    );
+    assert!(
+        lines[2].starts_with(&format!("└─ pid {other} waits for {other_waits} ")),
+        "{stdout}"
+    );
+    assert!(
+        lines[3].starts_with(&format!("   └─ pid {head} waits for {head_waits} ")),
+        "{stdout}"
+    );
+    assert!(lines[3].ends_with("(a cycle: a deadlock)"), "{stdout}");
+    ring.end(&pool).await;
+}
+
 #[sqlx::test(migrations = false)]
 async fn a_password_never_appears_in_output(pool: PgPool) {
     let opts = pool.connect_options();
@@ -688,7 +832,72 @@ async fn a_killed_distlock_takes_the_command_with_it(pool: PgPool) {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// Runs a command under `distlock run KEY --heartbeat 1h EXTRA` that waits
+/// A process the command started lives on after distlock is killed with
+/// SIGKILL (the parent-death signal reaches the command only): the lock stays
+/// held until that process is gone too, so a second run's command never
+/// starts beside it.
+#[sqlx::test(migrations = false)]
+async fn a_killed_distlock_holds_the_lock_until_the_commands_leftovers_exit(pool: PgPool) {
+    let url = url_of(&pool);
+    let dir = scratch("leftovers");
+    let pid_file = dir.join("pid");
+    let pid_arg = pid_file.to_string_lossy().into_owned();
+    // `sleep 2` is the command's child: it outlives the shell that the
+    // parent-death signal kills.
+    let mut first = distlock(
+        &url,
+        &[
+            "run",
+            "leftovers",
+            "--",
+            "sh",
+            "-c",
+            "sleep 2 & echo $! > \"$0\"; wait",
+            &pid_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn the first run");
+    let leftover = read_pid(&pid_file).await;
+    let _cleanup = KillOnDrop(vec![leftover]);
+    wait_until_held(&pool, "leftovers").await;
+    first.start_kill().expect("kill -9 the first distlock");
+    let _ = first.wait().await;
+    assert!(alive(leftover), "the leftover process ended too early");
+    // The second command reports whether the leftover still ran when it
+    // started.
+    let check = format!(
+        "if [ -r /proc/{leftover}/stat ] && [ \"$(cut -d' ' -f3 /proc/{leftover}/stat)\" != Z ]; \
+         then echo overlap; else echo alone; fi"
+    );
+    let second = distlock(
+        &url,
+        &[
+            "run",
+            "leftovers",
+            "--wait",
+            "20s",
+            "--",
+            "sh",
+            "-c",
+            &check,
+        ],
+    )
+    .output()
+    .await
+    .expect("the second run");
+    assert!(second.status.success(), "{}", text(&second));
+    assert_eq!(
+        String::from_utf8_lossy(&second.stdout).trim(),
+        "alone",
+        "the second run's command started while the first command's process \
+         (pid {leftover}) still ran"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Runs a command under `distlock run KEY --heartbeat 10s EXTRA` (the
+/// longest) that waits
 /// until the test has terminated the lock's session, then exits 0: the loss
 /// is found only when the lock is released.
 async fn run_with_a_loss_found_at_release(pool: &PgPool, key: &str, extra: &[&str]) -> Output {
@@ -698,7 +907,7 @@ async fn run_with_a_loss_found_at_release(pool: &PgPool, key: &str, extra: &[&st
     let go = dir.join("go");
     let ready_arg = ready.to_string_lossy().into_owned();
     let go_arg = go.to_string_lossy().into_owned();
-    let mut args = vec!["run", key, "--heartbeat", "1h"];
+    let mut args = vec!["run", key, "--heartbeat", "10s"];
     args.extend(extra);
     args.extend([
         "--",
@@ -877,6 +1086,16 @@ async fn huge_durations_saturate_instead_of_panicking(pool: PgPool) {
     let url = url_of(&pool);
     // About the largest duration humantime reads (u64 seconds).
     const HUGE: &str = "500000000000years";
+    // A heartbeat has a range: a huge one is refused, not lowered.
+    let out = finish(
+        distlock(&url, &["run", "huge", "--heartbeat", HUGE, "--", "true"])
+            .spawn()
+            .expect("spawn"),
+        "run with a huge heartbeat",
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{}", text(&out));
+    assert!(text(&out).contains("heartbeat"), "{}", text(&out));
     let out = finish(
         distlock(
             &url,
@@ -884,8 +1103,6 @@ async fn huge_durations_saturate_instead_of_panicking(pool: PgPool) {
                 "run",
                 "huge",
                 "--wait",
-                HUGE,
-                "--heartbeat",
                 HUGE,
                 "--grace",
                 HUGE,
@@ -1081,17 +1298,22 @@ async fn with_lease_table_a_lost_lease_stops_the_command_and_exits_76(pool: PgPo
 /// The command under test: it leaves a marker named after its pid while it
 /// runs, and records an overlap when another command's marker belongs to a
 /// live process (a killed command's marker stays behind, but its process is
-/// gone; a zombie counts as gone). It looks before and after its work, so
-/// two commands that overlap at all see each other.
+/// gone). A process counts as gone once it is exiting: a zombie, or one whose
+/// flags (field 9 of `/proc/PID/stat`) carry the kernel's `PF_EXITING`
+/// (0x4), set before it closes its files and after which it runs no more
+/// code of its own. It looks before and after its work, so two commands that
+/// overlap at all see each other.
 const MARKED_COMMAND: &str = r#"d="$0"; me=$$
 look() {
   for f in "$d"/run.*; do
     [ -e "$f" ] || continue
     p=${f##*.}
     [ "$p" = "$me" ] && continue
-    if [ -r "/proc/$p/stat" ] && [ "$(cut -d' ' -f3 "/proc/$p/stat")" != Z ]; then
-      echo "$me saw $p" >> "$d/overlaps"
-    fi
+    [ -r "/proc/$p/stat" ] || continue
+    set -- $(cut -d' ' -f3,9 "/proc/$p/stat" 2>/dev/null)
+    [ -n "$1" ] && [ "$1" != Z ] && [ "$1" != X ] || continue
+    [ $(( ${2:-4} & 4 )) -eq 0 ] || continue
+    echo "$me saw $p" >> "$d/overlaps"
   done
 }
 : > "$d/run.$me"; look; sleep 0.05; look; rm -f "$d/run.$me""#;
@@ -1239,4 +1461,198 @@ async fn the_marker_check_sees_commands_run_without_the_lock(pool: PgPool) {
         !overlaps.is_empty(),
         "three unlocked loops never overlapped"
     );
+}
+
+// ---- misuse: escalation, Redis URLs, booleans, option combinations -----------
+
+const EXIT_USAGE: i32 = 64;
+
+/// A command that ignores SIGTERM (its whole group: an ignored signal stays
+/// ignored across exec) gets SIGKILL once --grace has passed after a SIGTERM
+/// forwarded to it.
+#[sqlx::test(migrations = false)]
+async fn a_forwarded_sigterm_the_command_ignores_is_followed_by_sigkill_after_the_grace(
+    pool: PgPool,
+) {
+    let url = url_of(&pool);
+    let dir = scratch("ignores-term");
+    let ready = dir.join("ready");
+    let ready_arg = ready.to_string_lossy().into_owned();
+    let run = distlock(
+        &url,
+        &[
+            "run",
+            "ignores-term",
+            "--grace",
+            "1s",
+            "--",
+            "sh",
+            "-c",
+            "trap '' TERM; echo $$ > \"$0\"; while :; do sleep 0.1; done",
+            &ready_arg,
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    let child = read_pid(&ready).await;
+    let _cleanup = KillOnDrop(vec![child]);
+    let pid = run.id().expect("pid");
+    let signalled = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid fits")),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("signal distlock");
+    let out = bounded(
+        "distlock after a forwarded SIGTERM the command ignores (--grace 1s)",
+        Duration::from_secs(8),
+        run.wait_with_output(),
+    )
+    .await
+    .expect("wait for distlock");
+    println!(
+        "ended {:?} after the SIGTERM\n{}",
+        signalled.elapsed(),
+        text(&out)
+    );
+    // Killed by SIGKILL: the shell's 128 + 9.
+    assert_eq!(out.status.code(), Some(137), "{}", text(&out));
+    assert!(!alive(child), "the command (pid {child}) is gone");
+    let mut obs = observer_for(&pool).await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(3)).await;
+    close(obs).await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `distlock run` against Redis only (no DATABASE_URL), with `env` set.
+async fn redis_run(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = distlock("", args);
+    cmd.env_remove("DATABASE_URL")
+        .env_remove("DISTLOCK_REDIS_URL");
+    for (name, value) in env {
+        cmd.env(name, value);
+    }
+    finish(cmd.spawn().expect("spawn distlock"), "run on Redis").await
+}
+
+#[tokio::test]
+async fn malformed_or_blank_redis_urls_are_usage_errors() {
+    for bad in [
+        "not a url",
+        "http://127.0.0.1:6379",
+        "redis://127.0.0.1:notaport",
+    ] {
+        let out = redis_run(&["run", "--redis-url", bad, "k", "--", "true"], &[]).await;
+        assert_eq!(
+            out.status.code(),
+            Some(EXIT_USAGE),
+            "{bad:?}: {}",
+            text(&out)
+        );
+    }
+    for blank in ["", "   ", " redis://127.0.0.1:1  redis://127.0.0.1:2"] {
+        let out = redis_run(
+            &["run", "k", "--", "true"],
+            &[("DISTLOCK_REDIS_URL", blank)],
+        )
+        .await;
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(EXIT_USAGE), "{blank:?}: {all}");
+        assert!(all.contains("empty"), "{blank:?}: {all}");
+    }
+    let out = redis_run(&["run", "--redis-url", "", "k", "--", "true"], &[]).await;
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{}", text(&out));
+}
+
+#[tokio::test]
+async fn one_redis_server_named_twice_is_refused() {
+    let server = common::redis::RedisServer::start().await;
+    let port = server.port();
+    let other = common::redis::RedisServer::start().await;
+    let (numeric, named) = (
+        format!("redis://127.0.0.1:{port}"),
+        format!("redis://localhost:{port}"),
+    );
+    // Two spellings of one free server ("held elsewhere" before), and the
+    // same with a third server (a quorum of one server counted twice).
+    for spellings in [
+        vec![numeric.clone(), named.clone()],
+        vec![numeric.clone(), named.clone(), other.url()],
+    ] {
+        let mut args = vec!["run"];
+        for url in &spellings {
+            args.extend(["--redis-url", url.as_str()]);
+        }
+        args.extend(["dup-nodes", "--", "true"]);
+        let out = redis_run(&args, &[]).await;
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(EXIT_USAGE), "{spellings:?}: {all}");
+        assert!(all.contains("same Redis server"), "{all}");
+    }
+    // Three different servers are fine.
+    let third = common::redis::RedisServer::start().await;
+    let urls = [server.url(), other.url(), third.url()];
+    let mut args = vec!["run"];
+    for url in &urls {
+        args.extend(["--redis-url", url.as_str()]);
+    }
+    args.extend(["dup-nodes", "--", "true"]);
+    let out = redis_run(&args, &[]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+}
+
+#[sqlx::test(migrations = false)]
+async fn lease_table_takes_only_documented_booleans(pool: PgPool) {
+    let url = url_of(&pool);
+    for bad in ["maybe", "2", "enabled"] {
+        let mut cmd = distlock(&url, &["run", "bool", "--", "true"]);
+        cmd.env("DISTLOCK_LEASE_TABLE", bad);
+        let out = finish(cmd.spawn().expect("spawn"), "run with a bad boolean").await;
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(EXIT_USAGE), "{bad:?}: {all}");
+        assert!(
+            all.contains("DISTLOCK_LEASE_TABLE") || all.contains("lease-table"),
+            "{all}"
+        );
+    }
+    // The documented "off" spellings take a session lock (no schema needed).
+    for off in ["0", "false", "no", "off"] {
+        let mut cmd = distlock(&url, &["run", "bool", "--", "true"]);
+        cmd.env("DISTLOCK_LEASE_TABLE", off);
+        let out = finish(cmd.spawn().expect("spawn"), "run with lease table off").await;
+        assert_eq!(out.status.code(), Some(0), "{off:?}: {}", text(&out));
+    }
+}
+
+#[tokio::test]
+async fn heartbeat_with_redis_is_refused() {
+    let server = common::redis::RedisServer::start().await;
+    let url = server.url();
+    let out = redis_run(
+        &[
+            "run",
+            "--redis-url",
+            &url,
+            "--heartbeat",
+            "5s",
+            "hb",
+            "--",
+            "true",
+        ],
+        &[],
+    )
+    .await;
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{all}");
+    assert!(all.contains("--heartbeat"), "{all}");
+    // From the environment too.
+    let out = redis_run(
+        &["run", "--heartbeat", "5s", "hb", "--", "true"],
+        &[("DISTLOCK_REDIS_URL", url.as_str())],
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{}", text(&out));
+    // Without it, Redis runs.
+    let out = redis_run(&["run", "--redis-url", &url, "hb", "--", "true"], &[]).await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 }

@@ -56,7 +56,7 @@ impl JobContext<'_> {
     }
 
     /// The start of the current window when the job runs
-    /// [once per window](crate::SingletonJob::once_per_window).
+    /// [once per window](crate::SingletonJobBuilder::once_per_window).
     pub fn window_start(&self) -> Option<SystemTime> {
         self.window_start
     }

@@ -1,39 +1,38 @@
 //! Running work once across a fleet: the singleton-job runner for cron-style
-//! ticks, and a waiting lock that reports who holds it (for migration
-//! runners).
+//! ticks, over any backend.
 //!
-//! [`SingletonJob`] works on any [`Locker`] (PostgreSQL, Redis), so it takes
-//! an `Arc<dyn Locker>`. [`LockWaiter`] is PostgreSQL only, because only
-//! PostgreSQL can say who holds a lock.
+//! [`SingletonJob`] works on any [`Locker`] (PostgreSQL, Redis, memory), so
+//! it takes an `Arc<dyn Locker>`; its optional per-window run record is a
+//! trait ([`window`]) that the PostgreSQL backend implements, so nothing
+//! here depends on a backend.
 
-mod catch;
+mod builder;
 mod context;
 mod outcome;
+pub(crate) mod window;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sqlx::PgPool;
+use futures_util::FutureExt;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-/// Re-exported here too: waiting for a lock is the migration-runner's half
-/// of running jobs (PostgreSQL only).
-pub use crate::postgres::{LockWaiter, WaitReport};
+pub use builder::SingletonJobBuilder;
 pub use context::JobContext;
 pub use outcome::JobOutcome;
 
-use crate::postgres::job_runs::{self as window, Claim, WindowStart};
-use crate::{Error, Lease, LockKey, Locker, LossReason};
-use catch::CatchUnwind;
+use crate::{Error, Lease, LockKey, Locker, LossReason, PoolerEvidence};
+use window::{Claim, RunWindow, WindowStart};
 
 /// Runs a job on at most one replica at a time: try the lock, run, release.
 ///
 /// Every replica calls [`run`](Self::run) on its tick; the one that takes the
 /// lock runs the job and the others get [`JobOutcome::Skipped`] (logged at
-/// `INFO`: contention is normal, not an error). While the job runs, the lease
+/// `DEBUG`: contention is the normal case on every idle replica, not an
+/// error; the `distlock.job` span records the outcome too). While the job runs, the lease
 /// is watched: if it is lost, the job's cancellation token fires at once, the
-/// job is stopped (after an optional [grace period](Self::stop_grace)), and
+/// job is stopped (after an optional [grace period](SingletonJobBuilder::stop_grace)), and
 /// the outcome is [`JobOutcome::Lost`]. The lease is released at the end
 /// whatever happened: success, error, or panic (caught and reported as
 /// [`JobOutcome::Panicked`]). A job that returned `Ok` is reported
@@ -41,11 +40,11 @@ use catch::CatchUnwind;
 ///
 /// Two options close the gaps a lock alone leaves for periodic work:
 ///
-/// - [`min_hold`](Self::min_hold): keep the lease until at least that long
+/// - [`min_hold`](SingletonJobBuilder::min_hold): keep the lease until at least that long
 ///   after it was taken (ShedLock's `lockAtLeastFor`). Without it, a job
 ///   that takes 5 ms on one replica frees the lock before a slower replica's
 ///   identical tick arrives, and the job runs twice in one tick.
-/// - [`once_per_window`](Self::once_per_window): record each run in
+/// - [`once_per_window`](SingletonJobBuilder::once_per_window): record each run in
 ///   `distlock.job_runs` keyed by (job, window start), so a replica restarted
 ///   within the same window does not run the job again (PostgreSQL only;
 ///   needs [`migrate`](crate::migrate)).
@@ -56,8 +55,9 @@ use catch::CatchUnwind;
 /// use std::time::Duration;
 /// use distlock::{JobOutcome, PgLocker, SingletonJob};
 ///
-/// let job = SingletonJob::new(Arc::new(PgLocker::new(pool.clone())), "cron:invoice-reminders")
-///     .min_hold(Duration::from_secs(30));
+/// let job = SingletonJob::builder(Arc::new(PgLocker::new(pool.clone())), "cron:invoice-reminders")
+///     .min_hold(Duration::from_secs(30))
+///     .build()?;
 /// let mut tick = tokio::time::interval(Duration::from_secs(60));
 /// loop {
 ///     tick.tick().await;
@@ -83,13 +83,6 @@ pub struct SingletonJob {
     window: Option<RunWindow>,
 }
 
-/// The per-window run record's settings.
-#[derive(Debug, Clone)]
-struct RunWindow {
-    pool: PgPool,
-    length: Duration,
-}
-
 /// Whether the run goes on after the window check.
 enum Window<T, E> {
     /// Run the job under this lease (in this window, if one is configured).
@@ -106,10 +99,10 @@ enum Finished<T, E> {
 }
 
 impl SingletonJob {
-    /// A job guarded by the lock `key` taken from `locker`.
-    ///
-    /// Defaults: no minimum hold, no run record, and a job whose lease is
-    /// lost is stopped at once (no grace period).
+    /// A job guarded by the lock `key` taken from `locker`, with the
+    /// defaults: no minimum hold, no run record, and a job whose lease is
+    /// lost is stopped at once (no grace period). [`builder`](Self::builder)
+    /// sets them.
     pub fn new(locker: Arc<dyn Locker>, key: impl Into<LockKey>) -> Self {
         Self {
             locker,
@@ -120,53 +113,9 @@ impl SingletonJob {
         }
     }
 
-    /// Keeps the lease until at least `min_hold` after it was taken, even if
-    /// the job finished sooner (like ShedLock's `lockAtLeastFor`).
-    ///
-    /// Set it somewhat below the tick interval and above the clock skew
-    /// between replicas' ticks: then a fast run on one replica still covers
-    /// the other replicas' identical ticks. When the job finishes early,
-    /// [`run`](Self::run) returns at once and a background task releases the
-    /// lease when the time is up (or drops it if the runtime shuts down,
-    /// which frees it too). The outcome is then decided before that release,
-    /// so a loss it finds is only logged.
-    pub fn min_hold(mut self, min_hold: Duration) -> Self {
-        self.min_hold = min_hold;
-        self
-    }
-
-    /// How long a job whose lease was lost may go on to wind down after its
-    /// cancellation token fired before it is dropped (default zero: dropped
-    /// at once). A grace period lets a job that watches the token stop at a
-    /// clean point; during it the job runs without a lock.
-    pub fn stop_grace(mut self, grace: Duration) -> Self {
-        self.stop_grace = grace;
-        self
-    }
-
-    /// Runs the job at most once per `window` (PostgreSQL only).
-    ///
-    /// After taking the lock, the runner inserts (job key, window start)
-    /// into `distlock.job_runs`; if that row exists, the job already started
-    /// in this window and the outcome is [`JobOutcome::AlreadyRanInWindow`].
-    /// Windows are aligned to the Unix epoch on the database server's clock
-    /// (a one-day window starts at midnight UTC), so replicas agree on them
-    /// whatever their own clocks say.
-    ///
-    /// The row is written *before* the job starts: a replica that crashes
-    /// mid-run is not retried within the window (at most once). Its
-    /// `finished_at` and `outcome` columns record how runs ended; delete a
-    /// row to allow another run in that window.
-    ///
-    /// Costs 2 round trips per run (record, finish). Needs
-    /// [`migrate`](crate::migrate). A zero `window` makes `run` fail with
-    /// [`Error::InvalidConfig`].
-    pub fn once_per_window(mut self, pool: PgPool, window: Duration) -> Self {
-        self.window = Some(RunWindow {
-            pool,
-            length: window,
-        });
-        self
+    /// A builder for a job guarded by the lock `key` taken from `locker`.
+    pub fn builder(locker: Arc<dyn Locker>, key: impl Into<LockKey>) -> SingletonJobBuilder {
+        SingletonJobBuilder::new(Self::new(locker, key))
     }
 
     /// The job's lock key.
@@ -206,7 +155,8 @@ impl SingletonJob {
         F: AsyncFnOnce(JobContext<'_>) -> Result<T, E>,
     {
         let Some(lease) = self.locker.try_lock(self.key.clone()).await? else {
-            tracing::info!(job = %self.key, "job skipped: another holder has the lock");
+            // Routine on every idle replica at every tick: not worth INFO.
+            tracing::debug!(job = %self.key, "job skipped: another holder has the lock");
             crate::metrics::job_finished(&self.key, "skipped", None);
             return Ok(JobOutcome::Skipped);
         };
@@ -243,8 +193,10 @@ impl SingletonJob {
             }
         };
         if let (Some(window), Some(start)) = (&self.window, window_start)
-            && let Err(err) =
-                window::finish(&window.pool, &self.key.to_string(), start, outcome.name()).await
+            && let Err(err) = window
+                .record
+                .finish(&self.key.to_string(), start, outcome.name())
+                .await
         {
             tracing::warn!(job = %self.key, error = %err, "could not record how the job run ended");
         }
@@ -282,11 +234,14 @@ impl SingletonJob {
         let Some(window) = &self.window else {
             return Ok(Window::Run(lease, None));
         };
-        let claim = window::claim(&window.pool, &self.key.to_string(), window.length).await;
+        let claim = window
+            .record
+            .claim(&self.key.to_string(), window.length_us)
+            .await;
         match claim {
             Ok(Claim::Claimed(start)) => Ok(Window::Run(lease, Some(start))),
             Ok(Claim::AlreadyRan(start)) => {
-                tracing::info!(job = %self.key, "job skipped: it already ran in this window");
+                tracing::debug!(job = %self.key, "job skipped: it already ran in this window");
                 crate::metrics::job_finished(&self.key, "already_ran_in_window", None);
                 release_now(lease).await;
                 Ok(Window::Done(JobOutcome::AlreadyRanInWindow {
@@ -318,7 +273,11 @@ impl SingletonJob {
             token: token.clone(),
             window_start: window_start.map(WindowStart::to_system_time),
         };
-        let mut running = CatchUnwind::new(job(ctx));
+        // A panicking job must not unwind through the runner, which still
+        // holds the lease and has to release it. AssertUnwindSafe: after a
+        // panic the future is never polled again (it is dropped), so no
+        // broken invariant can be observed.
+        let mut running = Box::pin(std::panic::AssertUnwindSafe(job(ctx)).catch_unwind());
         tokio::select! {
             // Loss first: a job finishing in the same poll as the loss did its
             // last steps without a lock.
@@ -334,7 +293,7 @@ impl SingletonJob {
             }
             result = &mut running => match result {
                 Ok(returned) => Finished::Returned(returned),
-                Err(message) => Finished::Panicked(message),
+                Err(payload) => Finished::Panicked(panic_message(payload.as_ref())),
             },
         }
     }
@@ -343,17 +302,19 @@ impl SingletonJob {
     /// background once the minimum hold time has passed (then `Ok`: a
     /// failure there is only logged).
     async fn release(&self, lease: Box<dyn Lease>, acquired: Instant) -> Result<(), Error> {
-        let until = acquired + self.min_hold;
-        if Instant::now() >= until {
+        // What is left of the hold, not a point in time: `acquired + min_hold`
+        // overflows (and panics) for a hold as long as `Duration::MAX`, while
+        // `sleep` saturates to "as long as the runtime lives".
+        let left = self.min_hold.saturating_sub(acquired.elapsed());
+        if left.is_zero() {
             return lease.release().await;
         }
-        let until = tokio::time::Instant::from_std(until);
         let span = tracing::debug_span!("distlock.job.min_hold", job = %self.key);
         tokio::spawn(
             async move {
                 let lost = {
                     tokio::select! {
-                        () = tokio::time::sleep_until(until) => false,
+                        () = tokio::time::sleep(left) => false,
                         _ = lease.lost() => true,
                     }
                 };
@@ -376,15 +337,13 @@ impl SingletonJob {
 fn loss_shown_by(err: &Error) -> Option<LossReason> {
     match err {
         Error::LockLost { reason, .. } => Some(reason.clone()),
-        // Redis: the key expired or has another owner; PostgreSQL: the
-        // session no longer held the lock.
-        Error::LockNotHeld { .. } => Some(LossReason::Expired),
-        Error::PoolerDetected {
-            expected_pid,
-            actual_pid,
-        } => Some(LossReason::BackendChanged {
-            expected_pid: *expected_pid,
-            actual_pid: *actual_pid,
+        Error::PoolerDetected { evidence } => Some(match evidence {
+            PoolerEvidence::BackendChanged { from, to } => LossReason::BackendChanged {
+                expected_pid: *from,
+                actual_pid: *to,
+            },
+            PoolerEvidence::SessionShared { message } => LossReason::SessionShared(message.clone()),
+            _ => LossReason::SessionShared(err.to_string()),
         }),
         Error::Database(err) => Some(LossReason::ConnectionFailed(err.to_string())),
         _ => None,
@@ -397,5 +356,17 @@ async fn release_now(lease: Box<dyn Lease>) {
     let key = lease.key().clone();
     if let Err(err) = lease.release().await {
         tracing::warn!(job = %key, error = %err, "releasing the job's lock failed");
+    }
+}
+
+/// The text of a panic payload (`panic!("..")` yields `&str` or `String`).
+/// What a caught panic said, for the outcome and the log.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(text) = payload.downcast_ref::<&str>() {
+        (*text).to_owned()
+    } else if let Some(text) = payload.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "a panic with a non-string payload".to_owned()
     }
 }

@@ -2,7 +2,9 @@
 //! counting [`Semaphore`] and [`LeaderElection`].
 
 mod leader;
+mod permit;
 mod semaphore;
 
-pub use leader::{Campaign, LeaderElection};
+pub use leader::{Campaign, LeaderElection, LeaderElectionBuilder, LeaderInfo, Observer, Term};
+pub use permit::SemaphorePermit;
 pub use semaphore::Semaphore;

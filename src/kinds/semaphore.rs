@@ -1,32 +1,78 @@
-//! A counting semaphore over any backend: at most `permits` leases at once
-//! across all processes.
+//! A counting semaphore: at most `permits` holders at once across all
+//! processes, over any backend, with a PostgreSQL-specialised path.
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::task::JoinSet;
+use tokio::sync::Mutex;
 
-use crate::{Error, Lease, LockKey, Locker};
+use super::permit::SemaphorePermit;
+use crate::postgres::semaphore::PgSlots;
+use crate::{Error, LockKey, Locker};
+
+/// The longest pause between two tries of every slot while a waiter polls a
+/// backend that cannot wait for "any of these keys" (every backend but
+/// PostgreSQL's specialised path). Pauses start at 1 ms and double.
+const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 
 /// At most `permits` holders at once, across every process and locker that
 /// uses the same backend and name.
 ///
-/// The permits are `permits` ordinary locks, `"{name}#0"` … `"{name}#{permits-1}"`:
-/// a holder of any one of them holds a permit, so the bound is exactly as
-/// strong as the backend's mutual exclusion, and each permit's lease is the
-/// backend's lease (with its fencing token where the backend issues them,
-/// and its `lost()`). The cost of that layout: a try costs up to `permits`
-/// lock attempts (it starts at a random slot, so holders spread out), and a
-/// waiting [`acquire`](Self::acquire) waits on every slot at once (on
-/// PostgreSQL's default mode, one pooled connection per slot while it
-/// waits), so keep `permits` small (tens, not thousands).
+/// The permits are `permits` ordinary locks, the slots `"{name}#0"` …
+/// `"{name}#{permits-1}"` in the reserved namespace
+/// [`SLOT_NAMESPACE`](Self::SLOT_NAMESPACE), so a plain lock named
+/// `"{name}#0"` is another lock. A holder of any one slot holds a permit, so
+/// the bound is exactly as strong as the backend's mutual exclusion, and each
+/// [`SemaphorePermit`] is the backend's guard of its slot (with its fencing
+/// token where the backend issues them, and its loss).
+///
+/// # Two ways to build one
+///
+/// - [`PgLocker::semaphore`](crate::PgLocker::semaphore), on PostgreSQL: a
+///   try is **one statement** whatever the number of permits (it tries every
+///   slot in order and stops at the first granted); a waiting
+///   [`acquire`](Self::acquire) is served **in arrival order across
+///   processes**, and the waiters of one `Semaphore` (and its clones)
+///   **hold one pooled connection between them** however many they are,
+///   plus one connection per held permit. See "Waiting on PostgreSQL".
+/// - [`Semaphore::new`] over any [`Locker`] (Redis, the in-memory backend,
+///   or a `PgLocker` seen as a `Locker`): a try is one `try_lock` per slot,
+///   in order, up to `permits` of them; a waiter polls every slot, pausing
+///   1 ms and then twice as long each time up to 50 ms, and holds no
+///   connection between tries. Waiters of one `Semaphore` are served in
+///   arrival order within the process; across processes there is no order.
+///
+/// Both kinds of users of one semaphore on one PostgreSQL database see each
+/// other's permits (the slots are the same locks), but only the first takes
+/// part in the cross-process queue.
+///
+/// # Waiting on PostgreSQL
+///
+/// The waiters of a `Semaphore` line up in the process, first come first
+/// served (a `tokio` mutex). Only the first of them, the head, talks to the
+/// server: it tries (1 round trip) and, if every permit is held, runs one
+/// waiting statement that queues on the semaphore's queue lock (one more
+/// lock in [`SLOT_NAMESPACE`](Self::SLOT_NAMESPACE), `"{name}#queue"`), so
+/// that the heads of every process wait in PostgreSQL's own lock queue,
+/// first come first served. At the front of that queue the statement tries
+/// every slot on the server about every 2 ms (no round trip, no write),
+/// takes the first freed one and lets go of the queue in the same statement:
+/// a freed permit waits about 2 ms at most, and the server spends about 500
+/// tries of `permits` advisory locks a second on a queue's head. The
+/// connection that took the slot becomes the permit's, and the next waiter
+/// in the process becomes the head on a connection of its own. A try
+/// ([`try_acquire`](Self::try_acquire)) takes no permit while some process's
+/// head is queued or at the front: freed permits go to waiters first.
+///
+/// So "arrival order" is the order in which heads reach the server: a
+/// process's second waiter queues on the server once its first is served.
 ///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
-/// use std::sync::Arc;
 /// use std::time::Duration;
-/// let locker = Arc::new(distlock::PgLocker::new(pool));
-/// let exports = distlock::Semaphore::new(locker, "exports", 3);
+/// let locker = distlock::PgLocker::new(pool);
+/// let exports = locker.semaphore("exports", 3)?;
 /// let permit = exports.acquire(Duration::from_secs(30)).await?;
 /// // ... at most three exports run at once, cluster-wide ...
 /// permit.release().await?;
@@ -34,116 +80,201 @@ use crate::{Error, Lease, LockKey, Locker};
 /// ```
 #[derive(Debug, Clone)]
 pub struct Semaphore {
-    locker: Arc<dyn Locker>,
-    name: String,
-    permits: u32,
+    name: Arc<str>,
+    permits: NonZeroU32,
+    backend: Backend,
+    /// This process's waiters, first come first served; shared by clones.
+    queue: Arc<Mutex<()>>,
+}
+
+#[derive(Debug, Clone)]
+enum Backend {
+    Any(Arc<dyn Locker>),
+    Postgres(PgSlots),
 }
 
 impl Semaphore {
-    /// A semaphore of `permits` permits named `name` on `locker`. Zero
-    /// permits, or a name that is not a valid key, is refused by the first
-    /// `try_acquire` / `acquire` with an [`Error`].
-    pub fn new(locker: Arc<dyn Locker>, name: &str, permits: u32) -> Self {
-        Self {
-            locker,
-            name: name.to_owned(),
+    /// The [`LockKey::namespaced`] namespace of permit slots: slot `i` of the
+    /// semaphore `name` is `LockKey::namespaced(SLOT_NAMESPACE, "{name}#{i}")`.
+    ///
+    /// It keeps slots out of reach of every plain key, on every backend: on
+    /// PostgreSQL (advisory locks and [`TableLocker`](crate::postgres::TableLocker)) a
+    /// namespaced key is a lock in the two-`int4` keyspace, which no
+    /// `LockKey::from`, [`LockKey::id`] or [`LockKey::hashed64`] key reaches;
+    /// on Redis (single instance and Redlock) it is the key
+    /// `distlock:semaphore`, a NUL byte, the slot's name, which no lock name
+    /// can spell (names cannot contain NUL); the in-memory backend keeps every
+    /// key form apart. The namespace is reserved: do not use it for your own
+    /// namespaced locks (Redis refuses every other namespace). On PostgreSQL
+    /// [`PgLocker::semaphore`](crate::PgLocker::semaphore) also takes
+    /// `"{name}#queue"` in it.
+    ///
+    /// Earlier versions took the slots as plain keys (`LockKey::from("{name}#{i}")`):
+    /// processes of both versions on one semaphore do not see each other's
+    /// permits, so upgrade all of its users together (or drain it first).
+    pub const SLOT_NAMESPACE: i32 = i32::MIN;
+
+    /// A semaphore of `permits` permits named `name` on any `locker`. Makes
+    /// no round trip.
+    ///
+    /// Refused with [`Error::InvalidConfig`] for zero permits and with
+    /// [`Error::InvalidKey`] for a name that is not a valid key. On
+    /// PostgreSQL prefer [`PgLocker::semaphore`](crate::PgLocker::semaphore),
+    /// whose tries and waits cost less (see above).
+    pub fn new(locker: Arc<dyn Locker>, name: &str, permits: u32) -> Result<Self, Error> {
+        Self::build(Backend::Any(locker), name, permits)
+    }
+
+    pub(crate) fn on_postgres(slots: PgSlots, name: &str, permits: u32) -> Result<Self, Error> {
+        Self::build(Backend::Postgres(slots), name, permits)
+    }
+
+    fn build(backend: Backend, name: &str, permits: u32) -> Result<Self, Error> {
+        let permits = NonZeroU32::new(permits).ok_or(Error::InvalidConfig(
+            "a semaphore needs at least one permit",
+        ))?;
+        LockKey::from(name).validate()?;
+        Ok(Self {
+            name: name.into(),
             permits,
-        }
+            backend,
+            queue: Arc::new(Mutex::new(())),
+        })
+    }
+
+    /// The semaphore's name.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// The number of permits.
     pub fn permits(&self) -> u32 {
-        self.permits
+        self.permits.get()
+    }
+
+    /// How many permits no one holds right now, where the backend can tell:
+    /// an estimate, stale as soon as it is read (another process may take or
+    /// free a permit the next instant).
+    ///
+    /// On PostgreSQL ([`PgLocker::semaphore`](crate::PgLocker::semaphore))
+    /// one statement reading `pg_locks` on a pooled connection; `Ok(None)`
+    /// on every other backend, without a round trip.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it reads and takes nothing.
+    pub async fn available_permits(&self) -> Result<Option<u32>, Error> {
+        match &self.backend {
+            Backend::Postgres(slots) => slots.available().await.map(Some),
+            Backend::Any(_) => Ok(None),
+        }
     }
 
     fn slot(&self, i: u32) -> LockKey {
-        LockKey::from(format!("{}#{i}", self.name))
-    }
-
-    fn check(&self) -> Result<(), Error> {
-        if self.permits == 0 {
-            return Err(Error::InvalidConfig(
-                "a semaphore needs at least one permit",
-            ));
-        }
-        LockKey::from(self.name.as_str()).validate()
+        // The index after the last `#` tells slots apart: "a#1" slot 0
+        // ("a#1#0") is never slot 10 of "a" ("a#10").
+        LockKey::namespaced(Self::SLOT_NAMESPACE, &format!("{}#{i}", self.name))
     }
 
     /// Takes a free permit, without waiting; `Ok(None)` if all are held.
     ///
-    /// Tries the slots one after another from a random one: up to
-    /// `permits` lock attempts (each what the backend's `try_lock` costs).
+    /// On PostgreSQL ([`PgLocker::semaphore`](crate::PgLocker::semaphore))
+    /// one statement on a pooled connection whatever the number of permits;
+    /// it also answers `Ok(None)` while a waiter of any process is queued,
+    /// since a freed permit is theirs. Elsewhere one `try_lock` per slot, in
+    /// order, until one is granted: up to `permits` of them.
     ///
     /// # Cancel safety
     ///
-    /// As the backend's `try_lock`: a dropped call holds nothing.
-    pub async fn try_acquire(&self) -> Result<Option<Box<dyn Lease>>, Error> {
-        self.check()?;
-        let start = rand_start(self.permits);
-        for i in 0..self.permits {
-            let slot = self.slot((start + i) % self.permits);
-            if let Some(lease) = self.locker.try_lock(slot).await? {
-                return Ok(Some(lease));
+    /// Cancel safe: a dropped call holds nothing (on PostgreSQL the
+    /// connection is closed rather than pooled until the permit is handed
+    /// out, so the server frees whatever it took).
+    pub async fn try_acquire(&self) -> Result<Option<SemaphorePermit>, Error> {
+        match &self.backend {
+            Backend::Postgres(slots) => Ok(slots
+                .try_acquire()
+                .await?
+                .map(|(slot, lock)| SemaphorePermit::on_session(slot, lock))),
+            Backend::Any(locker) => self.try_any(locker).await,
+        }
+    }
+
+    async fn try_any(&self, locker: &Arc<dyn Locker>) -> Result<Option<SemaphorePermit>, Error> {
+        for i in 0..self.permits.get() {
+            if let Some(lease) = locker.try_lock(self.slot(i)).await? {
+                return Ok(Some(SemaphorePermit::any(i, lease)));
             }
         }
         Ok(None)
     }
 
-    /// Takes a permit, waiting up to `timeout`; [`Error::Timeout`] when the
-    /// deadline passes.
+    /// Takes a permit, waiting up to `timeout` for the whole call (the wait
+    /// behind this process's other waiters, for a pooled connection, and on
+    /// the server); [`Error::Timeout`] when the deadline passes, naming the
+    /// semaphore, or [`Error::NoConnection`] when the pool had no connection
+    /// to give before it. A pool that times out sooner is asked again until
+    /// the deadline. A zero `timeout` is one [`try_acquire`](Self::try_acquire).
+    /// On PostgreSQL the call returns at most 50 ms after the deadline: a
+    /// server answer slower than that (a slow or stalled network) is not
+    /// waited for, its connection is closed instead.
     ///
-    /// Tries first; if every permit is held, waits on all slots at once with
-    /// the backend's `lock` (on PostgreSQL a wait on the server, so a freed
-    /// permit reaches a waiter as soon as the server grants it, without
-    /// polling) and keeps the first it gets; the other waits are cancelled,
-    /// and a slot granted to one of them in the same instant is released in
-    /// the background.
+    /// On PostgreSQL ([`PgLocker::semaphore`](crate::PgLocker::semaphore)):
+    /// 1 round trip when a permit is free, 2 when it waits on the server,
+    /// and in arrival order (see "Waiting on PostgreSQL"). Elsewhere: tries
+    /// every slot and polls (see the type's documentation).
     ///
     /// # Cancel safety
     ///
-    /// Dropping the future cancels every wait (each as cancel safe as the
-    /// backend's `lock`); no permit is left held.
-    pub async fn acquire(&self, timeout: Duration) -> Result<Box<dyn Lease>, Error> {
-        if let Some(lease) = self.try_acquire().await? {
-            return Ok(lease);
-        }
+    /// Cancel safe: dropping the future leaves no permit held, and the next
+    /// waiter of the process takes its place in line. On PostgreSQL a
+    /// dropped wait closes its connection (the server abandons the wait
+    /// within 100 ms and frees anything it took).
+    pub async fn acquire(&self, timeout: Duration) -> Result<SemaphorePermit, Error> {
         let started = Instant::now();
-        let remaining = timeout;
-        let mut waits = JoinSet::new();
-        for i in 0..self.permits {
-            let (locker, slot) = (Arc::clone(&self.locker), self.slot(i));
-            waits.spawn(async move { locker.lock(slot, remaining).await });
+        if timeout.is_zero() {
+            return self
+                .try_acquire()
+                .await?
+                .ok_or_else(|| self.timed_out(started));
         }
-        let mut last_error = None;
-        while let Some(done) = waits.join_next().await {
-            match done {
-                Ok(Ok(lease)) => {
-                    // Dropping the set cancels the other waits; a lease one
-                    // of them got meanwhile is dropped, so released.
-                    waits.shutdown().await;
-                    return Ok(lease);
-                }
-                Ok(Err(Error::Timeout { .. })) => {}
-                Ok(Err(err)) => last_error = Some(err),
-                // A backend's panic is the caller's to see.
-                Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
-                Err(_) => {}
-            }
+        let deadline = crate::deadline::after_std(started, timeout);
+        let Ok(_head) = tokio::time::timeout_at(deadline, self.queue.lock()).await else {
+            return Err(self.timed_out(started));
+        };
+        match &self.backend {
+            Backend::Postgres(slots) => slots
+                .acquire(&self.name, started, deadline)
+                .await
+                .map(|(slot, lock)| SemaphorePermit::on_session(slot, lock)),
+            Backend::Any(locker) => self.poll_any(locker, started, deadline).await,
         }
-        Err(last_error.unwrap_or(Error::Timeout {
-            key: self.name.clone(),
-            waited: started.elapsed(),
-            holder_pid: None,
-            holder_application: None,
-        }))
     }
-}
 
-/// A random slot to start from, so that holders spread over the slots.
-fn rand_start(permits: u32) -> u32 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or_default();
-    nanos % permits.max(1)
+    /// Tries every slot until one is granted or `deadline` passes.
+    async fn poll_any(
+        &self,
+        locker: &Arc<dyn Locker>,
+        started: Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<SemaphorePermit, Error> {
+        let mut pause = Duration::from_millis(1);
+        loop {
+            match tokio::time::timeout_at(deadline, self.try_any(locker)).await {
+                Ok(Ok(Some(permit))) => return Ok(permit),
+                Ok(Ok(None)) => {}
+                Ok(Err(err)) => return Err(err),
+                Err(_) => return Err(self.timed_out(started)),
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Err(self.timed_out(started));
+            }
+            tokio::time::sleep_until(crate::deadline::after(now, pause).min(deadline)).await;
+            pause = (pause * 2).min(MAX_POLL_PAUSE);
+        }
+    }
+
+    fn timed_out(&self, started: Instant) -> Error {
+        crate::postgres::semaphore::timeout(&self.name, started)
+    }
 }

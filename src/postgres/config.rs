@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-/// Settings shared by every lock of one [`PgLocker`](super::PgLocker).
+use crate::Error;
+
+/// Settings shared by every lock of one [`PgLocker`](crate::postgres::PgLocker).
 #[derive(Debug, Clone)]
 pub(crate) struct Config {
     pub(crate) heartbeat: Duration,
@@ -23,6 +25,9 @@ pub(crate) struct Config {
 
 /// Default interval between two heartbeats of a session lock.
 pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
+/// The most shared connections a multiplexed locker opens
+/// ([`PgLockerBuilder::multiplex`](crate::PgLockerBuilder::multiplex)).
+pub const MAX_MULTIPLEX: usize = 1024;
 /// Default deadline for releasing a session lock.
 pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -35,33 +40,77 @@ impl Default for Config {
             fencing: false,
             multiplex: 0,
             max_locks: None,
-            warm: super::warm::DEFAULT_WARM,
-            warm_idle: super::warm::DEFAULT_WARM_IDLE,
+            warm: crate::postgres::conn::warm::DEFAULT_WARM,
+            warm_idle: crate::postgres::conn::warm::DEFAULT_WARM_IDLE,
         }
     }
 }
 
+/// The shortest heartbeat interval and heartbeat deadline: below this the
+/// heartbeat's own round trip would be most of its budget.
+pub const MIN_HEARTBEAT: Duration = Duration::from_millis(10);
+
 /// The longest `heartbeat + heartbeat_timeout`: 5 s short of the server's
 /// keepalive cut-off, so a cut-off holder has stopped trusting its lock
 /// before the server can grant it to anyone else.
-pub(crate) const MAX_DETECTION: Duration =
-    Duration::from_secs(super::sql::SERVER_CUTOFF.as_secs() - 5);
+pub const MAX_DETECTION: Duration =
+    Duration::from_secs(crate::postgres::request::fragments::SERVER_CUTOFF.as_secs() - 5);
+
+/// The shortest release deadline: a zero deadline would close every
+/// released lock's connection instead of unlocking it.
+const MIN_RELEASE_TIMEOUT: Duration = Duration::from_millis(1);
 
 impl Config {
-    pub(crate) fn clamp_to_server_cutoff(&mut self) {
-        let (every, deadline) = (self.heartbeat, self.heartbeat_timeout);
-        if every + deadline <= MAX_DETECTION {
-            return;
+    /// Refuses the first setting outside its range, naming it: a builder
+    /// never changes what it was given (a lowered heartbeat, a raised
+    /// deadline) behind its caller's back.
+    pub(crate) fn validate(&self) -> Result<(), Error> {
+        at_least("heartbeat", self.heartbeat, MIN_HEARTBEAT)?;
+        at_least("heartbeat_timeout", self.heartbeat_timeout, MIN_HEARTBEAT)?;
+        let detection = self.heartbeat.saturating_add(self.heartbeat_timeout);
+        if detection > MAX_DETECTION {
+            return Err(Error::InvalidSetting {
+                setting: "heartbeat + heartbeat_timeout",
+                value: format!("{detection:?}"),
+                allowed: format!(
+                    "at most {MAX_DETECTION:?} (a holder must notice a cut-off before the \
+                     server frees its lock)"
+                ),
+            });
         }
-        self.heartbeat = every.min(MAX_DETECTION / 2);
-        self.heartbeat_timeout = deadline.min(MAX_DETECTION - self.heartbeat);
-        tracing::warn!(
-            heartbeat = ?every,
-            heartbeat_timeout = ?deadline,
-            clamped_heartbeat = ?self.heartbeat,
-            clamped_heartbeat_timeout = ?self.heartbeat_timeout,
-            "distlock: heartbeat + heartbeat_timeout must stay below the server's keepalive \
-             cut-off (20 s); lowered"
-        );
+        at_least("release_timeout", self.release_timeout, MIN_RELEASE_TIMEOUT)?;
+        if self.multiplex > MAX_MULTIPLEX {
+            return Err(Error::InvalidSetting {
+                setting: "multiplex",
+                value: self.multiplex.to_string(),
+                allowed: format!("at most {MAX_MULTIPLEX} connections"),
+            });
+        }
+        match self.max_locks {
+            Some(0) => Err(Error::InvalidSetting {
+                setting: "max_locks",
+                value: "0".to_owned(),
+                allowed: "at least 1".to_owned(),
+            }),
+            // A cap that would silently do nothing is a mistake in the
+            // caller's setup, not a default to fall back on.
+            Some(limit) if self.multiplex == 0 => Err(Error::InvalidSetting {
+                setting: "max_locks",
+                value: limit.to_string(),
+                allowed: "set together with multiplex(n), n >= 1".to_owned(),
+            }),
+            _ => Ok(()),
+        }
     }
+}
+
+fn at_least(setting: &'static str, value: Duration, min: Duration) -> Result<(), Error> {
+    if value < min {
+        return Err(Error::InvalidSetting {
+            setting,
+            value: format!("{value:?}"),
+            allowed: format!("at least {min:?}"),
+        });
+    }
+    Ok(())
 }

@@ -1,102 +1,59 @@
 //! Introspection: who holds (or waits for) advisory locks in this database.
 
-use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use sqlx::postgres::{PgConnection, PgRow};
 use sqlx::{Executor, Postgres, Row};
 
-use super::sql::bind_key;
-use crate::postgres::key_args::KeyArgs;
+use crate::postgres::holder::{AdvisoryKey, Holder, LockMode};
+use crate::postgres::request::key::BoundAll;
+use crate::postgres::request::sql::KEYS_AS_LOCKED;
+use crate::postgres::wait_chain::resolve;
 use crate::{Error, LockKey};
 
-/// An advisory lock key as PostgreSQL's `pg_locks` shows it.
-///
-/// Server-hashed keys (`LockKey::from("name")`) appear as the `bigint` that
-/// `hashtext('name')` yields; the name itself is not recoverable, so use
-/// [`PgLocker::holders_of`](super::PgLocker::holders_of) to look one up by name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum AdvisoryKey {
-    /// The single-`bigint` keyspace.
-    BigInt(i64),
-    /// The two-`int4` keyspace.
-    Pair(i32, i32),
+/// The CTE `h`: the advisory locks of this database, read once from
+/// `pg_locks`, in `pg_locks`' shape: `c` (`classid`), `o` (`objid`), `s`
+/// (`objsubid`, the key space), `pid`, `mode`, `granted`, `waitstart`.
+const LOCK_ROWS: &str = "h AS MATERIALIZED (SELECT l.classid::pg_catalog.int8 AS c, \
+     l.objid::pg_catalog.int8 AS o, l.objsubid::pg_catalog.int4 AS s, l.pid, l.mode, l.granted, \
+     l.waitstart FROM pg_catalog.pg_locks l WHERE l.locktype = 'advisory' \
+     AND l.database = (SELECT oid FROM pg_catalog.pg_database \
+       WHERE datname = pg_catalog.current_database()))";
+
+/// The columns [`decode`] reads, of the rows `x` (the columns of [`LOCK_ROWS`]
+/// and `blocked`, the `pg_blocking_pids` of a waiting row) joined with
+/// their sessions: `SELECT` this, then `FROM x` and [`ACTIVITY`].
+const SHOWN: &str = "SELECT x.c, x.o, x.s, x.pid, x.mode, x.granted, a.application_name, \
+     pg_catalog.host(a.client_addr), \
+     (extract(epoch FROM COALESCE(x.waitstart, a.xact_start, a.backend_start)) * 1000000)::pg_catalog.int8, \
+     x.blocked";
+
+const ACTIVITY: &str = " LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = x.pid";
+
+/// The rows of `h` as `x`, each waiting row with its blockers, and `tail`
+/// after `FROM h` (a join or a filter).
+fn every_row(tail: &str) -> String {
+    [
+        ", x AS (SELECT h.c, h.o, h.s, h.pid, h.mode, h.granted, h.waitstart, \
+         CASE WHEN h.granted THEN NULL ELSE pg_catalog.pg_blocking_pids(h.pid) END AS blocked \
+         FROM h",
+        tail,
+        ") ",
+        SHOWN,
+        " FROM x",
+        ACTIVITY,
+        " ORDER BY x.granted DESC, x.pid",
+    ]
+    .concat()
 }
-
-impl fmt::Display for AdvisoryKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::BigInt(k) => write!(f, "{k}"),
-            Self::Pair(a, b) => write!(f, "({a}, {b})"),
-        }
-    }
-}
-
-/// Whether a lock is exclusive or shared.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum LockMode {
-    /// Held alone (`pg_advisory_lock`, `pg_try_advisory_xact_lock`, ...).
-    Exclusive,
-    /// Held alongside other shared holders (`..._shared` functions).
-    Shared,
-}
-
-/// One row of [`PgLocker::holders`](super::PgLocker::holders): a session holding or awaiting an
-/// advisory lock.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Holder {
-    /// The lock's key.
-    pub key: AdvisoryKey,
-    /// Backend process id of the session.
-    pub pid: i32,
-    /// The session's `application_name`, if set.
-    pub application_name: Option<String>,
-    /// The client's address, if connected over TCP.
-    pub client_addr: Option<String>,
-    /// When waiting: when the wait began. When granted: the start of the
-    /// holder's transaction or, outside a transaction, of its session.
-    /// PostgreSQL does not record when a lock was granted, so for a session
-    /// lock this is the earliest moment it can have been taken.
-    pub since: Option<SystemTime>,
-    /// `true` if held, `false` if waiting for it.
-    pub granted: bool,
-    /// Exclusive or shared.
-    pub mode: LockMode,
-}
-
-const HOLDERS_SQL: &str = "SELECT l.classid::int8, l.objid::int8, l.objsubid::int4, l.pid, \
-     l.mode, l.granted, a.application_name, host(a.client_addr), \
-     (extract(epoch FROM COALESCE(l.waitstart, a.xact_start, a.backend_start)) * 1000000)::int8 \
-     FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
-     WHERE l.locktype = 'advisory' \
-     AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())";
-
-/// The filter `holders_of` appends for each key shape.
-fn key_filter(args: KeyArgs<'_>) -> &'static str {
-    match args {
-        KeyArgs::Text(_) => {
-            " AND l.objsubid = 1 AND ((l.classid::int8 << 32) | l.objid::int8) = hashtext($1)::int8"
-        }
-        KeyArgs::BigInt(_) => {
-            " AND l.objsubid = 1 AND ((l.classid::int8 << 32) | l.objid::int8) = $1::int8"
-        }
-        KeyArgs::Pair(..) => {
-            " AND l.objsubid = 2 AND l.classid::int8 = ($1::int4::int8 & 4294967295) \
-             AND l.objid::int8 = (hashtext($2)::int8 & 4294967295)"
-        }
-    }
-}
-
-const ORDER: &str = " ORDER BY l.granted DESC, l.pid";
 
 /// Every advisory lock held or awaited in the database of `pool`.
 pub(crate) async fn all(pool: &sqlx::PgPool) -> Result<Vec<Holder>, Error> {
-    let sql: String = [HOLDERS_SQL, ORDER].concat();
+    let sql: String = ["WITH ", LOCK_ROWS, &every_row("")].concat();
     let rows = pool
         .fetch_all(sqlx::query(sqlx::AssertSqlSafe(sql)))
         .await?;
-    rows.iter().map(decode).collect()
+    decode_all(&rows)
 }
 
 /// The sessions holding or awaiting `key`, on `conn`.
@@ -104,34 +61,121 @@ pub(crate) async fn holders_of(
     conn: &mut PgConnection,
     key: &LockKey,
 ) -> Result<Vec<Holder>, Error> {
-    let args = key.args()?;
-    let sql: String = [HOLDERS_SQL, key_filter(args), ORDER].concat();
-    let query = bind_key(sqlx::query::<Postgres>(sqlx::AssertSqlSafe(sql)), args);
+    let mut keys = BoundAll::default();
+    keys.push(key.args()?.into());
+    let on_key = " JOIN w ON h.s = w.s AND h.c = w.c AND h.o = w.o";
+    let sql: String = ["WITH ", KEYS_AS_LOCKED, ", ", LOCK_ROWS, &every_row(on_key)].concat();
+    let query = keys.bind(sqlx::query::<Postgres>(sqlx::AssertSqlSafe(sql)));
     let rows = query.fetch_all(conn).await?;
-    rows.iter().map(decode).collect()
+    decode_all(&rows)
 }
 
-/// The first session *holding* `key`, to name it in a timeout.
-pub(crate) async fn first_holder(
+/// The advisory locks a timeout's chain is built from, around the keys a
+/// caller waited for: one snapshot.
+#[derive(Debug)]
+pub(crate) struct Snapshot {
+    /// The rows on the wanted keys, and of the sessions reached from their
+    /// holders by following waits: their waiting rows (with blockers) and
+    /// their rows on the keys those wait for. Granted rows first.
+    pub(crate) holders: Vec<Holder>,
+    /// Each wanted key's place in the caller's list, and the key as
+    /// `pg_locks` shows it.
+    pub(crate) wanted: Vec<(usize, AdvisoryKey)>,
+    /// The backend pid of the connection that looked.
+    pub(crate) me: i32,
+}
+
+/// From `h` and the wanted keys `w`: `reach`, the sessions holding a wanted
+/// key and, transitively, those they wait behind (`UNION` ends at a cycle);
+/// `wt`, their waiting rows with their blockers; `xs`, the rows a chain
+/// needs; `x`, those with every wanted key (a FULL JOIN, so that a key
+/// nobody holds still comes back, resolved: a name's hash is the server's
+/// to compute) and its place `i`. `pg_blocking_pids` runs only for the
+/// sessions reached, so the cost follows the chain, not the lock table.
+const AROUND: &str = ", reach(pid) AS (\
+       SELECT h.pid FROM h JOIN w ON h.s = w.s AND h.c = w.c AND h.o = w.o WHERE h.granted \
+       UNION SELECT b.pid FROM reach r JOIN h ON h.pid = r.pid AND NOT h.granted, \
+         pg_catalog.unnest(pg_catalog.pg_blocking_pids(r.pid)) AS b(pid)), \
+     wt AS MATERIALIZED (SELECT h.c, h.o, h.s, h.pid, h.mode, h.granted, h.waitstart, \
+       pg_catalog.pg_blocking_pids(h.pid) AS blocked FROM h \
+       WHERE NOT h.granted AND h.pid IN (SELECT pid FROM reach)), \
+     xs AS (SELECT * FROM wt UNION ALL \
+       SELECT h.c, h.o, h.s, h.pid, h.mode, h.granted, h.waitstart, NULL::pg_catalog.int4[] FROM h \
+       WHERE EXISTS (SELECT FROM w WHERE w.s = h.s AND w.c = h.c AND w.o = h.o) \
+         AND (h.granted OR h.pid NOT IN (SELECT pid FROM reach)) \
+       OR h.granted AND h.pid IN (SELECT pid FROM reach) \
+         AND EXISTS (SELECT FROM wt WHERE wt.s = h.s AND wt.c = h.c AND wt.o = h.o)), \
+     x AS (SELECT coalesce(xs.c, w.c) AS c, coalesce(xs.o, w.o) AS o, coalesce(xs.s, w.s) AS s, \
+       xs.pid, xs.mode, xs.granted, xs.waitstart, xs.blocked, w.i \
+       FROM xs FULL JOIN w ON xs.s = w.s AND xs.c = w.c AND xs.o = w.o) ";
+
+/// A [`Snapshot`] around `keys`, on `conn`: 1 round trip.
+pub(crate) async fn around(
     conn: &mut PgConnection,
-    key: &LockKey,
-) -> Result<Option<Holder>, Error> {
-    Ok(holders_of(conn, key).await?.into_iter().find(|h| h.granted))
+    keys: &BoundAll<'_>,
+) -> Result<Snapshot, Error> {
+    let sql: String = [
+        "WITH RECURSIVE ",
+        KEYS_AS_LOCKED,
+        ", ",
+        LOCK_ROWS,
+        AROUND,
+        SHOWN,
+        ", x.i, pg_catalog.pg_backend_pid() FROM x",
+        ACTIVITY,
+        " ORDER BY x.granted DESC NULLS LAST, x.pid",
+    ]
+    .concat();
+    let rows = keys
+        .bind(sqlx::query::<Postgres>(sqlx::AssertSqlSafe(sql)))
+        .fetch_all(conn)
+        .await?;
+    let mut snapshot = Snapshot {
+        holders: Vec::new(),
+        wanted: Vec::new(),
+        me: 0,
+    };
+    for row in &rows {
+        snapshot.me = row.try_get(11)?;
+        if let Some(place) = row.try_get::<Option<i64>, _>(10)? {
+            let place = usize::try_from(place).ok().and_then(|p| p.checked_sub(1));
+            if let Some(place) = place {
+                snapshot.wanted.push((place, key_of(row)?));
+            }
+        }
+        if row.try_get::<Option<i32>, _>(3)?.is_some() {
+            snapshot.holders.push(decode(row)?);
+        }
+    }
+    snapshot.wanted.sort_unstable();
+    snapshot.wanted.dedup();
+    resolve(&mut snapshot.holders);
+    Ok(snapshot)
 }
 
-fn decode(row: &PgRow) -> Result<Holder, Error> {
+fn decode_all(rows: &[PgRow]) -> Result<Vec<Holder>, Error> {
+    let mut holders = rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?;
+    resolve(&mut holders);
+    Ok(holders)
+}
+
+/// The key of a row: `classid`, `objid` and `objsubid` in columns 0 to 2.
+fn key_of(row: &PgRow) -> Result<AdvisoryKey, Error> {
     let classid: i64 = row.try_get(0)?;
     let objid: i64 = row.try_get(1)?;
     let objsubid: i32 = row.try_get(2)?;
-    let key = if objsubid == 2 {
+    Ok(if objsubid == 2 {
         AdvisoryKey::Pair(low_i32(classid), low_i32(objid))
     } else {
         AdvisoryKey::BigInt((classid << 32) | objid)
-    };
+    })
+}
+
+fn decode(row: &PgRow) -> Result<Holder, Error> {
     let mode: String = row.try_get(4)?;
     let since_us: Option<i64> = row.try_get(8)?;
     Ok(Holder {
-        key,
+        key: key_of(row)?,
         pid: row.try_get(3)?,
         mode: if mode == "ShareLock" {
             LockMode::Shared
@@ -144,6 +188,8 @@ fn decode(row: &PgRow) -> Result<Holder, Error> {
             .filter(|s| !s.is_empty()),
         client_addr: row.try_get(7)?,
         since: since_us.map(|us| SystemTime::UNIX_EPOCH + Duration::from_micros(us.unsigned_abs())),
+        blocked_by: row.try_get::<Option<Vec<i32>>, _>(9)?.unwrap_or_default(),
+        waits_for: Vec::new(),
     })
 }
 

@@ -1,11 +1,11 @@
-//! `PgLocker` and `SessionLock` behind the backend-neutral [`Locker`] and
+//! `PgLocker`, `SessionLock`, `MultiLock` and `UpgradeableLock` behind the backend-neutral [`Locker`] and
 //! [`Lease`] traits.
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::{Error, FencingToken, Lease, LockKey, Locker, LossReason};
+use crate::{Error, Lease, LockKey, Locker};
 
 #[async_trait]
 impl Locker for crate::PgLocker {
@@ -22,27 +22,12 @@ impl Locker for crate::PgLocker {
     fn backend(&self) -> &'static str {
         "postgres"
     }
-}
 
-#[async_trait]
-impl Lease for crate::SessionLock {
-    fn key(&self) -> &LockKey {
-        crate::SessionLock::key(self)
-    }
-
-    fn fencing_token(&self) -> Option<FencingToken> {
-        crate::SessionLock::fencing_token(self)
-    }
-
-    async fn lost(&self) -> LossReason {
-        crate::SessionLock::lost(self).await
-    }
-
-    fn is_lost(&self) -> bool {
-        crate::SessionLock::is_lost(self)
-    }
-
-    async fn release(self: Box<Self>) -> Result<(), Error> {
-        crate::SessionLock::release(*self).await
+    fn election(&self) -> Option<&dyn crate::ElectionLocker> {
+        Some(self)
     }
 }
+
+crate::lease::lease_from_inherent!(crate::SessionLock);
+crate::lease::lease_from_inherent!(crate::MultiLock, keys = first_key);
+crate::lease::lease_from_inherent!(crate::UpgradeableLock);

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use super::config::Config;
-use super::holders::Holder;
+use crate::postgres::config::Config;
+use crate::postgres::holder::Holder;
 use crate::{Error, LockKey};
 
 /// Hands out PostgreSQL advisory locks from a connection pool.
@@ -43,20 +43,41 @@ pub struct PgLocker {
 pub(crate) struct Inner {
     pub(crate) pool: PgPool,
     pub(crate) config: Config,
-    pub(crate) pooler: super::pooler::PoolerCheck,
-    /// Starts session locks' keepers when their first heartbeat is due.
-    pub(crate) keepers: super::timer::Timer,
+    pub(crate) pooler: crate::postgres::pooler::PoolerCheck,
+    /// Starts session locks' keepers shortly after their grant.
+    pub(crate) keepers: crate::postgres::session::timer::Timer,
     /// Present when built with `.multiplex(n)`, n > 0.
-    pub(crate) mux: Option<super::mux::Mux>,
+    pub(crate) mux: Option<crate::postgres::mux::Mux>,
     /// Connections kept between locks, so the next skips the pool.
-    pub(crate) warm: Arc<super::warm::Warm>,
+    pub(crate) warm: Arc<crate::postgres::conn::warm::Warm>,
 }
 
 impl PgLocker {
     /// A locker with default settings: heartbeat every second (deadline one
     /// second), release deadline five seconds, no fencing tokens.
+    ///
+    /// Cannot fail: the defaults are within every setting's range.
     pub fn new(pool: PgPool) -> Self {
-        Self::builder(pool).build()
+        Self::assemble(pool, Config::default())
+    }
+
+    /// The locker for settings already checked by [`Config::validate`].
+    fn assemble(pool: PgPool, config: Config) -> Self {
+        let mux = (config.multiplex > 0).then(|| {
+            crate::postgres::mux::Mux::new(pool.clone(), config.clone(), config.multiplex)
+        });
+        let warm =
+            crate::postgres::conn::warm::Warm::new(pool.clone(), config.warm, config.warm_idle);
+        PgLocker {
+            inner: Arc::new(Inner {
+                warm,
+                pool,
+                config,
+                pooler: crate::postgres::pooler::PoolerCheck::default(),
+                keepers: crate::postgres::session::timer::Timer::default(),
+                mux,
+            }),
+        }
     }
 
     /// Starts a builder to configure heartbeat, deadlines and fencing.
@@ -73,14 +94,14 @@ impl PgLocker {
         &self.inner.pool
     }
 
-    /// The interval between two heartbeats of a session lock, as the
-    /// builder settled it.
+    /// The interval between two heartbeats of a session lock, as given to
+    /// the builder.
     pub fn heartbeat(&self) -> Duration {
         self.inner.config.heartbeat
     }
 
     /// How long a heartbeat may wait for its answer before the lock counts
-    /// as lost, as the builder settled it.
+    /// as lost, as given to the builder (or the interval when it was not).
     pub fn heartbeat_timeout(&self) -> Duration {
         self.inner.config.heartbeat_timeout
     }
@@ -91,10 +112,10 @@ impl PgLocker {
         &self,
         key: &crate::LockKey,
         started: std::time::Instant,
-        conn: Option<super::conn::HeldConn>,
+        conn: Option<crate::postgres::conn::held::HeldConn>,
     ) -> crate::Error {
         let within = self.config().heartbeat_timeout;
-        super::timeout::timeout_error(self.pool(), within, key, started, conn).await
+        crate::postgres::timeout::timeout_error(self.pool(), within, key, started, conn).await
     }
 
     pub(crate) fn config(&self) -> &Config {
@@ -113,11 +134,19 @@ pub struct PgLockerBuilder {
 
 impl PgLockerBuilder {
     /// How often a session lock checks that its connection still holds it
-    /// (default one second). `lost()` completes at most about one interval
-    /// plus the heartbeat deadline after the connection dies. Values below
-    /// 10 ms are raised to 10 ms.
+    /// (default one second). A session the server ends is learnt from its
+    /// goodbye at once (see [`SessionLock::lost`](crate::SessionLock::lost));
+    /// for a connection that dies silently, `lost()` completes at most about
+    /// one interval plus the heartbeat deadline later.
+    ///
+    /// Range: at least [`MIN_HEARTBEAT`](crate::postgres::MIN_HEARTBEAT) (10 ms), and
+    /// `heartbeat + heartbeat_timeout` at most
+    /// [`MAX_DETECTION`](crate::postgres::MAX_DETECTION) (20 s), so at most 10 s while
+    /// the deadline follows the interval; [`build`](Self::build) refuses
+    /// others with [`Error::InvalidSetting`].
+    #[must_use = "the setter returns the changed builder"]
     pub fn heartbeat(mut self, every: Duration) -> Self {
-        self.config.heartbeat = every.max(Duration::from_millis(10));
+        self.config.heartbeat = every;
         if !self.heartbeat_timeout_set {
             self.config.heartbeat_timeout = self.config.heartbeat;
         }
@@ -126,10 +155,15 @@ impl PgLockerBuilder {
 
     /// How long a heartbeat may wait for its answer before the lock counts as
     /// lost (default: the heartbeat interval). A holder that cannot reach the
-    /// database must stop trusting its lock. Values below 10 ms are raised to
-    /// 10 ms.
+    /// database must stop trusting its lock.
+    ///
+    /// Range: at least [`MIN_HEARTBEAT`](crate::postgres::MIN_HEARTBEAT) (10 ms), and
+    /// `heartbeat + heartbeat_timeout` at most
+    /// [`MAX_DETECTION`](crate::postgres::MAX_DETECTION) (20 s); [`build`](Self::build)
+    /// refuses others with [`Error::InvalidSetting`].
+    #[must_use = "the setter returns the changed builder"]
     pub fn heartbeat_timeout(mut self, deadline: Duration) -> Self {
-        self.config.heartbeat_timeout = deadline.max(Duration::from_millis(10));
+        self.config.heartbeat_timeout = deadline;
         self.heartbeat_timeout_set = true;
         self
     }
@@ -137,13 +171,19 @@ impl PgLockerBuilder {
     /// How long `SessionLock::release` (and a dropped guard's background
     /// release) may take before the connection is closed instead (default
     /// five seconds). Closing the session frees the lock on the server.
+    ///
+    /// Range: at least 1 ms; a deadline too long for the clock (such as
+    /// `Duration::MAX`) means as long as possible. [`build`](Self::build)
+    /// refuses zero with [`Error::InvalidSetting`].
+    #[must_use = "the setter returns the changed builder"]
     pub fn release_timeout(mut self, deadline: Duration) -> Self {
-        self.config.release_timeout = deadline.max(Duration::from_millis(1));
+        self.config.release_timeout = deadline;
         self
     }
 
     /// Issue a fencing token with every session lock (default `false`).
     /// Needs the crate's migrations (`distlock::migrate`).
+    #[must_use = "the setter returns the changed builder"]
     pub fn fencing(mut self, enabled: bool) -> Self {
         self.config.fencing = enabled;
         self
@@ -190,13 +230,18 @@ impl PgLockerBuilder {
     ///
     /// ```no_run
     /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
-    /// let locker = distlock::PgLocker::builder(pool).multiplex(4).build();
+    /// let locker = distlock::PgLocker::builder(pool).multiplex(4).build()?;
     /// let mut held = Vec::new();
     /// for shard in 0..5_000 {
     ///     held.extend(locker.try_lock(format!("shard:{shard}")).await?);
     /// }
     /// # Ok(()) }
     /// ```
+    ///
+    /// Range: 0 to [`MAX_MULTIPLEX`](crate::postgres::MAX_MULTIPLEX) (1024)
+    /// connections, each a server process; [`build`](Self::build) refuses
+    /// more with [`Error::InvalidSetting`].
+    #[must_use = "the setter returns the changed builder"]
     pub fn multiplex(mut self, connections: usize) -> Self {
         self.config.multiplex = connections;
         self
@@ -208,18 +253,23 @@ impl PgLockerBuilder {
     /// PostgreSQL's shared lock table (`max_locks_per_transaction` ×
     /// connections, shared by the whole cluster) until it is full for
     /// everyone. A released or dropped guard frees its place once its unlock
-    /// has been handed to its connection. No effect without
-    /// [`multiplex`](Self::multiplex); default: no cap.
+    /// has been handed to its connection. Default: no cap.
+    ///
+    /// Range: at least 1, and only together with
+    /// [`multiplex`](Self::multiplex)`(n)`, n ≥ 1 (without it the cap would
+    /// do nothing); [`build`](Self::build) refuses others with
+    /// [`Error::InvalidSetting`].
     ///
     /// ```no_run
     /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
-    /// let locker = distlock::PgLocker::builder(pool).multiplex(2).max_locks(1_000).build();
+    /// let locker = distlock::PgLocker::builder(pool).multiplex(2).max_locks(1_000).build()?;
     /// match locker.try_lock("shard:1").await {
     ///     Err(distlock::Error::TooManyLocks { limit }) => eprintln!("holding {limit} already"),
     ///     other => drop(other?),
     /// }
     /// # Ok(()) }
     /// ```
+    #[must_use = "the setter returns the changed builder"]
     pub fn max_locks(mut self, limit: usize) -> Self {
         self.config.max_locks = Some(limit);
         self
@@ -259,50 +309,49 @@ impl PgLockerBuilder {
     /// settings its lock statements document) is as it would be after a
     /// return to the pool: sqlx does not reset connections either.
     ///
+    /// Range: any; an idle time too long for the clock (such as
+    /// `Duration::MAX`) means until the pool is closed.
+    ///
     /// ```no_run
-    /// # async fn demo(pool: sqlx::PgPool) {
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
     /// use std::time::Duration;
     /// let locker = distlock::PgLocker::builder(pool)
     ///     .keep_warm(4, Duration::from_millis(500))
-    ///     .build();
-    /// # }
+    ///     .build()?;
+    /// # Ok(()) }
     /// ```
+    #[must_use = "the setter returns the changed builder"]
     pub fn keep_warm(mut self, connections: usize, idle_timeout: Duration) -> Self {
         self.config.warm = connections;
         self.config.warm_idle = idle_timeout;
         self
     }
 
-    /// Builds the locker.
+    /// Builds the locker, or refuses the first setting outside its range
+    /// with [`Error::InvalidSetting`] naming it; nothing is changed to fit.
+    /// Costs no round trip (connections are taken at the first lock).
     ///
-    /// A holder must give up its lock before the server frees it: a holder
-    /// cut off by a partition notices at most `heartbeat + heartbeat_timeout`
-    /// after its last answered heartbeat, while the server ends its session
-    /// about 25 s after that (TCP keepalives, set by every lock statement).
-    /// Settings whose sum exceeds 20 s are therefore lowered (with a
-    /// warning): the heartbeat to at most 10 s, and its deadline to what is
-    /// left of the 20 s.
-    pub fn build(mut self) -> PgLocker {
-        self.config.clamp_to_server_cutoff();
-        let mux = (self.config.multiplex > 0).then(|| {
-            super::mux::Mux::new(
-                self.pool.clone(),
-                self.config.clone(),
-                self.config.multiplex,
-            )
-        });
-        let warm =
-            super::warm::Warm::new(self.pool.clone(), self.config.warm, self.config.warm_idle);
-        PgLocker {
-            inner: Arc::new(Inner {
-                warm,
-                pool: self.pool,
-                config: self.config,
-                pooler: super::pooler::PoolerCheck::default(),
-                keepers: super::timer::Timer::default(),
-                mux,
-            }),
-        }
+    /// Why `heartbeat + heartbeat_timeout` is bounded: a holder cut off by a
+    /// partition notices at most that long after its last answered
+    /// heartbeat, while the server ends its session about 25 s after that
+    /// (TCP keepalives, set by every lock statement); the holder must give
+    /// up its lock first.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool) {
+    /// use std::time::Duration;
+    /// let refused = distlock::PgLocker::builder(pool)
+    ///     .heartbeat(Duration::from_secs(15))
+    ///     .build();
+    /// assert!(matches!(
+    ///     refused,
+    ///     Err(distlock::Error::InvalidSetting { setting: "heartbeat + heartbeat_timeout", .. })
+    /// ));
+    /// # }
+    /// ```
+    pub fn build(self) -> Result<PgLocker, Error> {
+        self.config.validate()?;
+        Ok(PgLocker::assemble(self.pool, self.config))
     }
 }
 
@@ -311,18 +360,37 @@ impl PgLocker {
     /// Every advisory lock held or awaited in this database right now, from
     /// `pg_locks` joined with `pg_stat_activity`. Granted locks come first.
     ///
-    /// Costs 1 round trip. Seeing other roles' `application_name` and client
-    /// address needs the `pg_read_all_stats` role (or superuser); without it
-    /// PostgreSQL shows `None` there.
+    /// Each waiting row says whom it waits behind: the pids
+    /// ([`Holder::blocked_by`], from `pg_blocking_pids`) and those sessions'
+    /// locks on the key ([`Holder::waits_for`]: pid, application, since when,
+    /// held or queued ahead). [`wait_chain`](super::wait_chain) follows them
+    /// to the root holder, or marks a cycle.
+    ///
+    /// Costs 1 round trip; resolving the waiters costs none more. Seeing
+    /// other roles' `application_name` and client address needs the
+    /// `pg_read_all_stats` role (or superuser); without it PostgreSQL shows
+    /// `None` there.
+    ///
+    /// ```no_run
+    /// # async fn demo(locker: distlock::PgLocker) -> Result<(), distlock::Error> {
+    /// let holders = locker.holders().await?;
+    /// for waiter in holders.iter().filter(|h| !h.granted) {
+    ///     let chain = distlock::postgres::wait_chain(&holders, waiter.pid);
+    ///     println!("pid {} waits: {chain}", waiter.pid);
+    /// }
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: a read on a pooled connection; no lock is taken.
     pub async fn holders(&self) -> Result<Vec<Holder>, Error> {
-        super::holders::all(self.pool()).await
+        crate::postgres::holders::all(self.pool()).await
     }
 
-    /// The sessions holding or awaiting the lock `key`. Costs 1 round trip.
+    /// The sessions holding or awaiting the lock `key`, waiters resolved as
+    /// in [`holders`](Self::holders) (their blockers are on the same key, so
+    /// they are among the rows). Costs 1 round trip.
     ///
     /// # Cancel safety
     ///
@@ -330,6 +398,6 @@ impl PgLocker {
     pub async fn holders_of(&self, key: impl Into<LockKey>) -> Result<Vec<Holder>, Error> {
         let key = key.into();
         let mut conn = self.pool().acquire().await?;
-        super::holders::holders_of(&mut conn, &key).await
+        crate::postgres::holders::holders_of(&mut conn, &key).await
     }
 }

@@ -19,7 +19,31 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use sqlx::PgConnection;
 
 use crate::Error;
+use crate::postgres::evidence::PoolerEvidence;
 use crate::postgres::sqlstate::{DUPLICATE_PREPARED_STATEMENT, INVALID_STATEMENT_NAME};
+
+/// The refusal for a statement error that [`shared_session`] recognised.
+pub(crate) fn shared_session_error(err: &sqlx::Error) -> Error {
+    Error::PoolerDetected {
+        evidence: PoolerEvidence::SessionShared {
+            message: err.to_string(),
+        },
+    }
+}
+
+/// The refusal for a session that carries another client's lock marker.
+pub(crate) fn marker_seen(pid: i32) -> Error {
+    Error::PoolerDetected {
+        evidence: PoolerEvidence::MarkerSeen { pid },
+    }
+}
+
+/// The refusal for a connection answered by two backends.
+pub(crate) fn backend_changed(from: i32, to: i32) -> Error {
+    Error::PoolerDetected {
+        evidence: PoolerEvidence::BackendChanged { from, to },
+    }
+}
 
 /// How many statements the probe runs.
 const PROBES: usize = 3;
@@ -69,7 +93,7 @@ async fn probe(conn: &mut PgConnection) -> Result<(), Error> {
     for _ in 0..PROBES {
         // Unnamed statements: a named one could itself be missing on the
         // next backend and hide the real diagnosis.
-        let pid = sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+        let pid = sqlx::query_scalar::<_, i32>("SELECT pg_catalog.pg_backend_pid()")
             .persistent(false)
             .fetch_one(&mut *conn)
             .await;
@@ -79,21 +103,13 @@ async fn probe(conn: &mut PgConnection) -> Result<(), Error> {
                 if crate::postgres::sqlstate::sqlstate(&err).as_deref()
                     == Some(INVALID_STATEMENT_NAME) =>
             {
-                return Err(Error::PoolerDetected {
-                    expected_pid: first.unwrap_or(0),
-                    actual_pid: 0,
-                });
+                return Err(shared_session_error(&err));
             }
             Err(err) => return Err(err.into()),
         };
         match first {
             None => first = Some(pid),
-            Some(expected) if expected != pid => {
-                return Err(Error::PoolerDetected {
-                    expected_pid: expected,
-                    actual_pid: pid,
-                });
-            }
+            Some(expected) if expected != pid => return Err(backend_changed(expected, pid)),
             Some(_) => {}
         }
     }

@@ -1,7 +1,7 @@
 //! SQLSTATE codes distlock reacts to, and mapping driver errors to the
 //! crate's [`Error`] variants.
 
-use crate::Error;
+use crate::{Error, LockKey};
 
 /// SQLSTATE of "out of shared memory", raised when the lock table is full.
 pub(crate) const OUT_OF_SHARED_MEMORY: &str = "53200";
@@ -29,6 +29,13 @@ pub(crate) const INVALID_STATEMENT_NAME: &str = "26000";
 /// it on the same server session.
 pub(crate) const DUPLICATE_PREPARED_STATEMENT: &str = "42P05";
 
+/// SQLSTATE 3F000: invalid_schema_name, `schema "distlock" does not exist`.
+const INVALID_SCHEMA_NAME: &str = "3F000";
+/// SQLSTATE 42P01: undefined_table.
+const UNDEFINED_TABLE: &str = "42P01";
+/// SQLSTATE 42883: undefined_function (a schema from an older migration).
+const UNDEFINED_FUNCTION: &str = "42883";
+
 /// Returns the SQLSTATE of a database error, if it is one.
 pub(crate) fn sqlstate(err: &sqlx::Error) -> Option<String> {
     err.as_database_error()
@@ -36,15 +43,50 @@ pub(crate) fn sqlstate(err: &sqlx::Error) -> Option<String> {
         .map(|code| code.into_owned())
 }
 
-/// Maps a driver error raised while locking `key` to the crate's variants.
-pub(crate) fn locking_error(err: sqlx::Error, key: &impl std::fmt::Display) -> Error {
-    if sqlstate(&err).as_deref() == Some(OUT_OF_SHARED_MEMORY) {
-        Error::LockTableFull {
-            key: key.to_string(),
-        }
-    } else {
-        Error::Database(err)
+/// SQLSTATE 55000, raised among others by WAL functions during recovery.
+pub(crate) const OBJECT_NOT_IN_PREREQUISITE_STATE: &str = "55000";
+
+/// Maps any driver error (what `From<sqlx::Error>` does): a missing
+/// `distlock` schema, table or function becomes [`Error::NotMigrated`], so
+/// that forgetting `migrate` is named wherever a statement hits it.
+pub(crate) fn driver_error(err: sqlx::Error) -> Error {
+    match not_migrated(&err) {
+        Some(message) => Error::NotMigrated { message },
+        None => Error::Database(err),
     }
+}
+
+/// The server's message, when `err` says that an object of the `distlock`
+/// schema (or the schema itself) does not exist.
+fn not_migrated(err: &sqlx::Error) -> Option<String> {
+    let db = err.as_database_error()?;
+    let code = db.code()?;
+    let missing = matches!(
+        code.as_ref(),
+        INVALID_SCHEMA_NAME | UNDEFINED_TABLE | UNDEFINED_FUNCTION
+    );
+    // Only the crate's own objects: a user's missing table stays a driver
+    // error. The server quotes the schema in 3F000 and prefixes it otherwise.
+    let ours = db.message().contains("\"distlock\"") || db.message().contains("distlock.");
+    (missing && ours).then(|| db.message().to_owned())
+}
+
+/// Maps a driver error raised while locking `key` to the crate's variants.
+pub(crate) fn locking_error(err: sqlx::Error, key: &LockKey) -> Error {
+    match sqlstate(&err).as_deref() {
+        Some(OUT_OF_SHARED_MEMORY) => Error::LockTableFull { key: key.clone() },
+        // The lock statements' standby check (`standby_check` in `sql`).
+        Some(OBJECT_NOT_IN_PREREQUISITE_STATE) if in_recovery(&err) => {
+            Error::HotStandby { key: key.clone() }
+        }
+        _ => Error::from(err),
+    }
+}
+
+/// Whether `err` is PostgreSQL's "recovery is in progress".
+fn in_recovery(err: &sqlx::Error) -> bool {
+    err.as_database_error()
+        .is_some_and(|db| db.message().contains("recovery is in progress"))
 }
 
 /// Maps a failure to open a connection: a refusal for too many connections
@@ -56,7 +98,7 @@ pub(crate) fn connect_error(err: sqlx::Error) -> Error {
                 message: db.message().to_owned(),
             }
         }
-        _ => Error::Database(err),
+        _ => Error::from(err),
     }
 }
 
@@ -66,7 +108,7 @@ mod tests {
 
     #[test]
     fn errors_without_sqlstate_53200_stay_database_errors() {
-        let plain = locking_error(sqlx::Error::RowNotFound, &"k");
+        let plain = locking_error(sqlx::Error::RowNotFound, &LockKey::from("k"));
         assert!(matches!(plain, Error::Database(sqlx::Error::RowNotFound)));
         let plain = connect_error(sqlx::Error::PoolTimedOut);
         assert!(matches!(plain, Error::Database(sqlx::Error::PoolTimedOut)));

@@ -1,18 +1,30 @@
-//! The error of a missed deadline, naming who holds the lock: shared by the
-//! session, transaction-scoped and multiplexed waits.
+//! The error of a missed deadline and whom the caller waited behind: the
+//! one place where every PostgreSQL wait (session, shared, multi-key,
+//! transaction-scoped, multiplexed) builds [`Error::Timeout`] and looks up
+//! its wait chain.
+//!
+//! The lookup runs only after the deadline passed: 1 round trip, one
+//! statement that reads the database's advisory locks (`pg_locks`) once and
+//! returns only what the chain needs: the rows on the keys that were not
+//! granted and those of the sessions reached from their holders by
+//! following waits (`pg_blocking_pids`, `pg_stat_activity` for those
+//! alone). It has the deadline `within`, so that a stalled network cannot
+//! hang the caller here either.
 
 use std::time::{Duration, Instant};
 
 use sqlx::PgPool;
 
-use super::conn::HeldConn;
-use super::holders;
+use crate::postgres::conn::held::HeldConn;
+use crate::postgres::holder::AdvisoryKey;
+use crate::postgres::holders::{self, Snapshot};
+use crate::postgres::request::key::BoundAll;
+use crate::postgres::wait_chain::{WaitChain, chain_from};
 use crate::{Error, LockKey};
 
-/// Builds [`Error::Timeout`] for `key`, naming the holder if it can be seen:
-/// looked up on `conn` when the caller still has a usable connection, else
-/// on one from `pool`. Every step has the deadline `within`, so a stalled
-/// network cannot hang the caller here either; only a connection that
+/// Builds [`Error::Timeout`] for `key` with the chain behind its holder:
+/// looked up on `conn` when the caller still has a usable connection (it
+/// must hold nothing), else on one from `pool`. Only a connection that
 /// answered goes back to the pool.
 pub(crate) async fn timeout_error(
     pool: &PgPool,
@@ -21,8 +33,7 @@ pub(crate) async fn timeout_error(
     started: Instant,
     conn: Option<HeldConn>,
 ) -> Error {
-    tracing::Span::current().record("outcome", "timeout");
-    crate::metrics::timeout("postgres", key, started.elapsed());
+    record(key, started);
     let conn = match conn {
         Some(conn) => Some(conn),
         None => match tokio::time::timeout(within, pool.acquire()).await {
@@ -30,29 +41,230 @@ pub(crate) async fn timeout_error(
             _ => None,
         },
     };
-    let holder = match conn {
-        Some(conn) => first_holder(conn, key, within).await,
+    let chain = match conn {
+        Some(mut conn) => {
+            let found = look(&mut conn, std::slice::from_ref(key), within).await;
+            if found.is_some() {
+                conn.into_pool();
+            }
+            found.map(|snapshot| blocked(&snapshot, 1).1)
+        }
         None => None,
     };
+    timeout_of(key, started, chain.unwrap_or_default())
+}
+
+/// Builds [`Error::Timeout`] for a multi-key wait, naming the key that was
+/// not granted and the chain behind its holder, looked up on `conn` itself
+/// (so the caller's own session is never named as the holder). `conn` goes
+/// back to the pool only if it holds nothing (`holds_nothing`) and
+/// answered; otherwise it is closed, which frees what it took.
+pub(crate) async fn timeout_error_all(
+    within: Duration,
+    keys: &[LockKey],
+    started: Instant,
+    mut conn: HeldConn,
+    holds_nothing: bool,
+) -> Error {
+    let found = look(&mut conn, keys, within).await;
+    if holds_nothing && found.is_some() {
+        conn.into_pool();
+    } else {
+        drop(conn);
+    }
+    let (at, chain) = found
+        .map(|snapshot| blocked(&snapshot, keys.len()))
+        .unwrap_or_default();
+    let key = keys.get(at).or(keys.first());
+    let Some(key) = key else {
+        return Error::NoKeys;
+    };
+    record(key, started);
+    timeout_of(key, started, chain)
+}
+
+/// Builds [`Error::Timeout`] for `key` on `conn`, a connection that stays
+/// the caller's and holds `key` itself in a weaker mode (an upgrade waiting
+/// beside its own read): the chain is that of another session holding
+/// `key`. A lookup that does not answer within `within` leaves it empty.
+pub(crate) async fn timeout_error_beside(
+    conn: &mut HeldConn,
+    within: Duration,
+    key: &LockKey,
+    started: Instant,
+) -> Error {
+    record(key, started);
+    let chain = look(conn, std::slice::from_ref(key), within)
+        .await
+        .and_then(|snapshot| {
+            let (_, wanted) = *snapshot.wanted.first()?;
+            let holder = snapshot
+                .holders
+                .iter()
+                .find(|h| h.granted && h.key == wanted && h.pid != snapshot.me)?;
+            Some(chain_from(&snapshot.holders, holder))
+        });
+    timeout_of(key, started, chain.unwrap_or_default())
+}
+
+/// Builds [`Error::Timeout`] where no connection can look (the caller's
+/// transaction was aborted by the timeout): the chain is empty.
+pub(crate) fn timed_out(key: &LockKey, started: Instant) -> Error {
+    record(key, started);
+    timeout_of(key, started, WaitChain::default())
+}
+
+fn record(key: &LockKey, started: Instant) {
+    tracing::Span::current().record("outcome", "timeout");
+    crate::metrics::timeout("postgres", key, started.elapsed());
+}
+
+/// The error; `holder_pid` and `holder_application` are the chain's first
+/// link, so the two never disagree.
+fn timeout_of(key: &LockKey, started: Instant, chain: WaitChain) -> Error {
+    let first = chain.links.first();
     Error::Timeout {
-        key: key.to_string(),
+        key: key.clone(),
         waited: started.elapsed(),
-        holder_pid: holder.as_ref().map(|h| h.pid),
-        holder_application: holder.and_then(|h| h.application_name),
+        holder_pid: first.map(|link| link.pid),
+        holder_application: first.and_then(|link| link.application_name.clone()),
+        chain,
     }
 }
 
-async fn first_holder(
-    mut conn: HeldConn,
-    key: &LockKey,
-    within: Duration,
-) -> Option<holders::Holder> {
-    let lookup = holders::first_holder(conn.conn(), key);
+/// The snapshot around `keys` on `conn`, or `None` if it did not answer
+/// within `within`.
+async fn look(conn: &mut HeldConn, keys: &[LockKey], within: Duration) -> Option<Snapshot> {
+    let mut bound = BoundAll::default();
+    for key in keys {
+        bound.push(key.args().ok()?.into());
+    }
+    let lookup = holders::around(conn.conn(), &bound);
     match tokio::time::timeout(within, lookup).await {
-        Ok(Ok(holder)) => {
-            conn.into_pool();
-            holder
-        }
+        Ok(Ok(snapshot)) => Some(snapshot),
         _ => None,
+    }
+}
+
+/// Of the first `n` wanted keys, the one the caller was not granted, and the
+/// chain behind its holder. That is a key the looking session does not hold
+/// (in a multi-key wait the keys before the blocked one were granted and are
+/// still held: session locks outlive the statement's error), preferring one
+/// that another session holds, first in the canonical order (key space, then
+/// value: [`AdvisoryKey`]'s order). With no holder seen, the first such key
+/// and an empty chain.
+fn blocked(snapshot: &Snapshot, n: usize) -> (usize, WaitChain) {
+    let granted_on = |key: AdvisoryKey| {
+        snapshot
+            .holders
+            .iter()
+            .filter(move |h| h.granted && h.key == key)
+    };
+    let mut open: Vec<(AdvisoryKey, usize)> = snapshot
+        .wanted
+        .iter()
+        .filter(|&&(place, key)| place < n && !granted_on(key).any(|h| h.pid == snapshot.me))
+        .map(|&(place, key)| (key, place))
+        .collect();
+    open.sort_unstable();
+    let held = open.iter().find_map(|&(key, place)| {
+        let holder = granted_on(key).find(|h| h.pid != snapshot.me)?;
+        Some((place, chain_from(&snapshot.holders, holder)))
+    });
+    held.unwrap_or_else(|| {
+        let place = open.first().map_or(0, |&(_, place)| place);
+        (place, WaitChain::default())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::postgres::holder::{Holder, LockMode};
+
+    fn row(pid: i32, key: AdvisoryKey, blocked_by: Vec<i32>) -> Holder {
+        Holder {
+            key,
+            pid,
+            application_name: Some(format!("app-{pid}")),
+            client_addr: None,
+            since: None,
+            granted: blocked_by.is_empty(),
+            mode: LockMode::Exclusive,
+            blocked_by,
+            waits_for: Vec::new(),
+        }
+    }
+
+    fn snapshot(mut holders: Vec<Holder>, wanted: Vec<(usize, AdvisoryKey)>) -> Snapshot {
+        crate::postgres::wait_chain::resolve(&mut holders);
+        Snapshot {
+            holders,
+            wanted,
+            me: 100,
+        }
+    }
+
+    const A: AdvisoryKey = AdvisoryKey::BigInt(1);
+    const B: AdvisoryKey = AdvisoryKey::BigInt(2);
+    const P: AdvisoryKey = AdvisoryKey::Pair(-5, 3);
+
+    /// The key is one the looker does not hold and another session does,
+    /// and the chain runs from that holder to the root.
+    #[test]
+    fn the_blocked_key_is_the_first_one_held_by_another() {
+        let s = snapshot(
+            vec![
+                row(100, A, vec![]),
+                row(7, P, vec![]),
+                row(8, B, vec![]),
+                row(7, B, vec![8]),
+            ],
+            // The caller listed P first, B second, A third.
+            vec![(0, P), (1, B), (2, A)],
+        );
+        let (at, chain) = blocked(&s, 3);
+        // B comes before P in the canonical order; A is the looker's own.
+        assert_eq!(at, 1);
+        assert_eq!(chain.pids(), [8]);
+        let (at, chain) = blocked(&s, 1);
+        assert_eq!(at, 0);
+        assert_eq!(chain.pids(), [7, 8], "P's holder waits behind 8");
+        assert!(
+            chain
+                .root()
+                .is_some_and(|root| root.key == B && root.granted)
+        );
+    }
+
+    /// Nobody else holds any of the keys: the first open one, no chain.
+    #[test]
+    fn with_no_holder_seen_the_chain_is_empty() {
+        let s = snapshot(vec![row(100, A, vec![])], vec![(0, A), (1, P), (2, B)]);
+        let (at, chain) = blocked(&s, 3);
+        assert_eq!(at, 2, "B, the first open key in the canonical order");
+        assert!(chain.is_empty());
+    }
+
+    #[test]
+    fn holder_fields_are_the_chains_first_link() {
+        let s = snapshot(
+            vec![row(7, A, vec![]), row(8, B, vec![]), row(7, B, vec![8])],
+            vec![(0, A)],
+        );
+        let (_, chain) = blocked(&s, 1);
+        match timeout_of(&LockKey::id(1), Instant::now(), chain) {
+            Error::Timeout {
+                holder_pid,
+                holder_application,
+                chain,
+                ..
+            } => {
+                assert_eq!(holder_pid, Some(7));
+                assert_eq!(holder_application.as_deref(), Some("app-7"));
+                assert_eq!(chain.pids(), [7, 8]);
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

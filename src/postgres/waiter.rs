@@ -5,10 +5,13 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tracing::Instrument;
 
-use crate::{Error, Holder, LockKey, PgLocker, SessionLock};
+use crate::postgres::Holder;
+use crate::{Error, LockKey, PgLocker, SessionLock};
 
 /// Default interval between two reports of who holds the lock.
 const DEFAULT_REPORT_EVERY: Duration = Duration::from_secs(5);
+/// The shortest interval between two reports: each costs a round trip.
+pub const MIN_REPORT_EVERY: Duration = Duration::from_millis(10);
 
 /// A report callback (boxed so `LockWaiter` stays one concrete type).
 type OnReport<'a> = Box<dyn FnMut(&WaitReport) + Send + 'a>;
@@ -22,7 +25,8 @@ type OnReport<'a> = Box<dyn FnMut(&WaitReport) + Send + 'a>;
 /// looks up the holders with [`PgLocker::holders_of`] and logs them at
 /// `INFO` (pid, application name, since when), and passes a [`WaitReport`] to
 /// the [`on_report`](Self::on_report) callback if there is one. At the
-/// deadline it fails with [`Error::Timeout`], whose message names the holder.
+/// deadline it fails with [`Error::Timeout`], whose message names the holder
+/// and whose `chain` says whom that holder waits behind, up to the root.
 ///
 /// The lookups need a second connection from the locker's pool while the
 /// wait occupies one; a lookup that cannot get one within a second is skipped.
@@ -31,7 +35,7 @@ type OnReport<'a> = Box<dyn FnMut(&WaitReport) + Send + 'a>;
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
 /// use std::time::Duration;
 /// let locker = distlock::PgLocker::new(pool.clone());
-/// let lock = distlock::LockWaiter::new(&locker, "app:migrations", Duration::from_secs(300))
+/// let lock = distlock::postgres::LockWaiter::new(&locker, "app:migrations", Duration::from_secs(300))
 ///     .lock()
 ///     .await?; // Err(Timeout): "... (held by pid 4242, application \"deploy-7\")"
 /// // apply migrations; the pods that waited find nothing to do
@@ -117,9 +121,11 @@ impl<'a> LockWaiter<'a> {
 
     /// How often to report who holds the lock (default five seconds; the
     /// first report comes after one interval, so a short wait is silent).
-    /// Values below 10 ms are raised to 10 ms.
+    /// Range: at least [`MIN_REPORT_EVERY`] (10 ms); [`lock`](Self::lock)
+    /// refuses a shorter one with [`Error::InvalidSetting`] before it asks
+    /// the server anything.
     pub fn report_every(mut self, every: Duration) -> Self {
-        self.report_every = every.max(Duration::from_millis(10));
+        self.report_every = every;
         self
     }
 
@@ -136,6 +142,13 @@ impl<'a> LockWaiter<'a> {
     ///
     /// As [`PgLocker::lock`]: dropping the future leaves no lock held.
     pub async fn lock(self) -> Result<SessionLock, Error> {
+        if self.report_every < MIN_REPORT_EVERY {
+            return Err(Error::InvalidSetting {
+                setting: "report_every",
+                value: format!("{:?}", self.report_every),
+                allowed: format!("at least {MIN_REPORT_EVERY:?}"),
+            });
+        }
         let span = tracing::info_span!("distlock.wait", key = %self.key);
         self.lock_inner().instrument(span).await
     }

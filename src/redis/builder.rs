@@ -2,16 +2,26 @@
 //! `builder(server).ttl(..).build().await`.
 //!
 //! They take anything `redis` accepts as connection info (a URL, a
-//! `redis::ConnectionInfo` with TLS settings, a `(host, port)` pair) and set
-//! the same options as the `with_*` methods of the lockers.
+//! `redis::ConnectionInfo` with TLS settings, a `(host, port)` pair). Their
+//! `build()` refuses a setting out of range with [`Error::InvalidSetting`]
+//! before it opens any connection.
 
 use std::fmt;
 use std::time::Duration;
 
 use redis::{ConnectionInfo, IntoConnectionInfo, RedisResult};
 
-use super::{RedisLocker, Redlock};
+use super::claim::check_ttl;
+use super::{RedisLocker, Redlock, redlock, single};
 use crate::Error;
+
+/// The shortest deadline of one command (or one node's reply): a zero
+/// deadline would fail every command before its reply could arrive.
+const MIN_COMMAND_TIMEOUT: Duration = Duration::from_millis(1);
+
+/// The shortest fallback poll: a shorter one would be the busy polling
+/// that the release signals replace.
+const MIN_POLL_INTERVAL: Duration = Duration::from_millis(1);
 
 /// Configures a [`RedisLocker`]; from [`RedisLocker::builder`].
 ///
@@ -22,6 +32,7 @@ pub struct RedisLockerBuilder {
     ttl: Option<Duration>,
     fencing: Option<bool>,
     command_timeout: Option<Duration>,
+    poll_interval: Option<Duration>,
 }
 
 impl RedisLockerBuilder {
@@ -31,46 +42,88 @@ impl RedisLockerBuilder {
             ttl: None,
             fencing: None,
             command_timeout: None,
+            poll_interval: None,
         }
     }
 
-    /// The leases' time to live; see [`RedisLocker::with_ttl`].
+    /// The leases' time to live (default 30 s). A holder that dies without
+    /// releasing blocks others for at most this long; the watchdog extends
+    /// every TTL/3.
+    ///
+    /// Range: 100 ms to 30 days; [`build`](Self::build) refuses others
+    /// (such as `Duration::MAX`) with [`Error::InvalidSetting`].
+    #[must_use = "the setter returns the changed builder"]
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = Some(ttl);
         self
     }
 
-    /// Whether leases carry fencing tokens; see [`RedisLocker::with_fencing`].
+    /// Whether leases carry fencing tokens (default `true`). Each lock name
+    /// then keeps a counter key (`distlock:fencing`, a NUL byte, the name;
+    /// see the [module docs](super#keys)) that never expires (so tokens
+    /// never repeat); turn this off to keep no state beyond held leases.
+    #[must_use = "the setter returns the changed builder"]
     pub fn fencing(mut self, fencing: bool) -> Self {
         self.fencing = Some(fencing);
         self
     }
 
-    /// The deadline of one command; see [`RedisLocker::with_command_timeout`].
+    /// The deadline of one command to the server (default 2 s). An
+    /// extension that gets no reply in time counts as loss.
+    ///
+    /// Range: at least 1 ms; a duration too long for the clock (such as
+    /// `Duration::MAX`) means as long as possible, though an acquisition
+    /// still waits for its reply at most the TTL less the drift margin.
+    /// [`build`](Self::build) refuses zero with [`Error::InvalidSetting`].
+    #[must_use = "the setter returns the changed builder"]
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
         self.command_timeout = Some(timeout);
         self
     }
 
+    /// The longest pause between two tries of a waiting
+    /// [`lock`](RedisLocker::lock) while it hears the key's releases
+    /// (default 1 s, [`DEFAULT_POLL_INTERVAL`](super::DEFAULT_POLL_INTERVAL));
+    /// each pause is random between half of it and all of it. A release
+    /// wakes a waiter at once, so this poll is the fallback for a holder
+    /// that vanishes without releasing (its key expires after at most the
+    /// TTL) and for a signal lost with a broken connection. See
+    /// [Waiting](super#waiting).
+    ///
+    /// Range: at least 1 ms; a duration too long for the clock (such as
+    /// `Duration::MAX`) means no poll: a waiter then tries again only when
+    /// woken, or at its deadline. [`build`](Self::build) refuses less than
+    /// 1 ms with [`Error::InvalidSetting`].
+    #[must_use = "the setter returns the changed builder"]
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = Some(interval);
+        self
+    }
+
     /// Connects as [`RedisLocker::connect`] does (2 round trips: handshake
-    /// and `INFO`). Fails with [`Error::Redis`] for invalid connection info
-    /// or a server that does not answer.
+    /// and `INFO`). Fails with [`Error::InvalidSetting`] for a setting out of
+    /// range (before connecting), and with [`Error::Redis`] for invalid
+    /// connection info or a server that does not answer.
     ///
     /// # Cancel safety
     ///
     /// Takes no lease: dropping the future only drops the connection.
     pub async fn build(self) -> Result<RedisLocker, Error> {
-        let mut locker = RedisLocker::from_client(redis::Client::open(self.server?)?).await?;
-        if let Some(ttl) = self.ttl {
-            locker = locker.with_ttl(ttl);
-        }
-        if let Some(fencing) = self.fencing {
-            locker = locker.with_fencing(fencing);
-        }
-        if let Some(timeout) = self.command_timeout {
-            locker = locker.with_command_timeout(timeout);
-        }
-        Ok(locker)
+        let defaults = single::Config::default();
+        let config = single::Config {
+            ttl: self.ttl.unwrap_or(defaults.ttl),
+            fencing: self.fencing.unwrap_or(defaults.fencing),
+            command_timeout: self.command_timeout.unwrap_or(defaults.command_timeout),
+            poll_interval: self.poll_interval.unwrap_or(defaults.poll_interval),
+        };
+        check_ttl(config.ttl)?;
+        at_least(
+            "command_timeout",
+            config.command_timeout,
+            MIN_COMMAND_TIMEOUT,
+        )?;
+        at_least("poll_interval", config.poll_interval, MIN_POLL_INTERVAL)?;
+        RedisLocker::open(redis::Client::open(self.server?)?, config).await
     }
 }
 
@@ -85,6 +138,7 @@ pub struct RedlockBuilder {
     retry_count: Option<u32>,
     retry_delay: Option<Duration>,
     retry_jitter: Option<Duration>,
+    poll_interval: Option<Duration>,
 }
 
 impl RedlockBuilder {
@@ -103,71 +157,116 @@ impl RedlockBuilder {
             retry_count: None,
             retry_delay: None,
             retry_jitter: None,
+            poll_interval: None,
         }
     }
 
-    /// The leases' time to live; see [`Redlock::with_ttl`].
+    /// The leases' time to live (default 30 s).
+    ///
+    /// Range: 100 ms to 30 days; [`build`](Self::build) refuses others
+    /// (such as `Duration::MAX`) with [`Error::InvalidSetting`].
+    #[must_use = "the setter returns the changed builder"]
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = Some(ttl);
         self
     }
 
-    /// One node's reply deadline; see [`Redlock::with_node_timeout`].
+    /// The deadline of one node's reply (default 50 ms). It bounds how much
+    /// of the validity a dead or slow node can eat.
+    ///
+    /// Range: at least 1 ms; it never exceeds the TTL less the drift
+    /// margin, so `Duration::MAX` means exactly that. [`build`](Self::build)
+    /// refuses zero with [`Error::InvalidSetting`].
+    #[must_use = "the setter returns the changed builder"]
     pub fn node_timeout(mut self, timeout: Duration) -> Self {
         self.node_timeout = Some(timeout);
         self
     }
 
-    /// Retries after a failed attempt; see [`Redlock::with_retry_count`].
+    /// How many times [`Redlock::lock`] tries again after a failed attempt
+    /// (default: no limit; the timeout bounds the wait). Range: any.
+    #[must_use = "the setter returns the changed builder"]
     pub fn retry_count(mut self, retries: u32) -> Self {
         self.retry_count = Some(retries);
         self
     }
 
-    /// The fixed part of the delay between attempts; see
-    /// [`Redlock::with_retry_delay`].
+    /// The fixed part of the delay between two attempts (default 50 ms).
+    /// The delay never outlasts the wait's deadline. Range: any; a duration
+    /// too long for the clock (such as `Duration::MAX`) saturates.
+    #[must_use = "the setter returns the changed builder"]
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = Some(delay);
         self
     }
 
-    /// The random part of the delay; see [`Redlock::with_retry_jitter`].
+    /// The upper bound of the random part added to each delay (default
+    /// 50 ms). Random delays keep clients that split the vote from
+    /// splitting it again. Range: any.
+    #[must_use = "the setter returns the changed builder"]
     pub fn retry_jitter(mut self, jitter: Duration) -> Self {
         self.retry_jitter = Some(jitter);
         self
     }
 
+    /// The longest pause between two attempts of a waiting
+    /// [`lock`](Redlock::lock) that found the key held by others on a
+    /// quorum of nodes while it hears the key's releases on a quorum
+    /// (default 1 s, [`DEFAULT_POLL_INTERVAL`](super::DEFAULT_POLL_INTERVAL));
+    /// each pause is random between half of it and all of it. A release
+    /// wakes a waiter at once, so this poll is the fallback for a holder
+    /// that vanishes without releasing and for a signal lost with a broken
+    /// connection. A split vote, failing nodes, or releases not heard wait
+    /// the retry delay instead. See [Waiting](super#waiting).
+    ///
+    /// Range: at least 1 ms; a duration too long for the clock (such as
+    /// `Duration::MAX`) means no poll. [`build`](Self::build) refuses less
+    /// than 1 ms with [`Error::InvalidSetting`].
+    #[must_use = "the setter returns the changed builder"]
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = Some(interval);
+        self
+    }
+
     /// Sets up the nodes as [`Redlock::connect`] does (1 `INFO` per node,
-    /// at most 1 s each). Fails for invalid connection info, no node, or a
-    /// node listed twice.
+    /// at most 1 s each). Fails with [`Error::InvalidSetting`] for a setting
+    /// out of range (before connecting), and for invalid connection info, no
+    /// node, or a node listed twice.
     ///
     /// # Cancel safety
     ///
     /// Takes no lease: dropping the future only drops the connections.
     pub async fn build(self) -> Result<Redlock, Error> {
+        let defaults = redlock::Config::default();
+        let config = redlock::Config {
+            ttl: self.ttl.unwrap_or(defaults.ttl),
+            node_timeout: self.node_timeout.unwrap_or(defaults.node_timeout),
+            retry_count: self.retry_count.unwrap_or(defaults.retry_count),
+            retry_delay: self.retry_delay.unwrap_or(defaults.retry_delay),
+            retry_jitter: self.retry_jitter.unwrap_or(defaults.retry_jitter),
+            poll_interval: self.poll_interval.unwrap_or(defaults.poll_interval),
+        };
+        check_ttl(config.ttl)?;
+        at_least("node_timeout", config.node_timeout, MIN_COMMAND_TIMEOUT)?;
+        at_least("poll_interval", config.poll_interval, MIN_POLL_INTERVAL)?;
         let clients = self
             .nodes?
             .into_iter()
             .map(redis::Client::open)
             .collect::<Result<Vec<_>, _>>()?;
-        let mut redlock = Redlock::from_clients(clients).await?;
-        if let Some(ttl) = self.ttl {
-            redlock = redlock.with_ttl(ttl);
-        }
-        if let Some(timeout) = self.node_timeout {
-            redlock = redlock.with_node_timeout(timeout);
-        }
-        if let Some(retries) = self.retry_count {
-            redlock = redlock.with_retry_count(retries);
-        }
-        if let Some(delay) = self.retry_delay {
-            redlock = redlock.with_retry_delay(delay);
-        }
-        if let Some(jitter) = self.retry_jitter {
-            redlock = redlock.with_retry_jitter(jitter);
-        }
-        Ok(redlock)
+        Redlock::open(clients, config).await
     }
+}
+
+fn at_least(setting: &'static str, value: Duration, min: Duration) -> Result<(), Error> {
+    if value < min {
+        return Err(Error::InvalidSetting {
+            setting,
+            value: format!("{value:?}"),
+            allowed: format!("at least {min:?}"),
+        });
+    }
+    Ok(())
 }
 
 /// A server's address for `Debug` output: host and port, no credentials.
@@ -185,6 +284,7 @@ impl fmt::Debug for RedisLockerBuilder {
             .field("ttl", &self.ttl)
             .field("fencing", &self.fencing)
             .field("command_timeout", &self.command_timeout)
+            .field("poll_interval", &self.poll_interval)
             .finish()
     }
 }
@@ -200,6 +300,7 @@ impl fmt::Debug for RedlockBuilder {
             .field("ttl", &self.ttl)
             .field("node_timeout", &self.node_timeout)
             .field("retry_count", &self.retry_count)
+            .field("poll_interval", &self.poll_interval)
             .finish_non_exhaustive()
     }
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::node::Failure;
 use crate::{Error, LockKey};
 
 /// The shortest TTL a lease may have: the watchdog extends every TTL/3, and
@@ -19,6 +20,11 @@ pub(crate) const MAX_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 /// byte keeps counters apart from locks: no lock name can contain one
 /// ([`LockKey::validate`]), so no lock's key is ever a counter's.
 pub(crate) const FENCE_PREFIX: &str = "distlock:fencing\0";
+
+/// Prefix of the Redis key of a [`Semaphore`](crate::Semaphore) permit
+/// slot (a key in [`Semaphore::SLOT_NAMESPACE`](crate::Semaphore::SLOT_NAMESPACE)).
+/// The NUL byte keeps slots apart from plain locks, as it does counters.
+pub(crate) const SLOT_PREFIX: &str = "distlock:semaphore\0";
 
 /// Prefix of the counter key of earlier versions, which a lock named
 /// `distlock:fencing:<name>` collided with. Read once per name, so that the
@@ -40,11 +46,7 @@ pub(crate) struct Claim {
 impl Claim {
     /// A fresh claim on `key` with a new random token.
     pub(crate) fn new(key: LockKey, ttl: Duration) -> Result<Self, Error> {
-        if !(MIN_TTL..=MAX_TTL).contains(&ttl) {
-            return Err(Error::InvalidConfig(
-                "a Redis lease's ttl must be between 100 ms and 30 days",
-            ));
-        }
+        check_ttl(ttl)?;
         let name = redis_key(&key)?;
         Ok(Self {
             key,
@@ -80,32 +82,57 @@ impl Claim {
 
     /// The error of a release that found another token (or none).
     pub(crate) fn not_held(&self) -> Error {
-        Error::LockNotHeld {
-            key: self.key.to_string(),
+        Error::LockLost {
+            key: self.key.clone(),
+            reason: crate::LossReason::Expired,
         }
     }
 
-    /// The error of a release whose command failed after `after`.
-    pub(crate) fn release_failed(&self, err: redis::RedisError, after: Duration) -> Error {
-        if err.is_timeout() {
-            Error::ReleaseTimedOut {
-                key: self.key.to_string(),
+    /// The error of a release whose command failed.
+    pub(crate) fn release_failed(&self, failure: Failure) -> Error {
+        match failure {
+            Failure::TimedOut(after) => Error::ReleaseTimedOut {
+                key: self.key.clone(),
                 after,
-            }
-        } else {
-            Error::Redis(err)
+            },
+            Failure::Redis(err) => Error::Redis(err),
+        }
+    }
+
+    /// The error of a lock command that failed.
+    pub(crate) fn failed(&self, failure: Failure) -> Error {
+        match failure {
+            Failure::TimedOut(after) => Error::CommandTimedOut {
+                key: self.key.clone(),
+                after,
+            },
+            Failure::Redis(err) => Error::Redis(err),
         }
     }
 
     /// [`Error::Timeout`] for a wait that began at `started`.
     pub(crate) fn timed_out(&self, started: Instant) -> Error {
         Error::Timeout {
-            key: self.key.to_string(),
+            key: self.key.clone(),
             waited: started.elapsed(),
             holder_pid: None,
             holder_application: None,
+            chain: Default::default(),
         }
     }
+}
+
+/// Refuses a lease TTL outside `MIN_TTL..=MAX_TTL`, as the builders'
+/// `ttl` setting.
+pub(crate) fn check_ttl(ttl: Duration) -> Result<(), Error> {
+    if (MIN_TTL..=MAX_TTL).contains(&ttl) {
+        return Ok(());
+    }
+    Err(Error::InvalidSetting {
+        setting: "ttl",
+        value: format!("{ttl:?}"),
+        allowed: format!("between {MIN_TTL:?} and {MAX_TTL:?} (30 days)"),
+    })
 }
 
 /// The clock-drift margin of the published Redlock algorithm: 1% of the TTL
@@ -119,7 +146,9 @@ pub(crate) fn drift(ttl: Duration) -> Duration {
 ///
 /// [`LockKey::namespaced`] keys are refused: their namespace is a PostgreSQL
 /// keyspace that Redis does not have, and dropping it silently would make two
-/// different locks one.
+/// different locks one. The one exception is the namespace reserved for
+/// semaphore slots, which maps to [`SLOT_PREFIX`] and the name: a key no
+/// lock name can spell.
 pub(crate) fn redis_key(key: &LockKey) -> Result<String, Error> {
     key.validate()?;
     let Some(name) = key.name() else {
@@ -128,8 +157,11 @@ pub(crate) fn redis_key(key: &LockKey) -> Result<String, Error> {
     if *key == LockKey::from(name) || *key == LockKey::hashed64(name) {
         return Ok(name.to_owned());
     }
+    if *key == LockKey::namespaced(crate::Semaphore::SLOT_NAMESPACE, name) {
+        return Ok(format!("{SLOT_PREFIX}{name}"));
+    }
     Err(Error::InvalidKey {
-        name: name.chars().take(64).collect(),
+        key: key.clone(),
         reason: "namespaced keys select a PostgreSQL keyspace that Redis does not have; \
                  put the namespace into the name instead",
     })
@@ -154,6 +186,15 @@ mod tests {
             redis_key(&LockKey::namespaced(1, "a")),
             Err(Error::InvalidKey { .. })
         ));
+        assert_eq!(
+            redis_key(&LockKey::namespaced(
+                crate::Semaphore::SLOT_NAMESPACE,
+                "s#0"
+            ))
+            .ok()
+            .as_deref(),
+            Some("distlock:semaphore\0s#0")
+        );
         assert!(matches!(
             redis_key(&LockKey::from("")),
             Err(Error::InvalidKey { .. })
@@ -188,7 +229,7 @@ mod tests {
         for ttl in [Duration::from_millis(99), MAX_TTL * 2, Duration::MAX] {
             assert!(matches!(
                 Claim::new(LockKey::from("k"), ttl),
-                Err(Error::InvalidConfig(_))
+                Err(Error::InvalidSetting { setting: "ttl", .. })
             ));
         }
         Ok(())

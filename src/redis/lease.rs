@@ -1,15 +1,14 @@
 //! The one lease type of the Redis backend, whichever strategy granted it:
 //! a single instance ([`RedisLocker`](super::RedisLocker)) or a quorum of
 //! nodes ([`Redlock`](super::Redlock)). The strategy lives behind the
-//! watchdog's `Backend`; the lease only forwards to its watchdog handle.
+//! watchdog's `Backend`; the lease only forwards to its watchdog handle,
+//! which embeds the loss state every guard shares (`loss_state.rs`).
 
 use std::fmt;
 use std::time::Duration;
 
-use async_trait::async_trait;
-
 use super::watchdog::Handle;
-use crate::{Error, FencingToken, Lease, LockKey, LossReason};
+use crate::{Error, FencingToken, LockKey, LossReason};
 
 /// A lease on Redis, kept alive by a watchdog until
 /// [`release`](Self::release) or drop.
@@ -88,7 +87,8 @@ impl RedisLease {
         self.handle.ttl()
     }
 
-    /// How long the lease has been held.
+    /// How long the lease has been held, from its grant as this process saw
+    /// it. No round trip.
     pub fn held_for(&self) -> Duration {
         self.handle.held_for()
     }
@@ -117,12 +117,15 @@ impl RedisLease {
     }
 
     /// `true` once [`lost`](Self::lost) would complete, or once the
-    /// [`validity`](Self::validity) has run out.
+    /// [`validity`](Self::validity) has run out; exactly when
+    /// [`loss`](Self::loss) is `Some`. No round trip.
     pub fn is_lost(&self) -> bool {
         self.handle.is_lost()
     }
 
-    /// Why the lease was lost, if it was.
+    /// Why the lease was lost, if it was: `None` while it is held,
+    /// [`LossReason::Expired`] once the validity ran out by the clock even
+    /// before the watchdog noticed. No round trip.
     pub fn loss(&self) -> Option<LossReason> {
         self.handle.loss()
     }
@@ -132,9 +135,9 @@ impl RedisLease {
     /// Single instance: 1 round trip. Redlock: 1 round trip to every node,
     /// concurrently, including nodes that did not grant it (a late `SET` may
     /// have landed there); it succeeds when a quorum deleted the key. Fails
-    /// with [`Error::LockLost`] if the lease had been lost, with
-    /// [`Error::LockNotHeld`] if the key had expired (it may belong to
-    /// another holder now, whose lease stays untouched), and with
+    /// with [`Error::LockLost`] if the lease had been lost or the key had
+    /// expired ([`LossReason::Expired`](crate::LossReason::Expired): it may
+    /// belong to another holder now, whose lease stays untouched), and with
     /// [`Error::ReleaseTimedOut`] if no answer came in time.
     ///
     /// # Cancel safety
@@ -146,25 +149,4 @@ impl RedisLease {
     }
 }
 
-#[async_trait]
-impl Lease for RedisLease {
-    fn key(&self) -> &LockKey {
-        RedisLease::key(self)
-    }
-
-    fn fencing_token(&self) -> Option<FencingToken> {
-        RedisLease::fencing_token(self)
-    }
-
-    async fn lost(&self) -> LossReason {
-        RedisLease::lost(self).await
-    }
-
-    fn is_lost(&self) -> bool {
-        RedisLease::is_lost(self)
-    }
-
-    async fn release(self: Box<Self>) -> Result<(), Error> {
-        RedisLease::release(*self).await
-    }
-}
+crate::lease::lease_from_inherent!(RedisLease);

@@ -18,11 +18,16 @@
 //! key `jobs:nightly`, `LockKey::id(42)` the key `42`, and
 //! `LockKey::hashed64("x")` the key `x`. [`LockKey::namespaced`](crate::LockKey::namespaced)
 //! keys are refused with [`Error::InvalidKey`](crate::Error::InvalidKey): put
-//! the namespace into the name. With fencing on, [`RedisLocker`] also keeps a
+//! the namespace into the name. (The one namespace taken is
+//! [`Semaphore::SLOT_NAMESPACE`](crate::Semaphore::SLOT_NAMESPACE), reserved
+//! for a semaphore's permits: `distlock:semaphore`, a NUL byte, the slot's
+//! name.) With fencing on, [`RedisLocker`] also keeps a
 //! counter key per lock name: `distlock:fencing`, a NUL byte, then the name
 //! (`"distlock:fencing\x00jobs:nightly"` in `redis-cli`). Lock names cannot
 //! contain NUL, so no lock's key is ever a counter's, whatever its name: a
-//! lock may be called `distlock:fencing:jobs:nightly`.
+//! lock may be called `distlock:fencing:jobs:nightly`. Releases are
+//! signalled on the channel `distlock:released`, a NUL byte, the key (see
+//! [Waiting](#waiting)).
 //!
 //! # PostgreSQL, Redis or Redlock?
 //!
@@ -99,7 +104,7 @@
 //! use std::time::Duration;
 //! use distlock::PgLocker;
 //!
-//! let pg = PgLocker::builder(pool.clone()).fencing(true).build();
+//! let pg = PgLocker::builder(pool.clone()).fencing(true).build()?;
 //! let Some(lease) = redlock.try_lock("report:2026-11").await? else {
 //!     return Ok(()); // another worker has it
 //! };
@@ -133,6 +138,49 @@
 //! replicas, is the same server as another node (same `run_id`), or does not
 //! answer. Both `connect` functions run this check once.
 //!
+//! # Waiting
+//!
+//! A `lock` that finds the key held does not poll it. A release (the
+//! compare-then-`DEL` script) also `PUBLISH`es, in the same atomic step,
+//! on a channel named after the key: `distlock:released`, a NUL byte, then
+//! the key. The waiting `lock` subscribes to that channel, tries once more
+//! (a release between its first try and the subscription sent a message it
+//! could not hear), and then sleeps until a release wakes it, and tries.
+//!
+//! * **Connections.** A locker and all its clones keep one subscriber
+//!   connection per server, opened by the first `lock` that has to wait and
+//!   shared by all waiters, whatever their number. The first waiter of a
+//!   key subscribes to its channel on it (1 `SUBSCRIBE`), the last one to
+//!   leave unsubscribes.
+//! * **One wake per release.** In one locker a release wakes one waiter of
+//!   the key, the one waiting longest; the others sleep on. A woken waiter
+//!   that is dropped before its try passes the wake on.
+//! * **The fallback poll.** Pub/sub is at-most-once, and a holder that
+//!   vanishes without releasing (a crash, a partition: its key expires
+//!   after at most the TTL) sends nothing. So a waiter also tries again
+//!   after at most the poll interval (default 1 s,
+//!   [`DEFAULT_POLL_INTERVAL`](crate::redis::DEFAULT_POLL_INTERVAL); the builders' `poll_interval`). When the
+//!   subscriber connection breaks, every waiter tries once and polls with
+//!   the old backoff (a single instance: 5 ms doubling to 100 ms; Redlock:
+//!   the retry delay and jitter) until it is back, subscribed, and every
+//!   waiter has tried once more. A server that refuses the subscription
+//!   (an ACL user without access to the channels: grant it
+//!   `&distlock:released*`) is logged once at `WARN`, and its waiters poll
+//!   the same way.
+//! * **Redlock.** Every node publishes its own release; a waiter relies on
+//!   the signals when a quorum of its subscribers listens (a holder's keys
+//!   are on a quorum of nodes, so at least one of those hears). An attempt
+//!   that no quorum of others held (a split vote) waits the retry delay
+//!   and jitter, as the published algorithm says, and its cleanup sends no
+//!   signal: waking the other contenders would only make them split again.
+//! * **Round trips.** A waiting `lock` costs its tries: 1 (a Redlock
+//!   round: 1 to every node), then after a busy one a second try, then 1
+//!   per release it is woken by or per poll. A release costs 1, as before.
+//!
+//! Clients of earlier versions release without publishing: their waiters
+//! and releases mix with these, but a release by such a client is only
+//! seen at the next poll. Upgrade all clients of the same keys together.
+//!
 //! # Drops, cancellation and faults
 //!
 //! Dropping a lease never blocks: its watchdog task deletes the key in the
@@ -163,10 +211,10 @@ mod redlock;
 mod retry;
 mod scripts;
 mod setup;
+mod signals;
 mod single;
+mod subscriber;
 mod watchdog;
-
-use std::time::Duration;
 
 pub use builder::{RedisLockerBuilder, RedlockBuilder};
 pub use lease::{RedisLease, RedlockLease};
@@ -174,5 +222,8 @@ pub use redlock::{DEFAULT_NODE_TIMEOUT, DEFAULT_RETRY_DELAY, DEFAULT_RETRY_JITTE
 pub use setup::{NodeStatus, SetupReport, SetupWarning};
 pub use single::{DEFAULT_COMMAND_TIMEOUT, RedisLocker};
 
-/// Default time to live of a Redis lease.
-pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
+/// Default of the longest pause between two tries of a waiting `lock` that
+/// hears the key's releases (see [Waiting](self#waiting)): the fallback
+/// poll, for a holder that vanishes without releasing and a signal lost
+/// with a broken connection. Set it with the builders' `poll_interval`.
+pub const DEFAULT_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);

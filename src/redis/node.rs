@@ -2,17 +2,14 @@
 //! commands under a deadline.
 
 use std::fmt;
-use std::future::{Future, poll_fn};
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Cmd, ErrorKind, FromRedisValue, RedisError, ServerErrorKind};
-use tokio::time::{Instant, timeout_at};
+use tokio::time::timeout_at;
 
-use crate::Error;
+use crate::{Error, deadline};
 
 /// How long establishing a TCP connection to a server may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -21,6 +18,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 #[derive(Clone)]
 pub(crate) struct Node {
     conn: ConnectionManager,
+    /// For connections of other kinds (the release signals' subscriber).
+    client: Client,
     label: Arc<str>,
 }
 
@@ -34,16 +33,24 @@ impl Node {
     /// Connects now; fails if the server does not answer.
     pub(crate) async fn connect(client: Client) -> Result<Self, Error> {
         let label = label(&client);
-        let conn = ConnectionManager::new_with_config(client, config()).await?;
-        Ok(Self { conn, label })
+        let conn = ConnectionManager::new_with_config(client.clone(), config()).await?;
+        Ok(Self {
+            conn,
+            client,
+            label,
+        })
     }
 
     /// Connects on first use, so that a server that is down now can still
     /// take part once it comes up (Redlock tolerates absent nodes).
     pub(crate) fn lazy(client: Client) -> Result<Self, Error> {
         let label = label(&client);
-        let conn = ConnectionManager::new_lazy_with_config(client, config())?;
-        Ok(Self { conn, label })
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config())?;
+        Ok(Self {
+            conn,
+            client,
+            label,
+        })
     }
 
     /// `host:port/db`, without credentials.
@@ -51,8 +58,13 @@ impl Node {
         &self.label
     }
 
+    /// The client the node was set up with.
+    pub(crate) fn client(&self) -> &Client {
+        &self.client
+    }
+
     /// Sends `cmd` and waits for its reply until `within` has passed; then
-    /// fails with an I/O "timed out" error (see `RedisError::is_timeout`).
+    /// fails with [`Failure::TimedOut`].
     ///
     /// A command that found the connection refused is sent once more within
     /// the same deadline: the manager has started to reconnect by then, so a
@@ -62,15 +74,18 @@ impl Node {
         &self,
         cmd: &Cmd,
         within: Duration,
-    ) -> Result<T, RedisError> {
-        let deadline = deadline(Instant::now(), within);
+    ) -> Result<T, Failure> {
+        let deadline = deadline::from_now(within);
         let first = timeout_at(deadline, self.send(cmd)).await;
-        match first {
-            Ok(Err(err)) if err.is_connection_refusal() => timeout_at(deadline, self.send(cmd))
-                .await
-                .unwrap_or_else(|_| Err(timed_out(within))),
-            Ok(result) => result,
-            Err(_) => Err(timed_out(within)),
+        let reply = match first {
+            Ok(Err(err)) if err.is_connection_refusal() => {
+                timeout_at(deadline, self.send(cmd)).await
+            }
+            first => first,
+        };
+        match reply {
+            Ok(result) => result.map_err(Failure::Redis),
+            Err(_) => Err(Failure::TimedOut(within)),
         }
     }
 
@@ -93,26 +108,32 @@ fn label(client: &Client) -> Arc<str> {
     Arc::from(format!("{}/{}", info.addr(), info.redis_settings().db()))
 }
 
-/// `start + after`, or, when that is beyond what the clock can express (such
-/// as `Duration::MAX`), the latest instant it can (within a factor of two):
-/// as long as possible, without overflowing.
-pub(crate) fn deadline(start: Instant, after: Duration) -> Instant {
-    let mut after = after;
-    loop {
-        if let Some(deadline) = start.checked_add(after) {
-            return deadline;
+/// Why a command to one server did not get its reply.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// No reply within the deadline (the command may still take effect).
+    TimedOut(Duration),
+    /// The client or the server reported an error.
+    Redis(RedisError),
+}
+
+impl Failure {
+    /// Whether sending the command again may succeed: see [`is_transient`].
+    pub(crate) fn is_transient(&self) -> bool {
+        match self {
+            Self::TimedOut(_) => true,
+            Self::Redis(err) => is_transient(err),
         }
-        after /= 2;
     }
 }
 
-/// The error of a command that got no reply in time.
-pub(crate) fn timed_out(after: Duration) -> RedisError {
-    std::io::Error::new(
-        std::io::ErrorKind::TimedOut,
-        format!("no reply from Redis within {after:?}"),
-    )
-    .into()
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::TimedOut(after) => write!(f, "no reply within {after:?}"),
+            Self::Redis(err) => err.fmt(f),
+        }
+    }
 }
 
 /// Whether a command that failed with `err` may succeed if sent again: the
@@ -141,41 +162,9 @@ pub(crate) fn is_transient(err: &RedisError) -> bool {
     }
 }
 
-/// Runs `futures` concurrently on the calling task and returns their outputs
-/// in order. Talking to every node at once keeps a Redlock round as slow as
-/// its slowest node, not as the sum of all of them.
-pub(crate) async fn join_all<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
-    let mut pending: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
-    let mut outputs: Vec<Option<F::Output>> = pending.iter().map(|_| None).collect();
-    poll_fn(|cx| {
-        let mut done = true;
-        for (future, output) in pending.iter_mut().zip(outputs.iter_mut()) {
-            if output.is_none() {
-                match future.as_mut().poll(cx) {
-                    Poll::Ready(value) => *output = Some(value),
-                    Poll::Pending => done = false,
-                }
-            }
-        }
-        if done { Poll::Ready(()) } else { Poll::Pending }
-    })
-    .await;
-    outputs.into_iter().flatten().collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn deadlines_saturate() {
-        let now = Instant::now();
-        let second = Duration::from_secs(1);
-        assert_eq!(deadline(now, second), now + second);
-        let far = deadline(now, Duration::MAX);
-        assert!(far > now + Duration::from_secs(100 * 365 * 24 * 3600));
-        assert!(deadline(now, Duration::from_secs(u64::MAX / 2)) > now + second);
-    }
 
     #[test]
     fn connection_failures_and_restarts_are_transient_the_rest_is_not() {
@@ -184,7 +173,7 @@ mod tests {
             io(std::io::ErrorKind::ConnectionRefused),
             io(std::io::ErrorKind::ConnectionReset),
             io(std::io::ErrorKind::BrokenPipe),
-            timed_out(Duration::from_millis(1)),
+            io(std::io::ErrorKind::TimedOut),
             RedisError::from((ErrorKind::Server(ServerErrorKind::BusyLoading), "loading")),
             RedisError::from((ErrorKind::Server(ServerErrorKind::ReadOnly), "replica")),
             RedisError::from((ErrorKind::Server(ServerErrorKind::MasterDown), "down")),
@@ -204,5 +193,6 @@ mod tests {
         ] {
             assert!(!is_transient(&err), "{err}");
         }
+        assert!(Failure::TimedOut(Duration::from_millis(1)).is_transient());
     }
 }

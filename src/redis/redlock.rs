@@ -7,17 +7,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::{Cmd, ErrorKind, RedisError, Value};
+use futures_util::future::join_all;
+use redis::{Cmd, Value};
 use tokio::time::Instant;
 
 use super::backoff::jittered;
-use super::claim::Claim;
+use super::claim::{self, Claim};
 use super::lease::RedlockLease;
-use super::node::{self, Node, join_all};
-use super::retry::{self, Failed, Waited};
+use super::node::{Failure, Node};
+use super::retry::{self, Cause, Failed, Pacing, Tried, Waited};
 use super::setup::{self, SetupReport};
+use super::signals::Signals;
 use super::watchdog::{Backend, Extension, Handle, InFlight};
-use super::{DEFAULT_TTL, scripts};
+use super::{DEFAULT_POLL_INTERVAL, scripts};
+use crate::DEFAULT_TTL;
 use crate::span;
 use crate::{Error, Lease, LockKey, Locker, LossReason};
 
@@ -37,7 +40,7 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(1);
 ///
 /// An attempt sends `SET key token NX PX ttl` with the same key and random
 /// token to every node at once, each under a short deadline
-/// ([`with_node_timeout`](Self::with_node_timeout)). It succeeds if at least
+/// ([`RedlockBuilder::node_timeout`](super::RedlockBuilder::node_timeout)). It succeeds if at least
 /// N/2+1 nodes (the quorum) granted it and the validity left — TTL minus the
 /// time the attempt took minus a clock-drift margin of TTL × 1% + 2 ms — is
 /// positive. Otherwise it deletes the key on *all* nodes at once (also those
@@ -52,23 +55,27 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(1);
 /// [`check_setup`](Self::check_setup).
 ///
 /// Cheap to clone. Costs per call: [`try_lock`](Self::try_lock) 1 round trip
-/// to every node (2 when it fails: the cleanup), release 1, the watchdog 1
-/// per TTL/3; the nodes are contacted concurrently.
+/// to every node (2 when it fails: the cleanup), release 1 (which also
+/// signals waiters), the watchdog 1 per TTL/3; the nodes are contacted
+/// concurrently. Once a `lock` has had to wait, the locker and its clones
+/// keep one subscriber connection per node for the release signals (see
+/// [Waiting](super#waiting)).
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), distlock::Error> {
 /// use std::time::Duration;
 /// use distlock::redis::Redlock;
 ///
-/// let redlock = Redlock::connect(&[
+/// let redlock = Redlock::builder([
 ///     "redis://127.0.0.1:7001",
 ///     "redis://127.0.0.1:7002",
 ///     "redis://127.0.0.1:7003",
 ///     "redis://127.0.0.1:7004",
 ///     "redis://127.0.0.1:7005",
 /// ])
-/// .await?
-/// .with_ttl(Duration::from_secs(10));
+/// .ttl(Duration::from_secs(10))
+/// .build()
+/// .await?;
 /// let lease = redlock.lock("reports:nightly", Duration::from_secs(5)).await?;
 /// println!("held for at least {:?} more", lease.validity());
 /// lease.release().await?;
@@ -78,15 +85,31 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(1);
 pub struct Redlock {
     nodes: Arc<[Node]>,
     config: Config,
+    signals: Signals,
 }
 
+/// The settings of a [`Redlock`], checked by its builder.
 #[derive(Debug, Clone, Copy)]
-struct Config {
-    ttl: Duration,
-    node_timeout: Duration,
-    retry_count: u32,
-    retry_delay: Duration,
-    retry_jitter: Duration,
+pub(super) struct Config {
+    pub(super) ttl: Duration,
+    pub(super) node_timeout: Duration,
+    pub(super) retry_count: u32,
+    pub(super) retry_delay: Duration,
+    pub(super) retry_jitter: Duration,
+    pub(super) poll_interval: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            ttl: DEFAULT_TTL,
+            node_timeout: DEFAULT_NODE_TIMEOUT,
+            retry_count: u32::MAX,
+            retry_delay: DEFAULT_RETRY_DELAY,
+            retry_jitter: DEFAULT_RETRY_JITTER,
+            poll_interval: DEFAULT_POLL_INTERVAL,
+        }
+    }
 }
 
 impl fmt::Debug for Redlock {
@@ -119,8 +142,7 @@ impl Redlock {
     /// Starts a builder: `Redlock::builder(nodes).ttl(..).build().await`,
     /// where each node is anything `redis` takes as connection info (a URL,
     /// a `redis::ConnectionInfo` with TLS settings, a `(host, port)` pair).
-    /// The same as [`connect`](Self::connect) followed by the `with_*`
-    /// methods.
+    /// Its `build()` refuses a setting out of range before it connects.
     pub fn builder<I>(nodes: I) -> super::RedlockBuilder
     where
         I: IntoIterator,
@@ -133,6 +155,11 @@ impl Redlock {
     /// (from `redis::ConnectionInfo`, with TLS settings, ...). Two clients for
     /// the same host, port and database are refused as a node listed twice.
     pub async fn from_clients(clients: Vec<redis::Client>) -> Result<Self, Error> {
+        Self::open(clients, Config::default()).await
+    }
+
+    /// Sets up the nodes with settings its builder has checked.
+    pub(super) async fn open(clients: Vec<redis::Client>, config: Config) -> Result<Self, Error> {
         if clients.is_empty() {
             return Err(Error::InvalidConfig("Redlock needs at least one node URL"));
         }
@@ -143,15 +170,11 @@ impl Redlock {
         if nodes.iter().map(Node::label).collect::<HashSet<_>>().len() != nodes.len() {
             return Err(Error::InvalidConfig("a Redlock node URL is listed twice"));
         }
+        let needed = nodes.len() / 2 + 1;
         let redlock = Self {
+            signals: Signals::new(&nodes, needed),
             nodes: nodes.into(),
-            config: Config {
-                ttl: DEFAULT_TTL,
-                node_timeout: DEFAULT_NODE_TIMEOUT,
-                retry_count: u32::MAX,
-                retry_delay: DEFAULT_RETRY_DELAY,
-                retry_jitter: DEFAULT_RETRY_JITTER,
-            },
+            config,
         };
         let report = setup::inspect(&redlock.nodes, SETUP_TIMEOUT, false).await;
         if report.reachable() < redlock.quorum() {
@@ -164,47 +187,24 @@ impl Redlock {
         Ok(redlock)
     }
 
-    /// Sets the leases' time to live (default 30 s, from 100 ms to 30 days;
-    /// outside that range, such as `Duration::MAX`, every acquisition fails
-    /// with [`Error::InvalidConfig`]).
+    /// Sets the leases' time to live: a shorthand for
+    /// [`RedlockBuilder::ttl`](super::RedlockBuilder::ttl), which has the
+    /// range (100 ms to 30 days) and the reasons.
+    ///
+    /// Deprecated because it cannot refuse a TTL out of range, being
+    /// infallible: the locker it returns then fails every acquisition with
+    /// [`Error::InvalidSetting`] (and this call logs that at `ERROR`). The
+    /// builder is the checked path: its `build()` refuses such a TTL before
+    /// anything connects, so no locker that fails later is ever made.
+    #[deprecated(
+        note = "use `Redlock::builder(urls).ttl(ttl).build()`, which refuses a TTL out of range before connecting"
+    )]
     #[must_use]
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        if let Err(error) = claim::check_ttl(ttl) {
+            tracing::error!(%error, "distlock: with_ttl got a TTL out of range; every acquisition will fail");
+        }
         self.config.ttl = ttl;
-        self
-    }
-
-    /// Sets the deadline of one node's reply (default 50 ms; never more than
-    /// the TTL less the drift margin, so `Duration::MAX` means exactly that).
-    /// It bounds how much of the validity a dead or slow node can eat.
-    #[must_use]
-    pub fn with_node_timeout(mut self, timeout: Duration) -> Self {
-        self.config.node_timeout = timeout;
-        self
-    }
-
-    /// Sets how many times [`lock`](Self::lock) tries again after a failed
-    /// attempt (default: no limit; the timeout bounds the wait).
-    #[must_use]
-    pub fn with_retry_count(mut self, retries: u32) -> Self {
-        self.config.retry_count = retries;
-        self
-    }
-
-    /// Sets the fixed part of the delay between two attempts (default 50 ms).
-    /// The delay never outlasts the wait's deadline; a duration too long for
-    /// the clock (such as `Duration::MAX`) saturates.
-    #[must_use]
-    pub fn with_retry_delay(mut self, delay: Duration) -> Self {
-        self.config.retry_delay = delay;
-        self
-    }
-
-    /// Sets the upper bound of the random part added to each delay (default
-    /// 50 ms). Random delays keep clients that split the vote from splitting
-    /// it again.
-    #[must_use]
-    pub fn with_retry_jitter(mut self, jitter: Duration) -> Self {
-        self.config.retry_jitter = jitter;
         self
     }
 
@@ -236,10 +236,11 @@ impl Redlock {
     /// granted by a quorum because others hold the key on some nodes (or the
     /// attempt took longer than the TTL allows).
     ///
-    /// Fails with [`Error::Redis`] when failing nodes alone leave no quorum
+    /// Fails with [`Error::QuorumUnreachable`] when failing nodes alone leave no quorum
     /// (more than N − quorum nodes down or too slow), and with
     /// [`Error::InvalidKey`] for an empty name, one containing NUL, or a
-    /// [`LockKey::namespaced`] key.
+    /// [`LockKey::namespaced`] key outside the semaphore's reserved namespace
+    /// ([`Semaphore::SLOT_NAMESPACE`](crate::Semaphore::SLOT_NAMESPACE)).
     ///
     /// # Cancel safety
     ///
@@ -249,24 +250,35 @@ impl Redlock {
         let key = key.into();
         span::traced(&key, Quorum::NAME, "try", Option::is_some, async {
             let claim = Arc::new(Claim::new(key.clone(), self.config.ttl)?);
-            self.attempt(&claim)
-                .await
-                .map_err(|unreachable| Error::Redis(unreachable.error))
+            match self.attempt(&claim).await {
+                Ok(Round::Granted(lease)) => Ok(Some(lease)),
+                Ok(Round::Held | Round::Missed) => Ok(None),
+                Err(unreachable) => Err(unreachable.error),
+            }
         })
         .await
     }
 
-    /// Takes the lease `key`, trying again after each failed attempt (after
-    /// the retry delay plus a random jitter) until `timeout` has passed or
-    /// the retry count is used up; then fails with [`Error::Timeout`]. A
-    /// `timeout` too long for the clock (such as `Duration::MAX`) means as
-    /// long as possible.
+    /// Takes the lease `key`, trying again after each failed attempt until
+    /// `timeout` has passed or the retry count is used up; then fails with
+    /// [`Error::Timeout`]. A `timeout` too long for the clock (such as
+    /// `Duration::MAX`) means as long as possible.
+    ///
+    /// An attempt that finds the key held by others on a quorum of nodes is
+    /// followed by a subscription to the key's release signal on every node
+    /// and one more attempt; then the call sleeps until a release wakes it
+    /// or the fallback poll is due (at most
+    /// [`poll_interval`](super::RedlockBuilder::poll_interval), default
+    /// 1 s). A split vote (no quorum holds the key), failing nodes, or
+    /// releases that a quorum of subscribers cannot hear wait the retry
+    /// delay plus a random jitter instead. Each attempt after the first
+    /// counts against the retry count. See [Waiting](super#waiting).
     ///
     /// Nodes that fail for a passing reason (down, refusing or resetting
     /// connections, no reply within the node timeout, still loading their
     /// data) do not end the wait: an attempt they leave without a quorum is
     /// retried like a busy one, so the wait survives nodes restarting before
-    /// the deadline. It fails at once with [`Error::Redis`] only when nodes
+    /// the deadline. It fails at once with [`Error::QuorumUnreachable`] only when nodes
     /// failing with a permanent error (failed authentication, a missing ACL
     /// permission, …) alone leave no quorum. Every attempt uses the same
     /// token, so a `SET` that landed late still belongs to this call.
@@ -293,29 +305,46 @@ impl Redlock {
     async fn wait(&self, key: &LockKey, timeout: Duration) -> Result<RedlockLease, Error> {
         let started = Instant::now();
         let claim = Arc::new(Claim::new(key.clone(), self.config.ttl)?);
+        let config = self.config;
         let mut retries = 0_u32;
-        let pause = || {
-            (retries < self.config.retry_count).then(|| {
-                retries += 1;
-                jittered(self.config.retry_delay, self.config.retry_jitter)
-            })
+        let pacing = Pacing {
+            signals: self.signals.clone(),
+            listen_within: self.backend(&claim).within,
+            // A held key is released with a signal, when heard; a split
+            // vote or failing nodes are not: they wait the retry delay.
+            pause: |cause, heard| {
+                (retries < config.retry_count).then(|| {
+                    retries += 1;
+                    match cause {
+                        Cause::Held if heard => {
+                            jittered(config.poll_interval / 2, config.poll_interval / 2)
+                        }
+                        _ => jittered(config.retry_delay, config.retry_jitter),
+                    }
+                })
+            },
         };
         let attempt = || async {
-            self.attempt(&claim).await.map_err(|u| Failed {
-                error: u.error,
-                transient: u.transient,
-            })
+            match self.attempt(&claim).await {
+                Ok(Round::Granted(lease)) => Tried::Granted(lease),
+                Ok(Round::Held) => Tried::Held,
+                Ok(Round::Missed) => Tried::Missed,
+                Err(unreachable) => Tried::Failed(Failed {
+                    error: unreachable.error,
+                    transient: unreachable.transient,
+                }),
+            }
         };
-        match retry::until_granted(&claim, started, timeout, pause, attempt).await {
+        match retry::until_granted(&claim, started, timeout, pacing, attempt).await {
             Waited::Granted(lease) => Ok(lease),
             Waited::TimedOut { .. } => Err(claim.timed_out(started)),
-            Waited::Failed(error) => Err(Error::Redis(error)),
+            Waited::Failed(error) => Err(error),
         }
     }
 
     /// One round of the algorithm: `SET NX PX` everywhere, count, and on
     /// failure delete everywhere before reporting it.
-    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedlockLease>, Unreachable> {
+    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Round, Unreachable> {
         let quorum = self.backend(claim);
         let in_flight = InFlight::new(&quorum, claim);
         let started = Instant::now();
@@ -326,17 +355,22 @@ impl Redlock {
         if tally.granted >= quorum.needed() && in_time {
             in_flight.disarm();
             let handle = Handle::spawn(quorum, Arc::clone(claim), started);
-            return Ok(Some(RedlockLease::new(handle, None, Quorum::NAME)));
+            return Ok(Round::Granted(RedlockLease::new(
+                handle,
+                None,
+                Quorum::NAME,
+            )));
         }
-        if let Err(err) = quorum.release(claim).await {
-            tracing::trace!(error = %err, "cleanup after a failed Redlock attempt");
+        let cleanup = quorum.ask(&scripts::release_quietly(claim), is_one).await;
+        if let Some(failure) = cleanup.first_failure() {
+            tracing::trace!(error = %failure, "cleanup after a failed Redlock attempt");
         }
         in_flight.disarm();
         let spare = self.nodes.len() - quorum.needed();
         if tally.failed.len() > spare {
             let transient = tally.lasting() <= spare;
             return Err(Unreachable {
-                error: tally.unreachable(quorum.needed()),
+                error: tally.unreachable(&claim.key, quorum.needed()),
                 transient,
             });
         }
@@ -345,8 +379,15 @@ impl Redlock {
                 took_ms = started.elapsed().as_secs_f64() * 1e3,
                 "distlock: Redlock quorum reached too late, its validity had run out"
             );
+            return Ok(Round::Missed);
         }
-        Ok(None)
+        // Held by others on a quorum: one holder (whose release signals),
+        // unless the vote split.
+        if tally.refused() >= quorum.needed() {
+            Ok(Round::Held)
+        } else {
+            Ok(Round::Missed)
+        }
     }
 
     fn backend(&self, claim: &Claim) -> Quorum {
@@ -372,56 +413,68 @@ struct Tally {
     /// Nodes that did what was asked.
     granted: usize,
     /// Nodes that could not be asked (error or no reply in time), by label.
-    failed: Vec<(String, RedisError)>,
+    failed: Vec<(String, Failure)>,
+}
+
+/// What one attempt that no node failure ruled out came to.
+enum Round {
+    Granted(RedlockLease),
+    /// Others hold the key on a quorum of nodes.
+    Held,
+    /// Not granted, and no quorum of others holds the key: a split vote
+    /// (or a quorum reached too late).
+    Missed,
 }
 
 /// An attempt that too many failing nodes left without a quorum.
 #[derive(Debug)]
 struct Unreachable {
-    /// Names every failing node and its error.
-    error: RedisError,
-    /// Whether the nodes that failed for good (see [`node::is_transient`])
+    /// [`Error::QuorumUnreachable`], naming every failing node and its
+    /// error.
+    error: Error,
+    /// Whether the nodes that failed for good (see [`Failure::is_transient`])
     /// still leave room for a quorum once the others recover.
     transient: bool,
 }
 
 impl Tally {
+    /// How many nodes answered, but not as asked (for `SET NX`: the key is
+    /// held there).
+    fn refused(&self) -> usize {
+        self.asked - self.granted - self.failed.len()
+    }
+
     /// How many nodes failed with an error that trying again cannot fix.
     fn lasting(&self) -> usize {
         self.failed
             .iter()
-            .filter(|(_, err)| !node::is_transient(err))
+            .filter(|(_, failure)| !failure.is_transient())
             .count()
     }
 
     /// Why a quorum could not be reached with this many failing nodes.
-    fn unreachable(self, needed: usize) -> RedisError {
-        let count = self.failed.len();
-        let errors: Vec<String> = self
-            .failed
-            .iter()
-            .map(|(node, err)| format!("{node}: {err}"))
-            .collect();
-        RedisError::from((
-            ErrorKind::Io,
-            "Redlock quorum unreachable",
-            format!(
-                "{count} of {} nodes failed and {needed} must grant ({})",
-                self.asked,
-                errors.join("; ")
-            ),
-        ))
+    fn unreachable(self, key: &LockKey, quorum: usize) -> Error {
+        Error::QuorumUnreachable {
+            key: key.clone(),
+            nodes: self.asked,
+            quorum,
+            failures: self
+                .failed
+                .iter()
+                .map(|(node, failure)| format!("{node}: {failure}"))
+                .collect(),
+        }
     }
 
     fn loss(&self) -> LossReason {
         match self.failed.first() {
-            Some((node, err)) => LossReason::ConnectionFailed(format!("{node}: {err}")),
+            Some((node, failure)) => LossReason::ConnectionFailed(format!("{node}: {failure}")),
             None => LossReason::Expired,
         }
     }
 
-    fn first_error(self) -> Option<RedisError> {
-        self.failed.into_iter().next().map(|(_, err)| err)
+    fn first_failure(self) -> Option<Failure> {
+        self.failed.into_iter().next().map(|(_, failure)| failure)
     }
 }
 
@@ -447,7 +500,7 @@ impl Quorum {
             match reply {
                 Ok(value) if yes(&value) => tally.granted += 1,
                 Ok(_) => {}
-                Err(err) => tally.failed.push((node.label().to_owned(), err)),
+                Err(failure) => tally.failed.push((node.label().to_owned(), failure)),
             }
         }
         tally
@@ -481,8 +534,8 @@ impl Backend for Quorum {
         if tally.granted >= self.needed() {
             return Ok(());
         }
-        match tally.first_error() {
-            Some(err) => Err(claim.release_failed(err, self.within)),
+        match tally.first_failure() {
+            Some(failure) => Err(claim.release_failed(failure)),
             None => Err(claim.not_held()),
         }
     }

@@ -1,20 +1,55 @@
-//! The wait that both Redis strategies share: try, and after a busy key or
-//! a passing failure pause and try again, until the deadline.
+//! The wait that both Redis strategies share: try; after a busy key listen
+//! for the release signal and try again at once; then sleep until a signal
+//! or the next poll, and try again, until the deadline.
 
 use std::future::Future;
 use std::time::Duration;
 
-use redis::RedisError;
-use tokio::time::{Instant, sleep};
+use tokio::time::Instant;
 
 use super::claim::Claim;
-use super::node;
+use super::signals::{Listener, Signals, Wake};
+use crate::{Error, deadline};
+
+/// What one try found.
+pub(super) enum Tried<L> {
+    Granted(L),
+    /// Another holder has the key: its release will be signalled.
+    Held,
+    /// Not granted, for a reason that no release will signal (for Redlock:
+    /// a split vote, or a quorum reached too late).
+    Missed,
+    Failed(Failed),
+}
 
 /// Why one try did not grant the lease.
 pub(super) struct Failed {
-    pub error: RedisError,
+    pub error: Error,
     /// A passing failure (a node down, slow, loading, …): worth another try.
     pub transient: bool,
+}
+
+/// Why the wait pauses, for the strategy to choose how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Cause {
+    /// The key is held.
+    Held,
+    /// See [`Tried::Missed`].
+    Missed,
+    /// The try failed for a passing reason.
+    Failing,
+}
+
+/// The strategy's side of a wait.
+pub(super) struct Pacing<P> {
+    /// Where releases are signalled.
+    pub signals: Signals,
+    /// How long listening may take to be set up before the wait goes on
+    /// without it (the strategy's command deadline).
+    pub listen_within: Duration,
+    /// The pause after a try, given why and whether releases are heard;
+    /// `None` means no tries are left.
+    pub pause: P,
 }
 
 /// How a wait ended.
@@ -27,39 +62,62 @@ pub(super) enum Waited<L> {
         failing: bool,
     },
     /// A permanent failure ended the wait at once.
-    Failed(RedisError),
+    Failed(Error),
 }
 
 /// Calls `attempt` until it grants, fails for good, or `timeout` (from
-/// `started`) has passed. Between tries it sleeps `pause()`, capped at the
-/// deadline; `pause` returning `None` means no tries are left.
-pub(super) async fn until_granted<L, Fut>(
+/// `started`) has passed.
+///
+/// After the first try that does not grant, the wait listens for the key's
+/// release signal and tries again at once: a release between that try and
+/// the subscription was not heard. It does the same when listening starts
+/// to work later (a subscriber connection that came up). Between the other
+/// tries it sleeps until a signal wakes it or the pause the strategy
+/// chooses has passed, capped at the deadline.
+pub(super) async fn until_granted<L, Fut, P>(
     claim: &Claim,
     started: Instant,
     timeout: Duration,
-    mut pause: impl FnMut() -> Option<Duration>,
+    mut pacing: Pacing<P>,
     mut attempt: impl FnMut() -> Fut,
 ) -> Waited<L>
 where
-    Fut: Future<Output = Result<Option<L>, Failed>>,
+    Fut: Future<Output = Tried<L>>,
+    P: FnMut(Cause, bool) -> Option<Duration>,
 {
-    let deadline = node::deadline(started, timeout);
+    let deadline = deadline::after(started, timeout);
     let mut failed = None;
+    let mut listener: Option<Listener> = None;
+    // Whether releases were heard at the last pause.
+    let mut was_heard = false;
+    let mut wake: Option<Wake> = None;
     loop {
-        match attempt().await {
-            Ok(Some(lease)) => return Waited::Granted(lease),
-            Ok(None) => {}
-            Err(Failed {
+        let tried = attempt().await;
+        // The wake (if any) led to a try that ended: not to be passed on.
+        if let Some(wake) = wake.take() {
+            wake.settle();
+        }
+        let cause = match tried {
+            Tried::Granted(lease) => return Waited::Granted(lease),
+            Tried::Held => Cause::Held,
+            Tried::Missed => Cause::Missed,
+            Tried::Failed(Failed {
                 error,
                 transient: true,
             }) => {
                 tracing::debug!(%error, "distlock: Redis try failed; trying again until the deadline");
                 failed = Some(error);
+                Cause::Failing
             }
-            Err(Failed { error, .. }) => return Waited::Failed(error),
-        }
+            Tried::Failed(Failed { error, .. }) => return Waited::Failed(error),
+        };
         let now = Instant::now();
-        let delay = if now < deadline { pause() } else { None };
+        let heard = listener.as_ref().is_some_and(Listener::is_heard);
+        let delay = if now < deadline {
+            (pacing.pause)(cause, heard)
+        } else {
+            None
+        };
         let Some(delay) = delay else {
             if let Some(error) = &failed {
                 tracing::warn!(key = %claim.key, %error, "distlock: Redis wait timed out; tries were failing");
@@ -68,6 +126,19 @@ where
                 failing: failed.is_some(),
             };
         };
-        sleep(delay.min(deadline - now)).await;
+        let Some(listening) = &mut listener else {
+            let within = pacing.listen_within.min(deadline - now);
+            let started = pacing.signals.listen(&claim.name, within).await;
+            was_heard = started.is_heard();
+            listener = Some(started);
+            continue;
+        };
+        if heard && !was_heard {
+            was_heard = true;
+            continue;
+        }
+        was_heard = heard;
+        let left = deadline.saturating_duration_since(Instant::now());
+        wake = listening.wait(delay.min(left)).await;
     }
 }

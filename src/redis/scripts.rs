@@ -7,6 +7,7 @@
 use redis::Cmd;
 
 use super::claim::Claim;
+use super::signals;
 
 /// Takes the lock if it is free or already holds our token (an earlier try
 /// of the same wait whose reply was lost); with fencing (keys 2 and 3), also
@@ -41,10 +42,16 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return token";
 
 /// Deletes the key only while it still holds our token: after an expiry the
-/// key may belong to the next owner, whose lock must survive.
+/// key may belong to the next owner, whose lock must survive. Then, given a
+/// channel (`ARGV[2]`), publishes on it in the same atomic step, which wakes
+/// the lock's waiters (see `signals.rs`). A refused `PUBLISH` (a user
+/// without access to the channel) does not fail the release: waiters then
+/// find the key free at their next poll.
 const RELEASE: &str = "\
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0";
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+if ARGV[2] then redis.pcall('PUBLISH', ARGV[2], '') end
+return 1";
 
 /// Resets the TTL only while the key still holds our token.
 const EXTEND: &str = "\
@@ -79,8 +86,19 @@ pub(crate) fn set_nx(claim: &Claim) -> Cmd {
     cmd
 }
 
-/// Compare-then-`DEL`; replies 1 when our key was deleted.
+/// Compare-then-`DEL`, and a signal to the lock's waiters when our key was
+/// deleted; replies 1 when it was.
 pub(crate) fn release(claim: &Claim) -> Cmd {
+    let mut cmd = release_quietly(claim);
+    cmd.arg(signals::channel(&claim.name));
+    cmd
+}
+
+/// Compare-then-`DEL` without a signal: the cleanup of a Redlock attempt
+/// that did not reach a quorum. Its keys held nothing up that a waiter is
+/// waiting for, and a signal would wake the other contenders into
+/// attempts of their own, whose cleanups would wake them again.
+pub(crate) fn release_quietly(claim: &Claim) -> Cmd {
     let mut cmd = redis::cmd("EVAL");
     cmd.arg(RELEASE).arg(1).arg(&claim.name).arg(&claim.token);
     cmd

@@ -3,7 +3,9 @@
 use std::fmt;
 use std::time::Duration;
 
-use super::node::{Node, join_all};
+use futures_util::future::join_all;
+
+use super::node::Node;
 
 /// What one server says about itself (`INFO`'s `server` and `replication`
 /// sections).

@@ -5,24 +5,26 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::RedisError;
 use tokio::time::Instant;
 
-use super::backoff::Backoff;
-use super::claim::Claim;
+use super::backoff;
+use super::claim::{self, Claim};
 use super::lease::RedisLease;
-use super::node::{self, Node};
-use super::retry::{self, Failed, Waited};
+use super::node::{Failure, Node};
+use super::retry::{self, Cause, Failed, Pacing, Tried, Waited};
 use super::setup::{self, SetupReport};
+use super::signals::Signals;
 use super::watchdog::{Backend, Extension, Handle, InFlight};
-use super::{DEFAULT_TTL, scripts};
+use super::{DEFAULT_POLL_INTERVAL, scripts};
+use crate::DEFAULT_TTL;
 use crate::span;
 use crate::{Error, FencingToken, Lease, LockKey, Locker, LossReason};
 
 /// Default deadline of one command (acquire, extend, release) to the server.
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// First and largest delay between two tries of [`RedisLocker::lock`].
+/// First and largest delay between two tries of [`RedisLocker::lock`] while
+/// it cannot hear releases, or its tries fail.
 const FIRST_BACKOFF: Duration = Duration::from_millis(5);
 const MAX_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -34,15 +36,16 @@ const MAX_BACKOFF: Duration = Duration::from_millis(100);
 /// extend or delete the key (Lua compare-then-`PEXPIRE` / compare-then-`DEL`).
 /// Each lease comes with a [`FencingToken`] issued by `INCR` on a companion
 /// key in the same atomic step (turn off with
-/// [`with_fencing(false)`](Self::with_fencing)).
+/// [`RedisLockerBuilder::fencing`](super::RedisLockerBuilder::fencing)).
 ///
 /// Cheap to clone: all clones share one multiplexed connection, which
-/// reconnects by itself.
+/// reconnects by itself, and, once a `lock` has had to wait, one subscriber
+/// connection for the release signals (see [Waiting](super#waiting)).
 ///
 /// | method | waits | round trips |
 /// |---|---|---|
-/// | [`try_lock`](Self::try_lock) | no | 1 (release: 1; watchdog: 1 per TTL/3) |
-/// | [`lock`](Self::lock) | polls with jittered backoff (5 ms doubling to 100 ms) | 1 per try |
+/// | [`try_lock`](Self::try_lock) | no | 1 (release: 1, which also signals waiters; watchdog: 1 per TTL/3) |
+/// | [`lock`](Self::lock) | until a release wakes it, polling at most every `poll_interval` (1 s) as a fallback | 1, then 2 if busy, then 1 per wake-up or poll |
 /// | [`check_setup`](Self::check_setup) | no | 1 |
 ///
 /// ```no_run
@@ -50,9 +53,10 @@ const MAX_BACKOFF: Duration = Duration::from_millis(100);
 /// use std::time::Duration;
 /// use distlock::redis::RedisLocker;
 ///
-/// let locker = RedisLocker::connect("redis://127.0.0.1:6379")
-///     .await?
-///     .with_ttl(Duration::from_secs(10));
+/// let locker = RedisLocker::builder("redis://127.0.0.1:6379")
+///     .ttl(Duration::from_secs(10))
+///     .build()
+///     .await?;
 /// if let Some(lease) = locker.try_lock("reports:nightly").await? {
 ///     // ... the work; race it against `lease.lost()` if it runs long ...
 ///     lease.release().await?;
@@ -63,13 +67,27 @@ const MAX_BACKOFF: Duration = Duration::from_millis(100);
 pub struct RedisLocker {
     node: Node,
     config: Config,
+    signals: Signals,
 }
 
+/// The settings of a [`RedisLocker`], checked by its builder.
 #[derive(Debug, Clone, Copy)]
-struct Config {
-    ttl: Duration,
-    fencing: bool,
-    command_timeout: Duration,
+pub(super) struct Config {
+    pub(super) ttl: Duration,
+    pub(super) fencing: bool,
+    pub(super) command_timeout: Duration,
+    pub(super) poll_interval: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            ttl: DEFAULT_TTL,
+            fencing: true,
+            command_timeout: DEFAULT_COMMAND_TIMEOUT,
+            poll_interval: DEFAULT_POLL_INTERVAL,
+        }
+    }
 }
 
 impl fmt::Debug for RedisLocker {
@@ -79,6 +97,7 @@ impl fmt::Debug for RedisLocker {
             .field("ttl", &self.config.ttl)
             .field("fencing", &self.config.fencing)
             .field("command_timeout", &self.config.command_timeout)
+            .field("poll_interval", &self.config.poll_interval)
             .finish()
     }
 }
@@ -98,8 +117,7 @@ impl RedisLocker {
     /// Starts a builder: `RedisLocker::builder(server).ttl(..).build().await`,
     /// where `server` is anything `redis` takes as connection info (a URL, a
     /// `redis::ConnectionInfo` with TLS settings, a `(host, port)` pair).
-    /// The same as [`connect`](Self::connect) followed by the `with_*`
-    /// methods.
+    /// Its `build()` refuses a setting out of range before it connects.
     pub fn builder(server: impl redis::IntoConnectionInfo) -> super::RedisLockerBuilder {
         super::RedisLockerBuilder::new(server)
     }
@@ -107,47 +125,41 @@ impl RedisLocker {
     /// Like [`connect`](Self::connect), with a `redis::Client` you built
     /// (from `redis::ConnectionInfo`, with TLS settings, ...).
     pub async fn from_client(client: redis::Client) -> Result<Self, Error> {
+        Self::open(client, Config::default()).await
+    }
+
+    /// Connects with settings its builder has checked, and inspects the
+    /// server with them (so a builder's `fencing(false)` is not warned about
+    /// a missing append-only file).
+    pub(super) async fn open(client: redis::Client, config: Config) -> Result<Self, Error> {
+        let node = Node::connect(client).await?;
         let locker = Self {
-            node: Node::connect(client).await?,
-            config: Config {
-                ttl: DEFAULT_TTL,
-                fencing: true,
-                command_timeout: DEFAULT_COMMAND_TIMEOUT,
-            },
+            signals: Signals::new(std::slice::from_ref(&node), 1),
+            node,
+            config,
         };
         locker.check_setup().await;
         Ok(locker)
     }
 
-    /// Sets the leases' time to live (default 30 s, from 100 ms to 30 days;
-    /// outside that range, such as `Duration::MAX`, every acquisition fails
-    /// with [`Error::InvalidConfig`]). A holder that dies without releasing
-    /// blocks others for at most this long; the watchdog extends every
-    /// TTL/3.
+    /// Sets the leases' time to live: a shorthand for
+    /// [`RedisLockerBuilder::ttl`](super::RedisLockerBuilder::ttl), which
+    /// has the range (100 ms to 30 days) and the reasons.
+    ///
+    /// Deprecated because it cannot refuse a TTL out of range, being
+    /// infallible: the locker it returns then fails every acquisition with
+    /// [`Error::InvalidSetting`] (and this call logs that at `ERROR`). The
+    /// builder is the checked path: its `build()` refuses such a TTL before
+    /// anything connects, so no locker that fails later is ever made.
+    #[deprecated(
+        note = "use `RedisLocker::builder(url).ttl(ttl).build()`, which refuses a TTL out of range before connecting"
+    )]
     #[must_use]
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        if let Err(error) = claim::check_ttl(ttl) {
+            tracing::error!(%error, "distlock: with_ttl got a TTL out of range; every acquisition will fail");
+        }
         self.config.ttl = ttl;
-        self
-    }
-
-    /// Issues fencing tokens (default `true`). Each lock name then keeps a
-    /// counter key (`distlock:fencing`, a NUL byte, the name; see the
-    /// [module docs](super#keys)) that never expires (so tokens never
-    /// repeat); turn this off to keep no state beyond held leases.
-    #[must_use]
-    pub fn with_fencing(mut self, fencing: bool) -> Self {
-        self.config.fencing = fencing;
-        self
-    }
-
-    /// Sets the deadline of one command to the server (default 2 s). An
-    /// extension that gets no reply in time counts as loss. A duration too
-    /// long for the clock (such as `Duration::MAX`) means as long as
-    /// possible; an acquisition still waits for its reply at most the TTL
-    /// less the drift margin.
-    #[must_use]
-    pub fn with_command_timeout(mut self, timeout: Duration) -> Self {
-        self.config.command_timeout = timeout;
         self
     }
 
@@ -174,7 +186,12 @@ impl RedisLocker {
     /// another holder has it.
     ///
     /// Costs 1 round trip. Fails with [`Error::InvalidKey`] for an empty
-    /// name, a name containing NUL, or a [`LockKey::namespaced`] key.
+    /// name, a name containing NUL, or a [`LockKey::namespaced`] key outside
+    /// the semaphore's reserved namespace
+    /// ([`Semaphore::SLOT_NAMESPACE`](crate::Semaphore::SLOT_NAMESPACE)),
+    /// with [`Error::CommandTimedOut`] when the server does not answer
+    /// within the command deadline, and with [`Error::Redis`] for an error
+    /// of the client or the server.
     ///
     /// # Cancel safety
     ///
@@ -187,31 +204,46 @@ impl RedisLocker {
             let claim = Arc::new(Claim::new(key.clone(), self.config.ttl)?);
             // On error the SET may still have landed: `in_flight` cleans up.
             let in_flight = InFlight::new(&self.backend(), &claim);
-            let lease = self.attempt(&claim).await?;
+            let lease = self
+                .attempt(&claim)
+                .await
+                .map_err(|failure| claim.failed(failure))?;
             in_flight.disarm();
             Ok(lease)
         })
         .await
     }
 
-    /// Takes the lease `key`, trying again with jittered exponential backoff
-    /// until `timeout` has passed; then fails with [`Error::Timeout`] (which
-    /// cannot name the holder: Redis does not know it). A `timeout` of zero
-    /// is a single try; one too long for the clock (such as `Duration::MAX`)
-    /// means as long as possible.
+    /// Takes the lease `key`, waiting for its release until `timeout` has
+    /// passed; then fails with [`Error::Timeout`] (which cannot name the
+    /// holder: Redis does not know it). A `timeout` of zero is a single try;
+    /// one too long for the clock (such as `Duration::MAX`) means as long as
+    /// possible.
+    ///
+    /// A busy try is followed by a subscription to the key's release
+    /// signal and one more try; then the call sleeps until a release wakes
+    /// it (one waiter of this locker per release, the longest waiting) or
+    /// the fallback poll is due (at most
+    /// [`poll_interval`](super::RedisLockerBuilder::poll_interval), default
+    /// 1 s), and tries again. While the signals cannot be heard (the
+    /// subscriber connection is down or refused), it polls with jittered
+    /// backoff, 5 ms doubling to 100 ms. See [Waiting](super#waiting).
     ///
     /// A try that fails for a passing reason (connection refused or reset,
     /// no reply within the command deadline, a server still loading its data
     /// or in a failover: `LOADING`, `BUSY`, `READONLY`, `MASTERDOWN`, …) is
-    /// retried like a busy one, so a wait survives a server restart that ends
-    /// before the deadline. A permanent error (a wrong type, a script error,
-    /// failed authentication, a missing ACL permission, `OOM`) ends the wait
-    /// at once with [`Error::Redis`]. A try that starts just before the
-    /// deadline may end up to one command deadline after it.
+    /// retried with the backoff, so a wait survives a server restart that
+    /// ends before the deadline. A permanent error (a wrong type, a script
+    /// error, failed authentication, a missing ACL permission, `OOM`) ends
+    /// the wait at once with [`Error::Redis`]. A try that starts just before
+    /// the deadline may end up to one command deadline after it.
     ///
-    /// Costs 1 round trip per try. Every try uses the same token, so a `SET`
-    /// whose reply was lost still belongs to this call: the next try finds
-    /// the key holding its token and takes it over.
+    /// Costs 1 round trip per try: 1 for a free key, 2 for a busy one, then
+    /// 1 per wake-up or poll. The first waiting call of a locker opens its
+    /// subscriber connection, and the first waiter of a key sends a
+    /// `SUBSCRIBE` on it. Every try uses the same token, so a `SET` whose
+    /// reply was lost still belongs to this call: the next try finds the key
+    /// holding its token and takes it over.
     ///
     /// # Cancel safety
     ///
@@ -235,25 +267,34 @@ impl RedisLocker {
     async fn wait(&self, key: &LockKey, timeout: Duration) -> Result<RedisLease, Error> {
         let started = Instant::now();
         let claim = Arc::new(Claim::new(key.clone(), self.config.ttl)?);
-        let mut backoff = Backoff::new(FIRST_BACKOFF, MAX_BACKOFF);
+        let mut backoff = backoff::exponential(FIRST_BACKOFF, MAX_BACKOFF);
+        let poll = self.config.poll_interval;
+        let pacing = Pacing {
+            signals: self.signals.clone(),
+            listen_within: self.config.command_timeout,
+            // Heard releases need no polling but the fallback's; unheard
+            // ones (no subscriber connection) and failures need the backoff.
+            pause: |cause, heard| match cause {
+                Cause::Held if heard => Some(backoff::jittered(poll / 2, poll / 2)),
+                _ => backoff.next(),
+            },
+        };
         // One guard for the whole wait, not one per try: a try that failed may
         // still set the key, and the next try (same token) takes that over. A
         // cleanup per failed try could instead delete the key after a later
         // try had taken it. Whatever is still ours when the wait ends without
         // a lease (error, timeout, cancellation) is deleted in the background.
         let in_flight = InFlight::new(&self.backend(), &claim);
-        let waited = retry::until_granted(
-            &claim,
-            started,
-            timeout,
-            || Some(backoff.next_delay()),
-            || async {
-                self.attempt(&claim).await.map_err(|error| Failed {
-                    transient: node::is_transient(&error),
-                    error,
-                })
-            },
-        )
+        let waited = retry::until_granted(&claim, started, timeout, pacing, || async {
+            match self.attempt(&claim).await {
+                Ok(Some(lease)) => Tried::Granted(lease),
+                Ok(None) => Tried::Held,
+                Err(failure) => Tried::Failed(Failed {
+                    transient: failure.is_transient(),
+                    error: claim.failed(failure),
+                }),
+            }
+        })
         .await;
         match waited {
             Waited::Granted(lease) => {
@@ -267,14 +308,14 @@ impl RedisLocker {
                 }
                 Err(claim.timed_out(started))
             }
-            Waited::Failed(error) => Err(Error::Redis(error)),
+            Waited::Failed(error) => Err(error),
         }
     }
 
     /// One `SET PX` if free (with `INCR` of the fence counter) under the
     /// command deadline, capped so that a reply always arrives while the TTL
     /// lasts. On error the `SET` may still have landed: the caller cleans up.
-    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedisLease>, RedisError> {
+    async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedisLease>, Failure> {
         let started = Instant::now();
         let within = self.config.command_timeout.min(claim.window());
         let cmd = scripts::acquire(claim, self.config.fencing);
@@ -316,10 +357,8 @@ impl Backend for Single {
         {
             Ok(1) => Extension::Extended,
             Ok(_) => Extension::Lost(LossReason::Expired),
-            Err(err) if err.is_timeout() => {
-                Extension::Lost(LossReason::HeartbeatTimedOut(self.timeout))
-            }
-            Err(err) => Extension::Lost(LossReason::ConnectionFailed(err.to_string())),
+            Err(Failure::TimedOut(after)) => Extension::Lost(LossReason::HeartbeatTimedOut(after)),
+            Err(failure) => Extension::Lost(LossReason::ConnectionFailed(failure.to_string())),
         }
     }
 
@@ -331,7 +370,7 @@ impl Backend for Single {
         {
             Ok(1) => Ok(()),
             Ok(_) => Err(claim.not_held()),
-            Err(err) => Err(claim.release_failed(err, self.timeout)),
+            Err(failure) => Err(claim.release_failed(failure)),
         }
     }
 }

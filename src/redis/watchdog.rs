@@ -10,6 +10,7 @@ use tokio::time::{Instant, sleep_until, timeout_at};
 use tracing::Instrument;
 
 use super::claim::Claim;
+use crate::loss_state::{self, LossSender, LossState};
 use crate::{Error, LockKey, LossReason, metrics};
 
 /// The server side of a lease: one Redis instance, or a Redlock quorum.
@@ -41,8 +42,6 @@ pub(crate) enum Extension {
 pub(crate) struct State {
     /// Until when the lease is known to be held.
     pub(crate) valid_until: Instant,
-    /// Set once the lease can no longer be trusted.
-    pub(crate) lost: Option<LossReason>,
 }
 
 /// What `release()` sends: where to put the outcome.
@@ -55,6 +54,7 @@ pub(crate) struct Handle {
     claim: Arc<Claim>,
     acquired_at: std::time::Instant,
     state: watch::Receiver<State>,
+    loss: LossState,
     release: Option<oneshot::Sender<ReleaseRequest>>,
 }
 
@@ -63,9 +63,11 @@ impl Handle {
     pub(crate) fn spawn<B: Backend>(backend: B, claim: Arc<Claim>, started: Instant) -> Self {
         let state = State {
             valid_until: started + claim.window(),
-            lost: None,
         };
         let (state_tx, state_rx) = watch::channel(state);
+        // A watchdog dropped without a reason (its runtime shut down) no
+        // longer extends the key.
+        let (loss_tx, loss_rx) = loss_state::channel(LossReason::KeeperStopped);
         let (release_tx, release_rx) = oneshot::channel();
         let span = tracing::debug_span!("distlock.watchdog", key = %claim.key, backend = B::NAME);
         let acquired_at = std::time::Instant::now();
@@ -74,6 +76,7 @@ impl Handle {
             claim: Arc::clone(&claim),
             acquired_at,
             state: state_tx,
+            loss: loss_tx,
             release: release_rx,
         };
         tokio::spawn(watchdog.run(started).instrument(span));
@@ -81,6 +84,7 @@ impl Handle {
             claim,
             acquired_at,
             state: state_rx,
+            loss: loss_rx,
             release: Some(release_tx),
         }
     }
@@ -99,19 +103,15 @@ impl Handle {
 
     /// How long the lease is still known to be held (zero once lost).
     pub(crate) fn validity(&self) -> Duration {
-        let state = self.state.borrow();
-        if state.lost.is_some() {
+        if self.loss.is_lost() {
             return Duration::ZERO;
         }
-        state.valid_until.saturating_duration_since(Instant::now())
+        let valid_until = self.state.borrow().valid_until;
+        valid_until.saturating_duration_since(Instant::now())
     }
 
     pub(crate) async fn lost(&self) -> LossReason {
-        let mut state = self.state.clone();
-        match state.wait_for(|state| state.lost.is_some()).await {
-            Ok(state) => state.lost.clone().unwrap_or(LossReason::KeeperStopped),
-            Err(_) => LossReason::KeeperStopped,
-        }
+        self.loss.lost().await
     }
 
     /// Also `true` once the validity ran out by the clock, even if the
@@ -120,15 +120,13 @@ impl Handle {
         self.loss().is_some()
     }
 
+    /// What the watchdog reported, or [`LossReason::Expired`] once the
+    /// validity ran out by the clock.
     pub(crate) fn loss(&self) -> Option<LossReason> {
-        let state = self.state.borrow();
-        if let Some(reason) = &state.lost {
-            return Some(reason.clone());
-        }
-        if self.state.has_changed().is_err() {
-            return Some(LossReason::KeeperStopped);
-        }
-        (Instant::now() >= state.valid_until).then_some(LossReason::Expired)
+        self.loss.loss().or_else(|| {
+            let valid_until = self.state.borrow().valid_until;
+            (Instant::now() >= valid_until).then_some(LossReason::Expired)
+        })
     }
 
     /// Asks the watchdog to release and waits for the outcome.
@@ -145,7 +143,7 @@ impl Handle {
         let result = match (sent, outcome.instrument(span.clone()).await) {
             (Some(true), Ok(result)) => result,
             _ => Err(Error::LockLost {
-                key: self.claim.key.to_string(),
+                key: self.claim.key.clone(),
                 reason: self.loss().unwrap_or(LossReason::KeeperStopped),
             }),
         };
@@ -160,6 +158,7 @@ struct Watchdog<B> {
     claim: Arc<Claim>,
     acquired_at: std::time::Instant,
     state: watch::Sender<State>,
+    loss: LossSender,
     release: oneshot::Receiver<ReleaseRequest>,
 }
 
@@ -218,14 +217,13 @@ impl<B: Backend> Watchdog<B> {
     async fn lost(self, reason: LossReason) {
         tracing::warn!(key = %self.claim.key, %reason, "distlock lease lost");
         metrics::lost(B::NAME, &self.claim.key);
-        self.state
-            .send_modify(|state| state.lost = Some(reason.clone()));
+        self.loss.send_replace(Some(reason.clone()));
         if let Err(err) = self.backend.release(&self.claim).await {
             tracing::debug!(error = %err, "cleanup after a lost lease found nothing to delete");
         }
         if let Ok(reply) = self.release.await {
             let _ = reply.send(Err(Error::LockLost {
-                key: self.claim.key.to_string(),
+                key: self.claim.key.clone(),
                 reason,
             }));
         }

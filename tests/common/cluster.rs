@@ -27,8 +27,20 @@ pub struct Cluster {
     listen: String,
 }
 
-/// The directory of the newest installed PostgreSQL's binaries.
-fn bin_dir() -> PathBuf {
+/// The directory of the server binaries: `$DISTLOCK_PG_BIN` where set (for
+/// example a directory `.ci/pg-install` printed, to run these tests on
+/// another major version), else the newest installed under
+/// /usr/lib/postgresql.
+pub fn bin_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("DISTLOCK_PG_BIN").filter(|d| !d.is_empty()) {
+        let dir = PathBuf::from(dir);
+        assert!(
+            dir.join("initdb").exists(),
+            "DISTLOCK_PG_BIN={} has no initdb",
+            dir.display()
+        );
+        return dir;
+    }
     let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .expect("PostgreSQL server binaries under /usr/lib/postgresql")
         .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
@@ -45,6 +57,16 @@ fn bin_dir() -> PathBuf {
         .expect("an initdb under /usr/lib/postgresql/*/bin")
 }
 
+/// The libraries the binaries of [`bin_dir`] need, where they ship their
+/// own (`../lib`, as the npm-packaged servers do; Debian's binaries find
+/// theirs without help).
+fn lib_dir() -> Option<PathBuf> {
+    std::env::var_os("DISTLOCK_PG_BIN")
+        .filter(|d| !d.is_empty())
+        .map(|d| PathBuf::from(d).join("../lib"))
+        .filter(|l| l.is_dir())
+}
+
 fn running_as_root() -> bool {
     std::process::Command::new("id")
         .arg("-u")
@@ -53,16 +75,31 @@ fn running_as_root() -> bool {
         .unwrap_or(false)
 }
 
-/// A command for one of the server binaries, as `postgres` when we are root.
-fn server_command(binary: &str) -> Command {
+/// A command for one of the server binaries, as `postgres` when we are root,
+/// with `LD_LIBRARY_PATH` set where the binaries ship their libraries. Run
+/// through `env` so the variable reaches the binary whatever `runuser`
+/// keeps of the environment; `prefix` (e.g. `ip netns exec NS`) goes first.
+fn std_server_command(prefix: &[&str], binary: &str) -> std::process::Command {
     let path = bin_dir().join(binary);
+    let mut argv: Vec<std::ffi::OsString> = prefix.iter().map(Into::into).collect();
     if running_as_root() {
-        let mut cmd = Command::new("runuser");
-        cmd.args(["-u", "postgres", "--"]).arg(path);
-        cmd
-    } else {
-        Command::new(path)
+        argv.extend(["runuser", "-u", "postgres", "--"].map(Into::into));
     }
+    if let Some(lib) = lib_dir() {
+        argv.push("env".into());
+        let mut var = std::ffi::OsString::from("LD_LIBRARY_PATH=");
+        var.push(lib);
+        argv.push(var);
+    }
+    argv.push(path.into());
+    let mut cmd = std::process::Command::new(&argv[0]);
+    cmd.args(&argv[1..]);
+    cmd
+}
+
+/// [`std_server_command`] for tokio, without a prefix.
+fn server_command(binary: &str) -> Command {
+    Command::from(std_server_command(&[], binary))
 }
 
 async fn run(mut cmd: Command, what: &str) {
@@ -85,8 +122,9 @@ pub fn free_port() -> u16 {
     listener.local_addr().expect("local_addr").port()
 }
 
-/// A scratch directory the `postgres` user may write.
-fn scratch(name: &str) -> PathBuf {
+/// A scratch directory the `postgres` user may write (the caller removes
+/// it; a cluster removes its own).
+pub fn scratch(name: &str) -> PathBuf {
     let root = std::env::temp_dir().join(format!(
         "distlock-{name}-{}-{}",
         std::process::id(),
@@ -170,13 +208,17 @@ impl Cluster {
     pub async fn standby_of(primary: &Cluster, name: &str, conf: &[&str]) -> Cluster {
         let root = scratch(name);
         let data = root.join("data");
-        let mut backup = server_command("pg_basebackup");
-        backup
-            .arg("-D")
-            .arg(&data)
-            .args(["-h", "127.0.0.1", "-U", "postgres", "-R", "-X", "stream"])
-            .args(["-p", &primary.port.to_string()]);
-        run(backup, "pg_basebackup").await;
+        if bin_dir().join("pg_basebackup").exists() {
+            let mut backup = server_command("pg_basebackup");
+            backup
+                .arg("-D")
+                .arg(&data)
+                .args(["-h", "127.0.0.1", "-U", "postgres", "-R", "-X", "stream"])
+                .args(["-p", &primary.port.to_string()]);
+            run(backup, "pg_basebackup").await;
+        } else {
+            copy_backup(primary, &data).await;
+        }
         let cluster = Cluster {
             root,
             data,
@@ -233,15 +275,9 @@ impl Cluster {
             None => self.pg_ctl(&args).await,
             Some(ns) => {
                 // The postmaster (and every backend) inherits the namespace.
-                let mut cmd = Command::new("ip");
-                cmd.args(["netns", "exec", ns]);
-                if running_as_root() {
-                    cmd.args(["runuser", "-u", "postgres", "--"]);
-                }
-                cmd.arg(bin_dir().join("pg_ctl"))
-                    .arg("-D")
-                    .arg(&self.data)
-                    .args(args);
+                let mut cmd =
+                    Command::from(std_server_command(&["ip", "netns", "exec", ns], "pg_ctl"));
+                cmd.arg("-D").arg(&self.data).args(args);
                 run(cmd, &format!("pg_ctl start in {ns} ({})", self.name)).await;
             }
         }
@@ -260,6 +296,22 @@ impl Cluster {
     /// Promotes a standby and waits until it accepts writes.
     pub async fn promote(&self) {
         self.pg_ctl(&["promote", "-w", "-t", "60"]).await;
+    }
+
+    /// `kill -9` of one server process (a backend): the postmaster ends
+    /// every other backend and runs crash recovery, without restarting
+    /// (its start time stays).
+    pub fn kill_backend(&self, pid: i32) {
+        let status = std::process::Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill -9 {pid} ({})", self.name);
+    }
+
+    /// What the server has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.root.join("log")).unwrap_or_default()
     }
 
     /// The port it listens on (127.0.0.1).
@@ -329,6 +381,81 @@ impl Cluster {
     }
 }
 
+/// A base backup of the running `primary` into `data` without
+/// `pg_basebackup` (the npm-packaged servers ship only initdb, pg_ctl and
+/// postgres): the low-level backup API around a file copy, then the
+/// `backup_label` it returns and a `standby.signal`, which is what
+/// `pg_basebackup -R` leaves (its `primary_conninfo` is written by the
+/// caller). WAL written during the copy is streamed from the primary.
+async fn copy_backup(primary: &Cluster, data: &Path) {
+    let mut conn = primary
+        .options()
+        .connect()
+        .await
+        .expect("connect for the backup");
+    let version: i32 = sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
+        .fetch_one(&mut conn)
+        .await
+        .expect("server_version_num");
+    // Renamed in 15; the non-exclusive form needs this session kept open.
+    let (start, stop) = if version >= 150000 {
+        (
+            "SELECT pg_backup_start('distlock-test', true)::text",
+            "SELECT labelfile FROM pg_backup_stop(false)",
+        )
+    } else {
+        (
+            "SELECT pg_start_backup('distlock-test', true, false)::text",
+            "SELECT labelfile FROM pg_stop_backup(false, false)",
+        )
+    };
+    sqlx::query_scalar::<_, String>(start)
+        .fetch_one(&mut conn)
+        .await
+        .expect("start backup");
+    let mut copy = if running_as_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--", "cp"]);
+        c
+    } else {
+        Command::new("cp")
+    };
+    copy.arg("-a").arg(&primary.data).arg(data);
+    let out = copy
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .expect("copy the data directory");
+    // Files the running server removes meanwhile (statistics, recycled WAL)
+    // may vanish under cp; the backup does not need them.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success()
+            || stderr
+                .lines()
+                .all(|l| l.contains("No such file or directory")),
+        "copy the data directory: {stderr}"
+    );
+    let label: String = sqlx::query_scalar(stop)
+        .fetch_one(&mut conn)
+        .await
+        .expect("stop backup");
+    for stale in ["postmaster.pid", "postmaster.opts", "backup_label.old"] {
+        let _ = std::fs::remove_file(data.join(stale));
+    }
+    std::fs::write(data.join("backup_label"), label).expect("write backup_label");
+    std::fs::write(data.join("standby.signal"), "").expect("write standby.signal");
+    if running_as_root() {
+        let status = std::process::Command::new("chown")
+            .arg("postgres:postgres")
+            .arg(data.join("backup_label"))
+            .arg(data.join("standby.signal"))
+            .status()
+            .expect("chown");
+        assert!(status.success(), "chown backup_label");
+    }
+}
+
 fn path(p: &Path) -> &str {
     p.to_str().expect("utf-8 scratch path")
 }
@@ -337,15 +464,7 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         // Blocking on purpose: the cluster must be gone before the test
         // process exits, whatever the runtime is doing.
-        let bin = bin_dir().join("pg_ctl");
-        let mut cmd = if running_as_root() {
-            let mut c = std::process::Command::new("runuser");
-            c.args(["-u", "postgres", "--"]).arg(bin);
-            c
-        } else {
-            std::process::Command::new(bin)
-        };
-        let _ = cmd
+        let _ = std_server_command(&[], "pg_ctl")
             .arg("-D")
             .arg(&self.data)
             .args(["stop", "-m", "immediate", "-w"])

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod cycle;
 pub mod drop_after;
 pub mod netns;
 pub mod pgbouncer;

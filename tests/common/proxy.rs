@@ -14,13 +14,21 @@
 //! resets it.
 //!
 //! Its upstream can be switched (a failover): new connections go to the new
-//! address, open ones stay where they are.
+//! address, open ones stay where they are. New connections can also be
+//! held (accepted, but not connected upstream, as a proxy retrying a node
+//! that is down would), to go wherever the upstream points once released.
+//!
+//! It counts round trips ([`Proxy::round_trips`]): a client→server burst
+//! that follows a server→client burst, or opens the connection. Bytes the
+//! client sends before the server answered (a pipelined statement) count
+//! with the burst they follow, as they cost once in latency. The pool's
+//! pings (bare `Sync` messages) count like any statement.
 //!
 //! It listens on `127.0.0.1:0` only. Dropping it stops it and cuts every
 //! connection.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -49,6 +57,7 @@ enum Action {
     Reset,
     HalfCloseClient,
     HalfCloseServer,
+    Freeze,
 }
 
 /// A running proxy; stops, and cuts every connection, when dropped.
@@ -58,7 +67,10 @@ pub struct Proxy {
     mode: watch::Sender<Mode>,
     actions: broadcast::Sender<Action>,
     accepted: Arc<AtomicUsize>,
+    round_trips: Arc<AtomicUsize>,
     upstream: Arc<Mutex<(String, u16)>>,
+    /// While `true`, new connections wait before they connect upstream.
+    hold_new: watch::Sender<bool>,
     listener: AbortHandle,
 }
 
@@ -71,12 +83,16 @@ impl Proxy {
         let (mode, _) = watch::channel(Mode::Pass);
         let (actions, _) = broadcast::channel(16);
         let accepted = Arc::new(AtomicUsize::new(0));
+        let round_trips = Arc::new(AtomicUsize::new(0));
         let upstream = Arc::new(Mutex::new((upstream_host.to_owned(), upstream_port)));
+        let (hold_new, _) = watch::channel(false);
         let task = {
             let mode = mode.clone();
             let actions = actions.clone();
             let accepted = accepted.clone();
+            let round_trips = round_trips.clone();
             let upstream = upstream.clone();
+            let hold_new = hold_new.clone();
             tokio::spawn(async move {
                 loop {
                     let Ok((client, _)) = listener.accept().await else {
@@ -85,8 +101,21 @@ impl Proxy {
                     accepted.fetch_add(1, Ordering::SeqCst);
                     // Subscribe before spawning so no action is missed.
                     let rx = actions.subscribe();
-                    let target = upstream.lock().expect("proxy mutex").clone();
-                    tokio::spawn(serve(client, target, mode.subscribe(), rx));
+                    let turns = Turns::new(round_trips.clone());
+                    let mut held = hold_new.subscribe();
+                    if !*held.borrow() {
+                        let target = upstream.lock().expect("proxy mutex").clone();
+                        tokio::spawn(serve(client, target, mode.subscribe(), rx, turns));
+                        continue;
+                    }
+                    let (upstream, mode) = (upstream.clone(), mode.subscribe());
+                    tokio::spawn(async move {
+                        if held.wait_for(|held| !*held).await.is_err() {
+                            return;
+                        }
+                        let target = upstream.lock().expect("proxy mutex").clone();
+                        serve(client, target, mode, rx, turns).await;
+                    });
                 }
             })
         };
@@ -95,7 +124,9 @@ impl Proxy {
             mode,
             actions,
             accepted,
+            round_trips,
             upstream,
+            hold_new,
             listener: task.abort_handle(),
         })
     }
@@ -115,11 +146,26 @@ impl Proxy {
         self.accepted.load(Ordering::SeqCst)
     }
 
+    /// Round trips forwarded so far, over all connections (see the module's
+    /// opening comment).
+    pub fn round_trips(&self) -> usize {
+        self.round_trips.load(Ordering::SeqCst)
+    }
+
     /// Sends new connections to `127.0.0.1:port` from now on (as a DNS name
     /// or a virtual IP moved to a promoted standby would); connections
     /// already open stay where they are.
     pub fn set_upstream(&self, port: u16) {
         *self.upstream.lock().expect("proxy mutex") = ("127.0.0.1".to_owned(), port);
+    }
+
+    /// While `hold` is `true`, new connections are accepted but not
+    /// connected upstream (nothing is forwarded, nothing is closed); set
+    /// back to `false`, each connects to the upstream of that moment (see
+    /// [`set_upstream`](Self::set_upstream)). An action taken meanwhile
+    /// (cut, reset) applies to them once they are connected.
+    pub fn hold_new(&self, hold: bool) {
+        self.hold_new.send_replace(hold);
     }
 
     /// Sets the mode of every connection, current and new.
@@ -154,6 +200,14 @@ impl Proxy {
         let _ = self.actions.send(Action::Reset);
     }
 
+    /// Stops forwarding on every open connection for good, whatever the
+    /// mode (as a node that stopped answering, or a proxy still waiting on
+    /// it, would): nothing is closed until a cut, a reset or the proxy's
+    /// drop. New connections are not affected.
+    pub fn freeze_open(&self) {
+        let _ = self.actions.send(Action::Freeze);
+    }
+
     /// Sends FIN to every client and forwards nothing more to them.
     pub fn half_close_client(&self) {
         let _ = self.actions.send(Action::HalfCloseClient);
@@ -178,6 +232,7 @@ async fn serve(
     upstream: (String, u16),
     mode: watch::Receiver<Mode>,
     mut actions: broadcast::Receiver<Action>,
+    turns: Turns,
 ) {
     let Ok(mut server) = TcpStream::connect((upstream.0.as_str(), upstream.1)).await else {
         return;
@@ -189,8 +244,8 @@ async fn serve(
         let (server_read, server_write) = server.split();
         let both = async {
             tokio::join!(
-                pump(client_read, server_write, mode.clone()),
-                pump(server_read, client_write, mode.clone()),
+                pump(client_read, server_write, mode.clone(), turns.to_server()),
+                pump(server_read, client_write, mode.clone(), turns.to_client()),
             )
         };
         tokio::select! {
@@ -201,12 +256,15 @@ async fn serve(
     let reset_later = match action {
         Action::Cut => false,
         Action::Reset => true,
+        // Nothing is read or written any more; only the next action (or
+        // the proxy's drop) closes the sockets.
+        Action::Freeze => next_action(&mut actions).await == Action::Reset,
         Action::HalfCloseClient => {
             let _ = client.shutdown().await;
             let (client_read, _) = client.split();
             let (_, server_write) = server.split();
             tokio::select! {
-                _ = pump(client_read, server_write, mode) => false,
+                _ = pump(client_read, server_write, mode, turns.to_server()) => false,
                 action = next_action(&mut actions) => action == Action::Reset,
             }
         }
@@ -215,7 +273,7 @@ async fn serve(
             let (server_read, _) = server.split();
             let (_, client_write) = client.split();
             tokio::select! {
-                _ = pump(server_read, client_write, mode) => false,
+                _ = pump(server_read, client_write, mode, turns.to_client()) => false,
                 action = next_action(&mut actions) => action == Action::Reset,
             }
         }
@@ -238,12 +296,58 @@ async fn next_action(actions: &mut broadcast::Receiver<Action>) -> Action {
     }
 }
 
+/// One connection's round-trip counting: whether the server spoke last.
+#[derive(Debug, Clone)]
+struct Turns {
+    total: Arc<AtomicUsize>,
+    answered: Arc<AtomicBool>,
+}
+
+/// Which way a pump copies, for counting.
+enum Direction {
+    ToServer(Turns),
+    ToClient(Turns),
+}
+
+impl Turns {
+    fn new(total: Arc<AtomicUsize>) -> Self {
+        Self {
+            total,
+            answered: Arc::new(AtomicBool::new(true)),
+        }
+    }
+
+    fn to_server(&self) -> Direction {
+        Direction::ToServer(self.clone())
+    }
+
+    fn to_client(&self) -> Direction {
+        Direction::ToClient(self.clone())
+    }
+}
+
+impl Direction {
+    /// A chunk is being forwarded: a client chunk after the server spoke
+    /// starts a round trip.
+    fn forwarded(&self) {
+        match self {
+            Direction::ToServer(turns) => {
+                if turns.answered.swap(false, Ordering::SeqCst) {
+                    turns.total.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            Direction::ToClient(turns) => turns.answered.store(true, Ordering::SeqCst),
+        }
+    }
+}
+
 /// Copies one direction while the mode lets it: a stall stops reading (a
 /// chunk already read waits, and so does an EOF), a delay holds each chunk.
 async fn pump(
     mut from: impl AsyncReadExt + Unpin,
     mut to: impl AsyncWriteExt + Unpin,
     mut mode: watch::Receiver<Mode>,
+    direction: Direction,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -262,6 +366,7 @@ async fn pump(
             let _ = to.shutdown().await;
             return;
         }
+        direction.forwarded();
         if to.write_all(&buf[..n]).await.is_err() {
             return;
         }

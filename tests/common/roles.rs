@@ -50,7 +50,8 @@ pub async fn grant_documented_rights(admin: &PgPool, role: &str) {
              GRANT SELECT ON distlock._sqlx_migrations, distlock.fence_seen,
                              distlock.fencing_counters TO {role};
              GRANT SELECT, INSERT, UPDATE, DELETE ON distlock.idempotency_keys,
-                             distlock.job_runs TO {role};"
+                             distlock.job_runs TO {role};
+             GRANT SELECT, INSERT, UPDATE ON distlock.leaders TO {role};"
         )))
         .await
         .expect("grant the documented rights");

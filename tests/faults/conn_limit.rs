@@ -169,13 +169,16 @@ fn token_regressions(holds: &[Hold]) -> Vec<(Hold, Hold)> {
 }
 
 /// The typed errors a connection limit may cause, by variant: a waiting
-/// call's deadline (`Timeout`), a call that needed a new pooled connection
+/// call's deadline (`Timeout`, or `NoConnection` when it got no connection), a call that needed a new pooled connection
 /// (sqlx retries SQLSTATE 53300 until the pool's `acquire_timeout`), and a
 /// new multiplexed connection refused by the server.
 fn classify(err: &Error) -> Outcome {
     match err {
         Error::Timeout { .. } => Outcome::Failed("Timeout"),
+        Error::NoConnection { .. } => Outcome::Failed("NoConnection"),
         Error::Database(sqlx::Error::PoolTimedOut) => Outcome::Failed("Database(PoolTimedOut)"),
+        Error::PoolExhausted { .. } => Outcome::Failed("PoolExhausted"),
+        Error::ConnectTimedOut { .. } => Outcome::Failed("ConnectTimedOut"),
         Error::TooManyConnections { .. } => Outcome::Failed("TooManyConnections"),
         other => Outcome::Unexpected(format!("{other:?}")),
     }
@@ -234,6 +237,7 @@ impl Lockers {
                 .multiplex(multiplex)
                 .fencing(fencing)
                 .build()
+                .expect("valid settings")
         };
         Self {
             plain: builder(false),
@@ -427,7 +431,10 @@ async fn contend_through_a_connection_limit(
         workers.spawn(async move {
             let mut n = 0;
             while !stop.load(Ordering::SeqCst) {
-                let fresh = PgLocker::builder(lockers.pool.clone()).multiplex(1).build();
+                let fresh = PgLocker::builder(lockers.pool.clone())
+                    .multiplex(1)
+                    .build()
+                    .expect("valid settings");
                 // Several first locks at once: they all queue for the one
                 // connection the fresh locker opens.
                 let at = phase.load(Ordering::SeqCst);
@@ -666,10 +673,9 @@ fn the_checkers_catch_an_overlap_and_a_token_regression() {
 /// A multiplexed locker whose shared connection the limit refuses says so
 /// with `Error::TooManyConnections`, to every try queued for that
 /// connection at once (before, all but the first got
-/// `Database(Protocol("the multiplexed connection failed on every
-/// attempt"))`); in the default mode the same refusal is
+/// `MultiplexFailed`); in the default mode the same refusal is
 /// `Database(PoolTimedOut)` after the pool's `acquire_timeout`, or
-/// `Timeout` for a wait. Lifting the limit makes both work again.
+/// `NoConnection` for a wait. Lifting the limit makes both work again.
 #[sqlx::test(migrations = false)]
 async fn a_connection_limit_is_reported_as_a_typed_error(
     pool_opts: PgPoolOptions,
@@ -694,7 +700,10 @@ async fn a_connection_limit_is_reported_as_a_typed_error(
         .connect_lazy_with(connect_opts.clone().username(&role));
     set_limit(&admin, &db, 0).await;
 
-    let mux = PgLocker::builder(pool.clone()).multiplex(1).build();
+    let mux = PgLocker::builder(pool.clone())
+        .multiplex(1)
+        .build()
+        .expect("valid settings");
     let mut tries = tokio::task::JoinSet::new();
     for k in 0..4 {
         let mux = mux.clone();
@@ -725,7 +734,7 @@ async fn a_connection_limit_is_reported_as_a_typed_error(
     assert!(started.elapsed() < BOUND, "{:?}", started.elapsed());
     let started = Instant::now();
     let err = plain.lock("typed:plain", WAIT).await.expect_err("limit 0");
-    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    assert!(matches!(err, Error::NoConnection { .. }), "{err:?}");
     assert!(started.elapsed() < BOUND, "{:?}", started.elapsed());
 
     set_limit(&admin, &db, -1).await;

@@ -52,7 +52,8 @@ async fn stalled_network_is_lost_with_heartbeat_timeout_and_cut_frees_server_loc
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(heartbeat)
         .heartbeat_timeout(heartbeat_timeout)
-        .build();
+        .build()
+        .expect("valid settings");
     let mut obs = observer(&connect_opts).await;
 
     let guard = locker
@@ -116,11 +117,13 @@ async fn release_under_stalled_network_returns_err_within_release_timeout(
 ) {
     let release_timeout = Duration::from_millis(400);
     let (proxy, pool) = proxied(&connect_opts, 3).await;
-    // A long heartbeat, so no heartbeat is in flight: this is about release().
+    // The longest heartbeat, so no heartbeat is in flight: this is about
+    // release().
     let locker = PgLocker::builder(pool.clone())
-        .heartbeat(Duration::from_secs(30))
+        .heartbeat(Duration::from_secs(10))
         .release_timeout(release_timeout)
-        .build();
+        .build()
+        .expect("valid settings");
     let mut obs = observer(&connect_opts).await;
     let guard = locker
         .try_lock("faults:release")
@@ -141,7 +144,7 @@ async fn release_under_stalled_network_returns_err_within_release_timeout(
     println!("release() under a stalled network returned {res:?} after {took:?}");
     match res {
         Err(Error::ReleaseTimedOut { key, after }) => {
-            assert_eq!(key, "faults:release");
+            assert_eq!(key, distlock::LockKey::from("faults:release"));
             assert_eq!(after, release_timeout);
         }
         other => panic!("expected Err(ReleaseTimedOut), got {other:?}"),
@@ -181,7 +184,8 @@ async fn release_under_stalled_network_with_heartbeat_in_flight_honours_release_
         .heartbeat(Duration::from_millis(100))
         .heartbeat_timeout(Duration::from_secs(4))
         .release_timeout(release_timeout)
-        .build();
+        .build()
+        .expect("valid settings");
     let guard = locker
         .try_lock("faults:release-hb")
         .await
@@ -209,7 +213,10 @@ async fn cut_connection_makes_lost_fire_with_connection_failed(
 ) {
     let heartbeat = Duration::from_millis(200);
     let (proxy, pool) = proxied(&connect_opts, 3).await;
-    let locker = PgLocker::builder(pool.clone()).heartbeat(heartbeat).build();
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat(heartbeat)
+        .build()
+        .expect("valid settings");
     let mut obs = observer(&connect_opts).await;
     let guard = locker.try_lock("faults:cut").await.unwrap().expect("free");
     tokio::time::sleep(heartbeat * 2).await;
@@ -278,7 +285,8 @@ async fn lock_under_stalled_network_times_out_instead_of_hanging(
     let (proxy, pool) = proxied_unpinged(&connect_opts).await;
     let locker = PgLocker::builder(pool.clone())
         .heartbeat_timeout(heartbeat_timeout)
-        .build();
+        .build()
+        .expect("valid settings");
     // One session lock on a healthy network first (the locker's one-time
     // checks happen there).
     locker
@@ -324,7 +332,8 @@ async fn first_lock_of_a_locker_under_stalled_network_times_out_instead_of_hangi
     let (proxy, pool) = proxied_unpinged(&connect_opts).await;
     let locker = PgLocker::builder(pool.clone())
         .heartbeat_timeout(heartbeat_timeout)
-        .build();
+        .build()
+        .expect("valid settings");
     proxy.stall();
     let started = Instant::now();
     let res = bounded(
@@ -363,7 +372,8 @@ async fn lock_under_stalled_network_with_idle_connections_does_not_hang(
     .await;
     let locker = PgLocker::builder(pool.clone())
         .heartbeat_timeout(heartbeat_timeout)
-        .build();
+        .build()
+        .expect("valid settings");
     locker
         .try_lock("faults:warm")
         .await
@@ -388,7 +398,12 @@ async fn lock_under_stalled_network_with_idle_connections_does_not_hang(
     .await;
     let took = started.elapsed();
     println!("lock() under a stalled network (idle connections): {res:?} after {took:?}");
-    assert!(matches!(res, Err(Error::Timeout { .. })), "got {res:?}");
+    // The pool's ping of an idle connection stalls too: the call may never
+    // get a connection (NoConnection) or time out on the server's answer.
+    assert!(
+        matches!(res, Err(Error::Timeout { .. } | Error::NoConnection { .. })),
+        "got {res:?}"
+    );
     assert!(
         took <= timeout + heartbeat_timeout + Duration::from_millis(700),
         "{took:?}"
@@ -407,7 +422,8 @@ async fn proxy_stall_and_pass_are_transparent_when_short(
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_millis(100))
         .heartbeat_timeout(Duration::from_secs(3))
-        .build();
+        .build()
+        .expect("valid settings");
     let guard = locker.try_lock("faults:blip").await.unwrap().expect("free");
     proxy.stall();
     tokio::time::sleep(Duration::from_millis(400)).await;

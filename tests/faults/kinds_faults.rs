@@ -13,7 +13,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
-use distlock::{LockKey, PgLocker, Semaphore};
+use distlock::{LockKey, PgLocker};
 use nix::time::{ClockId, clock_gettime};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -75,7 +75,7 @@ async fn work(kind: &str, url: &str, out: &str) {
 
 /// One permit held for a moment: `sem enter exit`.
 async fn semaphore_section(locker: &PgLocker) -> String {
-    let semaphore = Semaphore::new(Arc::new(locker.clone()), "procs", PERMITS);
+    let semaphore = locker.semaphore("procs", PERMITS).expect("semaphore");
     let permit = semaphore
         .acquire(Duration::from_secs(30))
         .await
@@ -217,7 +217,6 @@ mod cancel {
     //! test no drop point at all).
 
     use std::future::Future;
-    use std::sync::Arc;
     use std::time::Duration;
 
     use distlock::{PgLocker, Semaphore};
@@ -269,7 +268,7 @@ mod cancel {
             .await
             .expect("pool through the proxy");
         let locker = PgLocker::new(slow.clone());
-        let semaphore = Semaphore::new(Arc::new(locker.clone()), "cancel", 3);
+        let semaphore = locker.semaphore("cancel", 3).expect("semaphore");
         let mut seen = Vec::new();
         seen.push((
             "Semaphore::try_acquire",
@@ -340,7 +339,7 @@ mod cancel {
     }
 
     /// Takes every permit of `semaphore`.
-    async fn take_every_permit(semaphore: &Semaphore) -> Vec<Box<dyn distlock::Lease>> {
+    async fn take_every_permit(semaphore: &Semaphore) -> Vec<distlock::SemaphorePermit> {
         let mut all = Vec::new();
         while let Some(permit) = semaphore.try_acquire().await.expect("try_acquire") {
             all.push(permit);

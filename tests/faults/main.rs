@@ -7,9 +7,14 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod backend_crash;
 mod conn_limit;
 mod faults;
+mod goodbye;
 mod ha;
 mod kinds_faults;
+mod leadership;
 mod partition;
 mod pooler;
+mod standby;
+mod table_switchover;

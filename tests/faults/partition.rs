@@ -133,6 +133,7 @@ async fn work(url: &str, out: &str) {
             .heartbeat(HEARTBEAT)
             .heartbeat_timeout(HEARTBEAT_TIMEOUT)
             .build()
+            .expect("valid settings")
     };
     let locker = locker_on(options.clone()).await;
     // An application that set tcp_user_timeout itself (to the value the
@@ -551,7 +552,8 @@ async fn keepalives_are_set_where_the_application_preset_tcp_user_timeout(
     assert_ne!(preset, expected, "the keepalives are not set yet");
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_secs(10))
-        .build();
+        .build()
+        .expect("valid settings");
     let reset = async || {
         sqlx::raw_sql(
             "RESET tcp_keepalives_idle; RESET tcp_keepalives_interval; RESET tcp_keepalives_count",

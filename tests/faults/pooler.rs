@@ -373,7 +373,12 @@ async fn try_lock_scenario(pool: &PgPool, build: impl Fn(PgPool) -> PgLocker, wh
 async fn two_clients_behind_a_single_connection_transaction_pooler_never_both_hold_a_session_lock(
     pool: PgPool,
 ) {
-    try_lock_scenario(&pool, |p| builder(p).build(), "try_lock").await;
+    try_lock_scenario(
+        &pool,
+        |p| builder(p).build().expect("valid settings"),
+        "try_lock",
+    )
+    .await;
 }
 
 /// The same with `lock(key, 500 ms)` for B: the try, and the wait on the
@@ -383,7 +388,10 @@ async fn two_clients_behind_a_single_connection_transaction_pooler_never_both_ho
     pool: PgPool,
 ) {
     let (proxy, a, b) = two_clients(&pool).await;
-    let (locker_a, locker_b) = (builder(a.clone()).build(), builder(b.clone()).build());
+    let (locker_a, locker_b) = (
+        builder(a.clone()).build().expect("valid settings"),
+        builder(b.clone()).build().expect("valid settings"),
+    );
     let held = bounded(
         "A's lock",
         LIMIT,
@@ -411,7 +419,7 @@ async fn two_clients_behind_a_single_connection_transaction_pooler_never_both_ho
     pool: PgPool,
 ) {
     distlock::migrate(&pool).await.expect("migrate");
-    let fenced = |p: PgPool| builder(p).fencing(true).build();
+    let fenced = |p: PgPool| builder(p).fencing(true).build().expect("valid settings");
     try_lock_scenario(&pool, fenced, "fenced try_lock").await;
 }
 
@@ -421,7 +429,7 @@ async fn two_clients_behind_a_single_connection_transaction_pooler_never_both_ho
 async fn two_clients_behind_a_single_connection_transaction_pooler_never_both_hold_a_multiplexed_session_lock(
     pool: PgPool,
 ) {
-    let mux = |p: PgPool| builder(p).multiplex(1).build();
+    let mux = |p: PgPool| builder(p).multiplex(1).build().expect("valid settings");
     try_lock_scenario(&pool, mux, "multiplexed try_lock").await;
 }
 
@@ -441,7 +449,10 @@ async fn two_clients_behind_a_single_connection_transaction_pooler_never_both_ho
 #[sqlx::test(migrations = false)]
 async fn after_the_first_client_releases_the_second_can_lock_through_the_pooler(pool: PgPool) {
     let (proxy, a, b) = two_clients(&pool).await;
-    let (locker_a, locker_b) = (builder(a.clone()).build(), builder(b.clone()).build());
+    let (locker_a, locker_b) = (
+        builder(a.clone()).build().expect("valid settings"),
+        builder(b.clone()).build().expect("valid settings"),
+    );
     let held = bounded("A's try_lock", LIMIT, locker_a.try_lock(KEY))
         .await
         .expect("A's try_lock")
@@ -470,4 +481,200 @@ async fn after_the_first_client_releases_the_second_can_lock_through_the_pooler(
     close(obs).await;
     a.close().await;
     b.close().await;
+}
+
+/// The same with a shared lock for B: the shared try is re-entrant on the
+/// shared backend too (and a shared hold beside A's exclusive one is a
+/// second holder as much as an exclusive one).
+#[sqlx::test(migrations = false)]
+async fn two_clients_behind_a_single_connection_transaction_pooler_never_share_an_exclusive_lock(
+    pool: PgPool,
+) {
+    let (proxy, a, b) = two_clients(&pool).await;
+    let (locker_a, locker_b) = (
+        builder(a.clone()).build().expect("valid settings"),
+        builder(b.clone()).build().expect("valid settings"),
+    );
+    let held = bounded("A's try_lock", LIMIT, locker_a.try_lock(KEY))
+        .await
+        .expect("A's try_lock")
+        .expect("A takes the free key");
+    for (what, attempt) in [
+        ("try_lock_shared", locker_b.try_lock_shared(KEY).await),
+        (
+            "lock_shared",
+            locker_b
+                .lock_shared(KEY, Duration::from_millis(300))
+                .await
+                .map(Some),
+        ),
+    ] {
+        match attempt {
+            Ok(None) | Err(Error::PoolerDetected { .. } | Error::Timeout { .. }) => {}
+            Ok(Some(second)) => panic!("{}", second_lock(what, &held, &second, &proxy).await),
+            Err(other) => panic!("{what}: expected busy or PoolerDetected, got {other:?}"),
+        }
+    }
+    a_still_holds_then_releases(&pool, held).await;
+    a.close().await;
+    b.close().await;
+}
+
+/// `try_lock_all` for B while A holds one of its keys: refused or busy.
+#[sqlx::test(migrations = false)]
+async fn two_clients_behind_a_single_connection_transaction_pooler_never_both_hold_a_multi_key_lock(
+    pool: PgPool,
+) {
+    let (proxy, a, b) = two_clients(&pool).await;
+    let (locker_a, locker_b) = (
+        builder(a.clone()).build().expect("valid settings"),
+        builder(b.clone()).build().expect("valid settings"),
+    );
+    let held = bounded("A's try_lock", LIMIT, locker_a.try_lock(KEY))
+        .await
+        .expect("A's try_lock")
+        .expect("A takes the free key");
+    match bounded(
+        "B's try_lock_all",
+        LIMIT,
+        locker_b.try_lock_all([KEY, "other"]),
+    )
+    .await
+    {
+        Ok(None) | Err(Error::PoolerDetected { .. }) => {}
+        Ok(Some(both)) => panic!(
+            "try_lock_all: B got {:?} while A holds {KEY:?} (A lost: {:?}, B lost: {:?}, \
+             backend {})",
+            both.keys(),
+            held.loss(),
+            both.is_lost(),
+            proxy.backend_pid()
+        ),
+        Err(other) => panic!("try_lock_all: expected busy or PoolerDetected, got {other:?}"),
+    }
+    a_still_holds_then_releases(&pool, held).await;
+    a.close().await;
+    b.close().await;
+}
+
+/// How many rounds of the `lock_all` race below to run: each round lets A
+/// take `x` between B's try (which takes `x`, finds `y` busy and gives `x`
+/// back) and B's wait about half the time (the pooler serves its clients
+/// in turn), so a defect shows within a few rounds.
+const MULTI_WAIT_ROUNDS: usize = 12;
+/// Extra keys in B's `lock_all`, to lengthen its try on the server.
+const MULTI_WAIT_KEYS: usize = 3000;
+
+/// `lock_all([x, y])` for B while `y` is held outside the pooler and A keeps
+/// trying `x`. Where A's try lands between B's try and B's wait, the shared
+/// backend takes `x` for A; B's wait must then not be granted `x` again
+/// (re-entrantly) without either of them being told.
+#[sqlx::test(migrations = false)]
+async fn a_waiting_multi_key_lock_behind_a_single_connection_transaction_pooler_never_shares_a_key(
+    pool: PgPool,
+) {
+    let (mut reached, mut interleaved) = (0, 0);
+    for round in 0..MULTI_WAIT_ROUNDS {
+        let (a_took_x, b_waited) = lock_all_race_round(&pool, round).await;
+        reached += usize::from(a_took_x);
+        interleaved += usize::from(a_took_x && b_waited);
+    }
+    // Before the wait checked the session marker, B was granted x beside A
+    // in most rounds (9 of 12 in one run); a refused wait returns at once,
+    // so the second count only shows rounds that B won by waiting.
+    println!(
+        "lock_all race: A took x after B's try in {reached} of {MULTI_WAIT_ROUNDS} rounds; \
+         B waited while A held x in {interleaved}"
+    );
+    // A round where A took x is one where B's try had given x back, and
+    // B's wait came (or would come) with x held on the shared backend: the
+    // state the check exists for. Without one, the test showed nothing.
+    assert!(
+        reached > 0,
+        "no round reached the race: A never took x between B's try and B's wait"
+    );
+}
+
+/// One round of the race: whether A took `x` while B's `lock_all` was under
+/// way (the interleaving that reaches B's wait with `x` taken), and whether
+/// B's call then waited (returned after `y` was freed).
+async fn lock_all_race_round(pool: &PgPool, round: usize) -> (bool, bool) {
+    let (proxy, a, b) = two_clients(pool).await;
+    // A slow heartbeat: B's wait holds up the pooler's one server
+    // connection, and a heartbeat that times out meanwhile would tell A by
+    // accident, not because anything noticed the second holder.
+    let slow = |p: PgPool| {
+        PgLocker::builder(p)
+            .heartbeat(Duration::from_secs(2))
+            .build()
+            .expect("valid settings")
+    };
+    let (locker_a, locker_b) = (slow(a.clone()), slow(b.clone()));
+    // Both lockers probe for a pooler once; do it now, out of the race.
+    drop(locker_a.try_lock("warm-up-a").await);
+    drop(locker_b.try_lock("warm-up-b").await);
+    let mut outside = observer_for(pool).await;
+    assert!(raw_try_lock(&mut outside, &Raw::text("y")).await);
+
+    // Many keys make B's try slow enough on the server for A's try, sent
+    // a moment after it, to queue behind it at the pooler and run before
+    // B's wait.
+    let mut keys: Vec<String> = (0..MULTI_WAIT_KEYS)
+        .map(|i| format!("filler-{i}"))
+        .collect();
+    keys.extend(["x".to_owned(), "y".to_owned()]);
+    let started = std::time::Instant::now();
+    let b_wait = async {
+        let got = locker_b.lock_all(keys, Duration::from_secs(3)).await;
+        (got, started.elapsed())
+    };
+    let a_tries = async {
+        tokio::time::sleep(Duration::from_millis(1 + (round % 4) as u64)).await;
+        match locker_a.try_lock("x").await {
+            Ok(Some(held)) => Some((held, started.elapsed())),
+            Ok(None) | Err(Error::PoolerDetected { .. }) => None,
+            Err(other) => panic!("round {round}: A's try_lock: {other:?}"),
+        }
+    };
+    let release_y = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(raw_unlock(&mut outside, &Raw::text("y")).await);
+    };
+    let ((b_got, b_took), a_held, ()) = bounded("the lock_all race", LIMIT, async {
+        tokio::join!(b_wait, a_tries, release_y)
+    })
+    .await;
+    let a_held = a_held.map(|(held, at)| {
+        println!("round {round}: A took x at {at:?}");
+        held
+    });
+    // B waited (its try had given x back) if it returned after y was freed.
+    let reached = a_held.is_some();
+    let waited = b_took >= Duration::from_millis(300);
+    println!(
+        "round {round}: B's lock_all after {b_took:?}: {:?}",
+        b_got.as_ref().map(|m| m.keys().len()),
+    );
+    if let (Ok(multi), Some(held)) = (&b_got, &a_held) {
+        assert!(
+            multi.is_lost() || held.is_lost(),
+            "round {round}: B's lock_all holds its {} keys, \"x\" among them, and A's try_lock \
+             holds \"x\" on the one backend {} behind the pooler; when B's lock_all returned, \
+             neither was told (A lost: {:?}, B lost: {})",
+            multi.keys().len(),
+            proxy.backend_pid(),
+            held.loss(),
+            multi.is_lost()
+        );
+    }
+    if let Ok(multi) = b_got {
+        drop(multi.release().await);
+    }
+    if let Some(held) = a_held {
+        drop(held.release().await);
+    }
+    close(outside).await;
+    a.close().await;
+    b.close().await;
+    (reached, waited)
 }

@@ -46,7 +46,8 @@ async fn workload(connect_opts: PgConnectOptions) -> Arc<Counters> {
         .expect("pool");
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_millis(100))
-        .build();
+        .build()
+        .expect("valid settings");
     let c = Arc::new(Counters::default());
 
     let mut sessions = Vec::new();

@@ -22,6 +22,9 @@ mod leader;
 #[path = "../../examples/migration_runner.rs"]
 mod migration_runner;
 #[allow(dead_code)]
+#[path = "../../examples/wait_chain.rs"]
+mod wait_chain;
+#[allow(dead_code)]
 #[path = "../../examples/web_handler.rs"]
 mod web_handler;
 
@@ -41,6 +44,16 @@ async fn leader_example_schedules_under_one_leader_and_takes_over(pool: PgPool) 
     let summary = leader::run(&url_of(&pool)).await.expect("example");
     assert!(summary.one_leader_at_a_time(), "{summary:?}");
     assert!(summary.rounds.len() >= 5, "{summary:?}");
+    // The observer saw the first leader and its successor, a higher term.
+    let terms: Vec<u64> = summary.observed.iter().map(|(_, term)| *term).collect();
+    assert!(terms.len() >= 2 && terms.is_sorted(), "{summary:?}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn wait_chain_example_times_out_with_the_chain_to_the_root(pool: PgPool) {
+    let summary = wait_chain::run(&url_of(&pool)).await.expect("example");
+    assert_eq!(summary.timeout_chain, ["ledger-close", "nightly-export"]);
+    assert_eq!(summary.holders_chain, ["ledger-close", "nightly-export"]);
 }
 
 #[sqlx::test(migrations = false)]

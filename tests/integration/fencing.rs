@@ -8,7 +8,10 @@ use sqlx::{Connection, PgPool};
 
 async fn fenced(pool: &PgPool) -> PgLocker {
     distlock::migrate(pool).await.expect("migrate");
-    PgLocker::builder(pool.clone()).fencing(true).build()
+    PgLocker::builder(pool.clone())
+        .fencing(true)
+        .build()
+        .expect("valid settings")
 }
 
 async fn token_of(locker: &PgLocker, key: impl Into<LockKey>) -> i64 {
@@ -105,7 +108,8 @@ async fn spellings_of_one_server_lock_share_its_counter(pool: PgPool) {
     let mux = PgLocker::builder(pool.clone())
         .fencing(true)
         .multiplex(1)
-        .build();
+        .build()
+        .expect("valid settings");
     let token = token_of(&mux, spellings[1].clone()).await;
     assert!(token > last);
     let lock = locker
@@ -384,7 +388,8 @@ async fn overtaken_holder_is_fenced_off(pool: PgPool) {
     let locker = PgLocker::builder(pool.clone())
         .fencing(true)
         .heartbeat(Duration::from_millis(100))
-        .build();
+        .build()
+        .expect("valid settings");
     distlock::migrate(&pool).await.unwrap();
     let a = locker.try_lock("job").await.unwrap().unwrap();
     let a_token = a.fencing_token().unwrap();
@@ -451,4 +456,35 @@ async fn counter_wrap_starts_the_next_epoch_and_exhaustion_is_an_error(pool: PgP
         distlock::migrate(&pool).await.is_ok(),
         "the schema itself stays usable"
     );
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_oversized_resource_is_refused_with_the_limit(pool: PgPool) {
+    let locker = fenced(&pool).await;
+    let token = {
+        let lock = locker.try_lock("fence:big").await.unwrap().expect("free");
+        let token = lock.fencing_token().expect("fencing on");
+        lock.release().await.unwrap();
+        token
+    };
+    let huge = "r".repeat(1 << 20);
+    let mut conn = pool.acquire().await.unwrap();
+    for result in [
+        distlock::fence::check(&mut conn, &huge, token)
+            .await
+            .map(|()| None),
+        distlock::fence::current(&mut conn, &huge).await,
+    ] {
+        let err = result.expect_err("refused");
+        let (debug, text) = (format!("{err:?}"), err.to_string());
+        assert!(debug.starts_with("InvalidArgument"), "{debug}");
+        assert!(
+            text.contains("resource") && text.contains("1024 bytes"),
+            "{text}"
+        );
+    }
+    let longest = "r".repeat(1024);
+    distlock::fence::check(&mut conn, &longest, token)
+        .await
+        .unwrap();
 }

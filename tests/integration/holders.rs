@@ -6,7 +6,8 @@ use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime};
 
 use common::*;
-use distlock::{AdvisoryKey, Error, Holder, LockKey, LockMode, PgLocker};
+use distlock::postgres::{AdvisoryKey, Holder, LockMode};
+use distlock::{Error, LockKey, PgLocker};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::sync::oneshot;
 

@@ -172,3 +172,180 @@ async fn purge_deletes_only_old_claims(pool: PgPool) {
     );
     assert!(!idempotency::claim(&mut conn, "s", "new").await.unwrap());
 }
+
+/// A refusal names the argument and its limit, instead of a raw database
+/// error ("timestamp out of range", "index row requires 1048592 bytes").
+fn assert_argument_error<T: std::fmt::Debug>(
+    result: Result<T, Error>,
+    argument: &str,
+    limit: &str,
+) {
+    let err = result.expect_err("refused");
+    let (debug, text) = (format!("{err:?}"), err.to_string());
+    assert!(debug.starts_with("InvalidArgument"), "{debug}");
+    assert!(text.contains(argument) && text.contains(limit), "{text}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn oversized_keys_and_purge_ages_are_refused_with_the_limit(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    let huge = "k".repeat(1 << 20);
+    let mut conn = pool.acquire().await.unwrap();
+    assert_argument_error(
+        idempotency::claim(&mut conn, "charge", &huge).await,
+        "key",
+        "1024 bytes",
+    );
+    assert_argument_error(
+        idempotency::claim(&mut conn, &huge, "order-1").await,
+        "scope",
+        "1024 bytes",
+    );
+    assert_argument_error(
+        idempotency::stored(&mut conn, "charge", &huge).await,
+        "key",
+        "1024 bytes",
+    );
+    let once = idempotency::once(&pool, &huge, "order-1", async |_| {
+        Ok::<_, Error>("x".into())
+    })
+    .await;
+    assert_argument_error(once, "scope", "1024 bytes");
+    // At the limit is fine.
+    let longest = "k".repeat(1024);
+    assert!(
+        idempotency::claim(&mut conn, &longest, &longest)
+            .await
+            .unwrap()
+    );
+    drop(conn);
+    assert_argument_error(
+        idempotency::purge(&pool, Duration::MAX).await,
+        "older_than",
+        "100 years",
+    );
+    let century = Duration::from_secs(100 * 365 * 24 * 3600);
+    assert_eq!(idempotency::purge(&pool, century).await.unwrap(), 0);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_stored_result_comes_back_and_an_unclaimed_pair_is_refused(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    assert!(idempotency::claim(&mut tx, "charge", "o-1").await.unwrap());
+    idempotency::store(&mut tx, "charge", "o-1", "charge #7")
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    match idempotency::stored(&mut conn, "charge", "o-1")
+        .await
+        .unwrap()
+    {
+        Some(Once::AlreadyDone { result, .. }) => assert_eq!(result.as_deref(), Some("charge #7")),
+        other => panic!("expected the stored result, got {other:?}"),
+    }
+    let err = idempotency::store(&mut conn, "charge", "never", "x")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                argument: "key",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("never claimed"), "{err}");
+}
+
+/// `once_in` inside `with_advisory_lock`: the effect runs once, its result is
+/// stored with the claim, and the lock's transaction commits both.
+#[sqlx::test(migrations = false)]
+async fn once_in_joins_the_lock_transaction(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE effects (n int)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let locker = distlock::PgLocker::new(pool.clone());
+    for round in 0..2 {
+        let outcome = locker
+            .with_advisory_lock("order:1", async |conn| {
+                idempotency::once_in(conn, "charge", "order-1", async |conn| {
+                    sqlx::query("INSERT INTO effects VALUES (1)")
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok::<_, Error>(format!("charged in round {round}"))
+                })
+                .await
+            })
+            .await
+            .unwrap()
+            .expect("the lock is free");
+        match (round, outcome) {
+            (0, Once::Ran(result)) => assert_eq!(result, "charged in round 0"),
+            (1, Once::AlreadyDone { result, .. }) => {
+                assert_eq!(result.as_deref(), Some("charged in round 0"));
+            }
+            (round, other) => panic!("round {round}: {other:?}"),
+        }
+    }
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(effects, 1);
+}
+
+/// An `Err` from the closure rolls back the claim and the closure's writes
+/// (a savepoint), not the caller's transaction; a rolled-back caller's
+/// transaction takes the claim with it.
+#[sqlx::test(migrations = false)]
+async fn once_in_rolls_back_only_its_savepoint_on_error(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE effects (what text)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO effects VALUES ('caller')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let failed = idempotency::once_in(&mut tx, "charge", "k", async |conn| {
+        sqlx::query("INSERT INTO effects VALUES ('closure')")
+            .execute(&mut *conn)
+            .await?;
+        Err::<String, Error>(Error::InvalidArgument {
+            argument: "test",
+            reason: "the closure fails".into(),
+        })
+    })
+    .await;
+    assert!(failed.is_err());
+    // The caller's transaction is usable and the key is free again in it.
+    assert!(idempotency::claim(&mut tx, "charge", "k").await.unwrap());
+    tx.commit().await.unwrap();
+    let effects: Vec<String> = sqlx::query_scalar("SELECT what FROM effects")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(effects, ["caller"]);
+
+    let mut tx = pool.begin().await.unwrap();
+    let ran = idempotency::once_in(&mut tx, "charge", "k2", async |_| {
+        Ok::<_, Error>("x".into())
+    })
+    .await
+    .unwrap();
+    assert_eq!(ran, Once::Ran("x".into()));
+    tx.rollback().await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    assert!(
+        idempotency::claim(&mut conn, "charge", "k2").await.unwrap(),
+        "the claim rolled back with the caller's transaction"
+    );
+}

@@ -10,9 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
-use distlock::{
-    Error, JobOutcome, LockKey, LockWaiter, Locker, LossReason, PgLocker, SingletonJob,
-};
+use distlock::postgres::LockWaiter;
+use distlock::{Error, JobOutcome, LockKey, Locker, LossReason, PgLocker, SingletonJob};
 use sqlx::PgPool;
 use tokio::sync::oneshot;
 
@@ -21,7 +20,8 @@ fn locker(pool: &PgPool) -> Arc<dyn Locker> {
     Arc::new(
         PgLocker::builder(pool.clone())
             .heartbeat(Duration::from_millis(100))
-            .build(),
+            .build()
+            .expect("valid settings"),
     )
 }
 
@@ -87,7 +87,10 @@ async fn concurrent_ticks_run_the_job_exactly_once(pool: PgPool) {
     for _ in 0..3 {
         // Each replica has its own locker; min_hold covers ticks that arrive
         // after a fast run has finished.
-        let job = SingletonJob::new(locker(&pool), "job:tick").min_hold(Duration::from_millis(500));
+        let job = SingletonJob::builder(locker(&pool), "job:tick")
+            .min_hold(Duration::from_millis(500))
+            .build()
+            .expect("valid settings");
         let runs = runs.clone();
         ticks.spawn(async move {
             job.run(async |_ctx| {
@@ -108,7 +111,10 @@ async fn concurrent_ticks_run_the_job_exactly_once(pool: PgPool) {
 #[sqlx::test(migrations = false)]
 async fn a_lost_lease_cancels_the_job_and_reports_lost(pool: PgPool) {
     init_tracing();
-    let job = SingletonJob::new(locker(&pool), "job:lost").stop_grace(Duration::from_secs(5));
+    let job = SingletonJob::builder(locker(&pool), "job:lost")
+        .stop_grace(Duration::from_secs(5))
+        .build()
+        .expect("valid settings");
     let told = Arc::new(AtomicBool::new(false));
     let (started_tx, started_rx) = oneshot::channel();
 
@@ -188,12 +194,13 @@ async fn without_grace_a_lost_job_is_stopped_at_once(pool: PgPool) {
 #[sqlx::test(migrations = false)]
 async fn a_loss_found_only_at_release_reports_lost_not_ran(pool: PgPool) {
     init_tracing();
-    // A heartbeat too slow to notice the loss while the job runs: only the
-    // release finds the lock's session gone.
+    // A heartbeat too slow (the longest, 10 s) to notice the loss while the
+    // job runs: only the release finds the lock's session gone.
     let slow: Arc<dyn Locker> = Arc::new(
         PgLocker::builder(pool.clone())
-            .heartbeat(Duration::from_secs(3600))
-            .build(),
+            .heartbeat(Duration::from_secs(10))
+            .build()
+            .expect("valid settings"),
     );
     let job = SingletonJob::new(slow, "job:release-loss");
     let (started_tx, started_rx) = oneshot::channel();
@@ -238,7 +245,10 @@ async fn a_loss_found_only_at_release_reports_lost_not_ran(pool: PgPool) {
 #[sqlx::test(migrations = false)]
 async fn the_lock_is_kept_for_the_minimum_hold_time(pool: PgPool) {
     let min_hold = Duration::from_millis(800);
-    let job = SingletonJob::new(locker(&pool), "job:fast").min_hold(min_hold);
+    let job = SingletonJob::builder(locker(&pool), "job:fast")
+        .min_hold(min_hold)
+        .build()
+        .expect("valid settings");
     let acquired = Instant::now();
     let outcome = job.run(async |_ctx| Ok::<_, Error>(())).await.expect("run");
     assert!(outcome.is_ran());
@@ -276,7 +286,10 @@ async fn the_lock_is_kept_for_the_minimum_hold_time(pool: PgPool) {
 async fn a_run_record_prevents_a_second_run_in_the_same_window(pool: PgPool) {
     distlock::migrate(&pool).await.expect("migrate");
     let day = Duration::from_secs(86_400);
-    let job = SingletonJob::new(locker(&pool), "job:daily").once_per_window(pool.clone(), day);
+    let job = SingletonJob::builder(locker(&pool), "job:daily")
+        .once_per_window(pool.clone(), day)
+        .build()
+        .expect("valid settings");
 
     let first = job
         .run(async |ctx| Ok::<_, Error>(ctx.window_start()))
@@ -290,8 +303,10 @@ async fn a_run_record_prevents_a_second_run_in_the_same_window(pool: PgPool) {
     assert_eq!(since_epoch.subsec_nanos(), 0);
 
     // A restarted replica (a new runner) in the same window.
-    let restarted =
-        SingletonJob::new(locker(&pool), "job:daily").once_per_window(pool.clone(), day);
+    let restarted = SingletonJob::builder(locker(&pool), "job:daily")
+        .once_per_window(pool.clone(), day)
+        .build()
+        .expect("valid settings");
     let second = restarted
         .run(
             async |_ctx| -> Result<Option<std::time::SystemTime>, Error> {
@@ -306,8 +321,10 @@ async fn a_run_record_prevents_a_second_run_in_the_same_window(pool: PgPool) {
     }
 
     // Another job in the same window is independent.
-    let other = SingletonJob::new(locker(&pool), "job:other")
+    let other = SingletonJob::builder(locker(&pool), "job:other")
         .once_per_window(pool.clone(), day)
+        .build()
+        .expect("valid settings")
         .run(async |_ctx| Ok::<_, Error>(()))
         .await
         .expect("other job");
@@ -332,17 +349,38 @@ async fn a_run_record_prevents_a_second_run_in_the_same_window(pool: PgPool) {
 }
 
 #[sqlx::test(migrations = false)]
-async fn a_zero_window_is_a_configuration_error(pool: PgPool) {
-    distlock::migrate(&pool).await.expect("migrate");
-    let err = SingletonJob::new(locker(&pool), "job:zero")
-        .once_per_window(pool.clone(), Duration::ZERO)
-        .run(async |_ctx| Ok::<_, Error>(()))
-        .await
-        .expect_err("zero window");
-    assert!(matches!(err, Error::InvalidConfig(_)), "{err:?}");
-    let mut obs = observer_for(&pool).await;
-    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(2)).await;
-    close(obs).await;
+async fn windows_out_of_range_are_refused_by_build(pool: PgPool) {
+    for window in [
+        Duration::ZERO,
+        Duration::from_nanos(999),
+        Duration::from_micros(u64::MAX),
+        Duration::MAX,
+    ] {
+        let err = SingletonJob::builder(locker(&pool), "job:zero")
+            .once_per_window(pool.clone(), window)
+            .build()
+            .expect_err("out of range");
+        assert!(
+            matches!(
+                err,
+                Error::InvalidSetting {
+                    setting: "once_per_window",
+                    ..
+                }
+            ),
+            "{window:?}: {err:?}"
+        );
+    }
+    // The edges are kept as given.
+    for window in [
+        Duration::from_micros(1),
+        Duration::from_micros(i64::MAX as u64),
+    ] {
+        let _job = SingletonJob::builder(locker(&pool), "job:edge")
+            .once_per_window(pool.clone(), window)
+            .build()
+            .expect("at the edge");
+    }
 }
 
 #[sqlx::test(migrations = false)]
@@ -448,7 +486,7 @@ async fn the_waiter_reports_the_holder_and_names_it_at_the_deadline(pool: PgPool
 /// A recorder that keeps every counter's total and every histogram's number
 /// of samples, keyed by `name{label=value,...}`.
 #[cfg(feature = "metrics")]
-mod recorder {
+pub(crate) mod recorder {
     use std::collections::BTreeMap;
     use std::sync::{Arc, Mutex, OnceLock};
 
@@ -649,11 +687,32 @@ async fn a_job_on_the_memory_backend_is_stopped_when_its_lease_is_lost() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     let skipped = other.run(async |_| Ok::<_, Error>("no")).await.unwrap();
     assert!(skipped.is_skipped(), "{skipped:?}");
-    assert!(memory.lose(&"job:memory".into()));
+    assert!(memory.lose("job:memory"));
     let outcome = tokio::time::timeout(Duration::from_secs(5), running)
         .await
         .expect("the job stops")
         .unwrap()
         .unwrap();
     assert_eq!(outcome.name(), "lost", "{outcome:?}");
+}
+
+/// A minimum hold too long to add to the clock keeps the lock for as long as
+/// the runtime lives instead of panicking after the job ran.
+#[tokio::test]
+async fn a_min_hold_of_duration_max_holds_the_lock_instead_of_panicking() {
+    let memory = distlock::memory::MemoryLocker::new();
+    let job = SingletonJob::builder(Arc::new(memory.clone()), "job:forever")
+        .min_hold(Duration::MAX)
+        .build()
+        .expect("valid settings");
+    let outcome = tokio::spawn(async move { job.run(async |_| Ok::<_, Error>(7)).await })
+        .await
+        .expect("run does not panic")
+        .unwrap();
+    assert!(matches!(outcome, JobOutcome::Ran(7)), "{outcome:?}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        memory.is_held("job:forever"),
+        "the minimum hold keeps the lock"
+    );
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use distlock::memory::MemoryLocker;
-use distlock::{Error, LeaderElection, Locker, PgLocker, Semaphore};
+use distlock::{Error, LeaderElection, Lease, LockKey, Locker, PgLocker, Semaphore};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -24,7 +24,8 @@ async fn two_pg_lockers(pool: &PgPool) -> (Arc<dyn Locker>, Arc<dyn Locker>) {
             PgLocker::builder(pool)
                 .fencing(true)
                 .heartbeat(Duration::from_millis(100))
-                .build(),
+                .build()
+                .expect("valid settings"),
         )
     };
     (make(pool.clone()), make(second))
@@ -43,7 +44,7 @@ async fn never_more_than_the_permits(a: Arc<dyn Locker>, b: Arc<dyn Locker>) {
         } else {
             Arc::clone(&b)
         };
-        let semaphore = Semaphore::new(locker, "kinds:sem", PERMITS);
+        let semaphore = Semaphore::new(locker, "kinds:sem", PERMITS).unwrap();
         let (inside, most) = (Arc::clone(&inside), Arc::clone(&most));
         tasks.spawn(async move {
             for _ in 0..6 {
@@ -81,26 +82,43 @@ async fn a_semaphore_never_admits_more_than_its_permits_in_memory() {
 }
 
 #[sqlx::test(migrations = false)]
-async fn a_freed_permit_reaches_a_waiter_without_polling(pool: PgPool) {
-    let (a, b) = two_pg_lockers(&pool).await;
-    let holders = Semaphore::new(a, "kinds:handoff", 2);
+async fn a_freed_permit_reaches_a_waiter_within_milliseconds(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    let second_pool = PgPoolOptions::new()
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .unwrap();
+    let fenced = |pool: PgPool| {
+        PgLocker::builder(pool)
+            .fencing(true)
+            .heartbeat(Duration::from_millis(100))
+            .build()
+            .expect("valid settings")
+    };
+    let (a, b) = (fenced(pool.clone()), fenced(second_pool));
+    let holders = a.semaphore("kinds:handoff", 2).unwrap();
     let first = holders.try_acquire().await.unwrap().expect("free");
     let second = holders.try_acquire().await.unwrap().expect("free");
     assert!(
         holders.try_acquire().await.unwrap().is_none(),
         "both permits held"
     );
-    assert!(
-        first.fencing_token().is_some(),
-        "a permit carries the token"
-    );
+    let (one, two) = (first.fencing_token(), second.fencing_token());
+    assert!(one.is_some(), "a permit carries the token");
+    assert_ne!(one, two, "two holders at once carry different tokens");
     let waiter = tokio::spawn(async move {
-        let semaphore = Semaphore::new(b, "kinds:handoff", 2);
+        let semaphore = b.semaphore("kinds:handoff", 2)?;
         let permit = semaphore.acquire(Duration::from_secs(10)).await?;
         Ok::<_, Error>((Instant::now(), permit))
     });
     let mut obs = observer_for(&pool).await;
-    wait_for_waiters(&mut obs, 2, Duration::from_secs(5)).await;
+    // Two slots and the waiter's queue lock.
+    eventually(
+        "the waiter is at the queue's head",
+        Duration::from_secs(5),
+        async || granted_count(&mut obs).await == 3,
+    )
+    .await;
     let freed = Instant::now();
     first.release().await.unwrap();
     let (got, permit) = bounded(
@@ -114,6 +132,7 @@ async fn a_freed_permit_reaches_a_waiter_without_polling(pool: PgPool) {
     let handoff = got.duration_since(freed);
     println!("permit hand-off: {handoff:?}");
     assert!(handoff < Duration::from_secs(2), "{handoff:?}");
+    assert_eq!(permit.slot(), 0, "the freed slot");
     permit.release().await.unwrap();
     second.release().await.unwrap();
     eventually("no permit left held", Duration::from_secs(5), async || {
@@ -126,24 +145,23 @@ async fn a_freed_permit_reaches_a_waiter_without_polling(pool: PgPool) {
 async fn bad_semaphores_are_refused() {
     let memory: Arc<dyn Locker> = Arc::new(MemoryLocker::new());
     let none = Semaphore::new(Arc::clone(&memory), "kinds:none", 0);
-    assert!(matches!(
-        none.try_acquire().await,
-        Err(Error::InvalidConfig(_))
-    ));
-    assert!(matches!(
-        none.acquire(Duration::MAX).await,
-        Err(Error::InvalidConfig(_))
-    ));
+    assert!(matches!(none, Err(Error::InvalidConfig(_))), "{none:?}");
     let bad = Semaphore::new(Arc::clone(&memory), "bad\0name", 2);
-    assert!(matches!(
-        bad.try_acquire().await,
-        Err(Error::InvalidKey { .. })
-    ));
-    let one = Semaphore::new(memory, "kinds:one", 1);
+    assert!(matches!(bad, Err(Error::InvalidKey { .. })), "{bad:?}");
+    let one = Semaphore::new(memory, "kinds:one", 1).unwrap();
     let permit = one.acquire(Duration::MAX).await.unwrap();
     let err = one.acquire(Duration::from_millis(50)).await.unwrap_err();
     assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
     permit.release().await.unwrap();
+}
+
+#[sqlx::test(migrations = false)]
+async fn bad_postgres_semaphores_are_refused(pool: PgPool) {
+    let locker = PgLocker::new(pool);
+    let none = locker.semaphore("kinds:none", 0);
+    assert!(matches!(none, Err(Error::InvalidConfig(_))), "{none:?}");
+    let bad = locker.semaphore("bad\0name", 2);
+    assert!(matches!(bad, Err(Error::InvalidKey { .. })), "{bad:?}");
 }
 
 /// Samples both campaigns' flags until `until` holds; fails if both ever
@@ -272,7 +290,7 @@ async fn leadership_moves_when_the_memory_backend_loses_the_lease() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(a.is_leader() && !b.is_leader());
     leadership.borrow_and_update();
-    assert!(memory.lose(&"kinds:mem".into()));
+    assert!(memory.lose("kinds:mem"));
     // `a` steps down first (its flag changes, even if it wins again at
     // once); until then its flag is stale and its lease already lost.
     bounded("a steps down", Duration::from_secs(5), leadership.changed())
@@ -289,5 +307,174 @@ async fn leadership_moves_when_the_memory_backend_loses_the_lease() {
     .await
     .unwrap();
     a.resign().await.unwrap();
-    assert!(!memory.is_held(&"kinds:mem".into()));
+    assert!(!memory.is_held("kinds:mem"));
+}
+
+/// A plain lock named like a permit slot (`"{name}#{i}"`) and the
+/// semaphore's permits are different locks, both ways round.
+async fn slots_and_plain_keys_never_meet(locker: Arc<dyn Locker>) {
+    let backend = locker.backend();
+    let plain = locker
+        .try_lock("kinds:col#0".into())
+        .await
+        .unwrap()
+        .expect("the plain key is free");
+    let semaphore = Semaphore::new(Arc::clone(&locker), "kinds:col", 1).unwrap();
+    let permit = semaphore.try_acquire().await.unwrap();
+    assert!(
+        permit.is_some(),
+        "{backend}: a plain lock named kinds:col#0 made the semaphore report busy"
+    );
+    plain.release().await.unwrap();
+    let again = locker.try_lock("kinds:col#0".into()).await.unwrap();
+    assert!(
+        again.is_some(),
+        "{backend}: a held permit made the plain lock kinds:col#0 report busy"
+    );
+    // The slots still exclude each other.
+    assert!(
+        semaphore.try_acquire().await.unwrap().is_none(),
+        "{backend}"
+    );
+    drop(permit);
+    drop(again);
+}
+
+#[sqlx::test(migrations = false)]
+async fn semaphore_slots_are_apart_from_plain_keys_on_postgres(pool: PgPool) {
+    slots_and_plain_keys_never_meet(Arc::new(PgLocker::new(pool.clone()))).await;
+    // The PostgreSQL path takes the same slots.
+    let locker = PgLocker::new(pool.clone());
+    let plain = locker.try_lock("kinds:col#0").await.unwrap().expect("free");
+    let semaphore = locker.semaphore("kinds:col", 1).unwrap();
+    let permit = semaphore.try_acquire().await.unwrap().expect("apart");
+    let generic = Semaphore::new(Arc::new(locker.clone()), "kinds:col", 1).unwrap();
+    assert!(generic.try_acquire().await.unwrap().is_none(), "same slots");
+    permit.release().await.unwrap();
+    plain.release().await.unwrap();
+    distlock::migrate(&pool).await.unwrap();
+    slots_and_plain_keys_never_meet(Arc::new(
+        distlock::postgres::TableLocker::builder(pool)
+            .build()
+            .expect("valid settings"),
+    ))
+    .await;
+}
+
+#[tokio::test]
+async fn semaphore_slots_are_apart_from_plain_keys_in_memory() {
+    slots_and_plain_keys_never_meet(Arc::new(MemoryLocker::new())).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn semaphore_slots_are_apart_from_plain_keys_on_redis() {
+    let servers = [
+        common::redis::RedisServer::start().await,
+        common::redis::RedisServer::start().await,
+        common::redis::RedisServer::start().await,
+    ];
+    let single = distlock::redis::RedisLocker::connect(&servers[0].url())
+        .await
+        .unwrap();
+    slots_and_plain_keys_never_meet(Arc::new(single)).await;
+    let urls = common::redis::urls(&servers);
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let redlock = distlock::redis::Redlock::connect(&urls).await.unwrap();
+    slots_and_plain_keys_never_meet(Arc::new(redlock)).await;
+}
+
+/// A locker whose every lock is refused as a bad key, as Redis refuses a
+/// key form it cannot hold.
+#[derive(Debug)]
+struct RefusingLocker;
+
+#[async_trait::async_trait]
+impl Locker for RefusingLocker {
+    async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
+        Err(refused(&key))
+    }
+
+    async fn lock(&self, key: LockKey, _timeout: Duration) -> Result<Box<dyn Lease>, Error> {
+        Err(refused(&key))
+    }
+
+    fn backend(&self) -> &'static str {
+        "refusing"
+    }
+}
+
+fn refused(key: &LockKey) -> Error {
+    Error::InvalidKey {
+        key: key.clone(),
+        reason: "refused by this backend",
+    }
+}
+
+/// A campaign that can never lead says so: its leadership channel ends, and
+/// `resign` returns the key's error.
+async fn a_campaign_that_cannot_lead_says_why(locker: Arc<dyn Locker>, key: LockKey) {
+    let campaign = LeaderElection::new(locker, key.clone()).campaign();
+    let mut leadership = campaign.leadership();
+    let ended = bounded(
+        "the leadership channel ends",
+        Duration::from_secs(5),
+        leadership.wait_for(|l| *l),
+    )
+    .await;
+    assert!(ended.is_err(), "{key:?}: the campaign claimed to lead");
+    assert!(!campaign.is_leader());
+    let why = campaign.failure().map(ToString::to_string);
+    assert!(
+        matches!(campaign.failure(), Some(Error::InvalidKey { .. })),
+        "{key:?}: {why:?}"
+    );
+    let resigned = campaign.resign().await;
+    assert!(
+        matches!(resigned, Err(Error::InvalidKey { .. })),
+        "{key:?}: resign gave {resigned:?}"
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_leader_election_with_an_invalid_key_reports_it(pool: PgPool) {
+    let pg: Arc<dyn Locker> = Arc::new(PgLocker::new(pool));
+    let memory: Arc<dyn Locker> = Arc::new(MemoryLocker::new());
+    for locker in [pg, memory] {
+        a_campaign_that_cannot_lead_says_why(Arc::clone(&locker), "".into()).await;
+        a_campaign_that_cannot_lead_says_why(locker, "a\0b".into()).await;
+    }
+    // A key only the backend refuses (as Redis refuses namespaced keys).
+    a_campaign_that_cannot_lead_says_why(
+        Arc::new(RefusingLocker),
+        LockKey::namespaced(7, "kinds:ns"),
+    )
+    .await;
+}
+
+#[test]
+fn a_campaign_started_without_a_runtime_reports_it_instead_of_panicking() {
+    let election = LeaderElection::new(Arc::new(MemoryLocker::new()), "kinds:no-runtime");
+    let campaign = election.campaign();
+    assert!(!campaign.is_leader());
+    assert!(
+        matches!(campaign.failure(), Some(Error::NoRuntime(_))),
+        "{:?}",
+        campaign.failure()
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let resigned = runtime.block_on(campaign.resign());
+    assert!(matches!(resigned, Err(Error::NoRuntime(_))), "{resigned:?}");
+    // Inside a runtime the same election campaigns and leads.
+    runtime.block_on(async {
+        let campaign = election.campaign();
+        let mut leadership = campaign.leadership();
+        bounded("leads", Duration::from_secs(5), leadership.wait_for(|l| *l))
+            .await
+            .unwrap();
+        campaign.resign().await.unwrap();
+    });
 }

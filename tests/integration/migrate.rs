@@ -52,8 +52,10 @@ async fn migrate_is_idempotent_and_keeps_its_own_table(pool: PgPool) {
             "fencing_tokens",
             "idempotency_keys",
             "job_runs",
+            "leaders",
             "leases",
             "token_epoch",
+            "token_epoch_live",
         ]
     );
 }
@@ -94,7 +96,10 @@ async fn exercise_as(connect_opts: &PgConnectOptions, role: &str) {
         .await
         .expect("migrate as a non-superuser");
     distlock::migrate(&pool).await.expect("and again");
-    let locker = PgLocker::builder(pool.clone()).fencing(true).build();
+    let locker = PgLocker::builder(pool.clone())
+        .fencing(true)
+        .build()
+        .expect("valid settings");
     let lock = locker.try_lock("as-role").await.unwrap().unwrap();
     // The first token of the first epoch of timeline 1 (or whatever
     // timeline the server is on).
@@ -167,4 +172,56 @@ async fn other_roles_work_with_the_documented_grants(pool: PgPool) {
     let opts = pool.connect_options().as_ref().clone();
     exercise_as(&opts, &role).await;
     let _ = drop_role(&pool, &role).await;
+}
+
+/// `(version, checksum, installed_on)` of every applied migration.
+async fn applied_rows(pool: &PgPool) -> Vec<(i64, Vec<u8>, String)> {
+    sqlx::query_as(
+        "SELECT version, checksum, installed_on::text FROM distlock._sqlx_migrations ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Databases migrated by earlier builds, which embedded the migrations with
+/// `sqlx::migrate!` over the same directory and table, are up to date for
+/// `migrate`: same versions and checksums, nothing run again, nothing
+/// refused as changed.
+#[sqlx::test(migrations = false)]
+async fn a_database_migrated_by_sqlx_migrate_is_accepted(pool: PgPool) {
+    let mut old = sqlx::migrate!("./migrations");
+    old.dangerous_set_table_name("distlock._sqlx_migrations");
+    old.create_schema("distlock");
+    old.run(&pool)
+        .await
+        .expect("the sqlx::migrate! migrator runs");
+    let before = applied_rows(&pool).await;
+    assert_eq!(i64::try_from(before.len()).unwrap(), migration_count());
+    distlock::migrate(&pool)
+        .await
+        .expect("migrate accepts what sqlx::migrate! applied");
+    assert_eq!(applied_rows(&pool).await, before, "nothing ran again");
+    // A migration sqlx::migrate! did not apply (the newest; it only
+    // replaces a function, so it can run twice) is applied by `migrate` with
+    // the checksum sqlx::migrate! gives it.
+    let newest = old.iter().map(|m| m.version).max().unwrap();
+    sqlx::query("DELETE FROM distlock._sqlx_migrations WHERE version = $1")
+        .bind(newest)
+        .execute(&pool)
+        .await
+        .unwrap();
+    distlock::migrate(&pool)
+        .await
+        .expect("migrate applies the missing one");
+    let checksums = |rows: Vec<(i64, Vec<u8>, String)>| {
+        rows.into_iter()
+            .map(|(version, checksum, _)| (version, checksum))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        checksums(applied_rows(&pool).await),
+        checksums(before),
+        "same versions and checksums as sqlx::migrate!"
+    );
 }

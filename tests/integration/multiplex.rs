@@ -20,6 +20,7 @@ fn mux(pool: &PgPool, connections: usize) -> PgLocker {
     PgLocker::builder(pool.clone())
         .multiplex(connections)
         .build()
+        .expect("valid settings")
 }
 
 /// Pids of the sessions holding granted advisory locks in this database.
@@ -222,7 +223,8 @@ async fn terminating_a_shared_connection_loses_all_its_locks_at_once(pool: PgPoo
     let locker = PgLocker::builder(pool.clone())
         .multiplex(2)
         .heartbeat(Duration::from_millis(100))
-        .build();
+        .build()
+        .expect("valid settings");
     let mut obs = observer_for(&pool).await;
     let mut held = Vec::new();
     for i in 0..200 {
@@ -445,8 +447,12 @@ async fn fencing_tokens_increase_in_multiplexed_mode(pool: PgPool) {
     let locker = PgLocker::builder(pool.clone())
         .multiplex(2)
         .fencing(true)
-        .build();
-    let plain = PgLocker::builder(pool.clone()).fencing(true).build();
+        .build()
+        .expect("valid settings");
+    let plain = PgLocker::builder(pool.clone())
+        .fencing(true)
+        .build()
+        .expect("valid settings");
     let mut last = 0;
     for i in 0..12 {
         let lock = match i % 3 {
@@ -492,7 +498,8 @@ async fn a_stalled_shared_connection_loses_its_locks_within_the_heartbeat_bound(
         .multiplex(1)
         .heartbeat(heartbeat)
         .heartbeat_timeout(Duration::from_millis(250))
-        .build();
+        .build()
+        .expect("valid settings");
     let mut held = Vec::new();
     for i in 0..20 {
         held.push(
@@ -644,7 +651,8 @@ async fn a_fenced_try_whose_token_write_fails_leaves_no_lock_on_the_shared_sessi
     let locker = PgLocker::builder(pool.clone())
         .fencing(true)
         .multiplex(1)
-        .build();
+        .build()
+        .expect("valid settings");
     let mut obs = observer(&connect).await;
     let raw = Raw::text("mux:leak");
     let first = locker.try_lock("mux:leak").await.unwrap().expect("free");
@@ -670,7 +678,8 @@ async fn max_locks_caps_the_locks_held_with_a_typed_error(pool: PgPool) {
     let locker = PgLocker::builder(pool.clone())
         .multiplex(2)
         .max_locks(3)
-        .build();
+        .build()
+        .expect("valid settings");
     let mut held = Vec::new();
     for i in 0..3 {
         held.push(locker.try_lock(format!("cap:{i}")).await.unwrap().unwrap());

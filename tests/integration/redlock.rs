@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::redis::{RedisServer, servers, urls};
 use common::{eventually, init_tracing};
-use distlock::redis::{Redlock, SetupWarning};
+use distlock::redis::{Redlock, RedlockBuilder, SetupWarning};
 use distlock::{Error, LockKey, Locker, LossReason};
 
 const SHORT_TTL: Duration = Duration::from_millis(300);
@@ -18,6 +18,18 @@ async fn redlock(servers: &[RedisServer]) -> Redlock {
     let urls = urls(servers);
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     Redlock::connect(&urls).await.expect("connect")
+}
+
+/// A `Redlock` over `servers` with the settings `configure` gives its builder.
+async fn redlock_with(
+    servers: &[RedisServer],
+    configure: impl FnOnce(RedlockBuilder) -> RedlockBuilder,
+) -> Redlock {
+    init_tracing();
+    configure(Redlock::builder(urls(servers)))
+        .build()
+        .await
+        .expect("connect")
 }
 
 /// What every server holds at `key`.
@@ -89,7 +101,30 @@ async fn refuses_with_three_of_five_nodes_down() -> anyhow::Result<()> {
         .try_lock("jobs:majority-down")
         .await
         .expect_err("no quorum");
-    assert!(matches!(err, Error::Redis(_)), "{err}");
+    match &err {
+        Error::QuorumUnreachable {
+            key,
+            nodes: 5,
+            quorum: 3,
+            failures,
+        } => {
+            assert_eq!(key, &LockKey::from("jobs:majority-down"));
+            assert_eq!(failures.len(), 3, "{failures:?}");
+            for i in [0, 2, 4] {
+                let port = servers[i].port().to_string();
+                assert!(
+                    failures.iter().any(|f| f.contains(&port)),
+                    "node {i} named: {failures:?}"
+                );
+            }
+        }
+        other => panic!("expected QuorumUnreachable, got {other:?}"),
+    }
+    assert!(
+        err.to_string()
+            .starts_with("Redlock quorum unreachable for lock \"jobs:majority-down\": 3 of 5 nodes failed and 3 must grant ("),
+        "{err}"
+    );
     // Nodes that are down may come back: a wait keeps trying until its end.
     let started = Instant::now();
     let err = redlock
@@ -120,14 +155,15 @@ async fn a_failed_attempt_releases_on_all_nodes() -> anyhow::Result<()> {
     assert_eq!(held, vec![other.clone(), other.clone(), other, None, None]);
 
     let started = Instant::now();
-    let err = redlock
-        .clone()
-        .with_retry_count(2)
-        .with_retry_delay(Duration::from_millis(10))
-        .with_retry_jitter(Duration::ZERO)
-        .lock("jobs:contended", Duration::from_secs(5))
-        .await
-        .expect_err("held by a quorum of others");
+    let err = redlock_with(&servers, |b| {
+        b.retry_count(2)
+            .retry_delay(Duration::from_millis(10))
+            .retry_jitter(Duration::ZERO)
+    })
+    .await
+    .lock("jobs:contended", Duration::from_secs(5))
+    .await
+    .expect_err("held by a quorum of others");
     assert!(matches!(err, Error::Timeout { .. }), "{err}");
     assert!(
         started.elapsed() < Duration::from_secs(1),
@@ -139,9 +175,7 @@ async fn a_failed_attempt_releases_on_all_nodes() -> anyhow::Result<()> {
 #[tokio::test]
 async fn a_slow_node_that_comes_back_is_cleaned_by_release_on_all() -> anyhow::Result<()> {
     let servers = servers(5).await;
-    let redlock = redlock(&servers)
-        .await
-        .with_node_timeout(Duration::from_millis(100));
+    let redlock = redlock_with(&servers, |b| b.node_timeout(Duration::from_millis(100))).await;
     // Node 0 takes writes only after 400 ms: the SET times out, then lands.
     let _: String = servers[0].run(&["CLIENT", "PAUSE", "400", "WRITE"]).await;
 
@@ -174,7 +208,10 @@ async fn a_node_down_at_connect_takes_part_once_it_comes_up() -> anyhow::Result<
         .try_lock("jobs:late-nodes")
         .await
         .expect_err("3 of 5 down");
-    assert!(matches!(err, Error::Redis(_)), "{err}");
+    assert!(
+        matches!(err, Error::QuorumUnreachable { ref failures, .. } if failures.len() == 3),
+        "{err}"
+    );
 
     for server in &mut servers[2..] {
         server.spawn().await;
@@ -197,10 +234,10 @@ async fn validity_is_below_ttl_and_accounts_for_elapsed_time() -> anyhow::Result
     let servers = servers(5).await;
     let ttl = Duration::from_secs(2);
     let drift = ttl / 100 + Duration::from_millis(2);
-    let redlock = redlock(&servers)
-        .await
-        .with_ttl(ttl)
-        .with_node_timeout(Duration::from_secs(1));
+    let redlock = redlock_with(&servers, |b| {
+        b.ttl(ttl).node_timeout(Duration::from_secs(1))
+    })
+    .await;
 
     let lease = redlock.try_lock("jobs:validity").await?.expect("free lock");
     let validity = lease.validity();
@@ -235,7 +272,7 @@ async fn validity_is_below_ttl_and_accounts_for_elapsed_time() -> anyhow::Result
 #[tokio::test]
 async fn watchdog_survives_a_minority_and_loses_the_lease_without_quorum() -> anyhow::Result<()> {
     let mut servers = servers(5).await;
-    let redlock = redlock(&servers).await.with_ttl(SHORT_TTL);
+    let redlock = redlock_with(&servers, |b| b.ttl(SHORT_TTL)).await;
     let lease = redlock.try_lock("jobs:watched").await?.expect("free lock");
 
     servers[0].kill();
@@ -261,7 +298,7 @@ async fn watchdog_survives_a_minority_and_loses_the_lease_without_quorum() -> an
 #[tokio::test]
 async fn deleting_the_key_on_a_majority_makes_lost_fire() -> anyhow::Result<()> {
     let servers = servers(5).await;
-    let redlock = redlock(&servers).await.with_ttl(SHORT_TTL);
+    let redlock = redlock_with(&servers, |b| b.ttl(SHORT_TTL)).await;
     let lease = redlock.try_lock("jobs:deleted").await?.expect("free lock");
 
     for server in &servers[..3] {
@@ -444,7 +481,14 @@ async fn lock_fails_at_once_when_a_majority_refuses_for_good() -> anyhow::Result
         .lock("jobs:denied", Duration::from_secs(5))
         .await
         .expect_err("SET is not allowed");
-    assert!(matches!(err, Error::Redis(_)), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::QuorumUnreachable { ref failures, nodes: 3, quorum: 2, .. }
+                if failures.len() == 3 && failures.iter().all(|f| f.to_lowercase().contains("noperm"))
+        ),
+        "{err}"
+    );
     assert!(
         started.elapsed() < Duration::from_secs(1),
         "{:?}",
@@ -456,11 +500,12 @@ async fn lock_fails_at_once_when_a_majority_refuses_for_good() -> anyhow::Result
 #[tokio::test]
 async fn huge_durations_mean_as_long_as_possible_and_never_panic() -> anyhow::Result<()> {
     let servers = servers(3).await;
-    let redlock = redlock(&servers)
-        .await
-        .with_node_timeout(Duration::MAX)
-        .with_retry_delay(Duration::MAX)
-        .with_retry_jitter(Duration::MAX);
+    let redlock = redlock_with(&servers, |b| {
+        b.node_timeout(Duration::MAX)
+            .retry_delay(Duration::MAX)
+            .retry_jitter(Duration::MAX)
+    })
+    .await;
     assert_eq!(redlock.check_setup().await.reachable(), 3);
 
     let lease = redlock.lock("jobs:huge", Duration::MAX).await?;
@@ -479,11 +524,23 @@ async fn huge_durations_mean_as_long_as_possible_and_never_panic() -> anyhow::Re
     );
     lease.release().await?;
 
+    #[allow(deprecated)]
     let err = redlock
         .with_ttl(Duration::MAX)
         .lock("jobs:huge", Duration::MAX)
         .await;
-    assert!(matches!(err, Err(Error::InvalidConfig(_))), "{err:?}");
+    assert!(
+        matches!(err, Err(Error::InvalidSetting { setting: "ttl", .. })),
+        "{err:?}"
+    );
+    let built = Redlock::builder(urls(&servers))
+        .ttl(Duration::MAX)
+        .build()
+        .await;
+    assert!(
+        matches!(built, Err(Error::InvalidSetting { setting: "ttl", .. })),
+        "{built:?}"
+    );
     Ok(())
 }
 
@@ -531,10 +588,10 @@ async fn restart_trial(
 ) -> anyhow::Result<RestartOutcome> {
     assert_eq!(servers.len(), 3);
     servers[2].kill();
-    let a = redlock(servers)
-        .await
-        .with_ttl(ttl)
-        .with_node_timeout(Duration::from_millis(250));
+    let a = redlock_with(servers, |b| {
+        b.ttl(ttl).node_timeout(Duration::from_millis(250))
+    })
+    .await;
     let lease = Arc::new(a.try_lock(key).await?.expect("2 of 3 grant"));
     let token = servers[0].get(key).await;
     assert!(token.is_some());
@@ -555,10 +612,10 @@ async fn restart_trial(
     servers[1].spawn().await;
     assert_eq!(servers[1].get(key).await, None, "restarted empty");
 
-    let b = redlock(servers)
-        .await
-        .with_ttl(ttl)
-        .with_node_timeout(Duration::from_millis(250));
+    let b = redlock_with(servers, |b| {
+        b.ttl(ttl).node_timeout(Duration::from_millis(250))
+    })
+    .await;
     let a_believed = !lease.is_lost();
     let a_told_after_kill = if told.is_finished() {
         Some(told.await? - killed)

@@ -10,7 +10,7 @@ use crate::common;
 use std::sync::{Arc, Mutex};
 
 use common::roles::{drop_role, grant_documented_rights, make_role, pool_as};
-use distlock::{Error, FencingToken, LockKey, MigrateOptions, PgLocker};
+use distlock::{Error, FencingToken, LockKey, Migrator, PgLocker};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Executor, PgPool};
 
@@ -48,8 +48,8 @@ async fn migrate_refuses_a_schema_owned_by_another_role(
 
     // What the refusal prevents: once the squatter's schema is used, its
     // owner can replace the fence by one that accepts every token.
-    let allowed = MigrateOptions::default().allow_schema_owner(&squatter);
-    distlock::migrate_with(&pool, &allowed).await.unwrap();
+    let allowed = Migrator::new().allow_schema_owner(&squatter);
+    allowed.run(&pool).await.unwrap();
     let squatter_pool = pool_as(&connect_opts, &squatter).await;
     squatter_pool
         .execute(
@@ -180,6 +180,10 @@ const ATTACKS: &[&str] = &[
     "UPDATE distlock.token_epoch SET epoch = 0",
     "UPDATE distlock.token_epoch SET counter_base = 0",
     "DELETE FROM distlock.token_epoch",
+    "INSERT INTO distlock.token_epoch_live (epoch) VALUES (0) \
+     ON CONFLICT (only_row) DO UPDATE SET epoch = 0",
+    "DELETE FROM distlock.token_epoch_live",
+    "TRUNCATE distlock.token_epoch_live",
     "SELECT setval('distlock.token_counter', 1)",
     "ALTER FUNCTION distlock.next_token() SECURITY INVOKER",
 ];
@@ -227,7 +231,10 @@ async fn an_application_role_cannot_lower_or_delete_fencing_state(
 
     // The documented rights are enough to lock, fence, claim and migrate.
     distlock::migrate(&app_pool).await.expect("up to date");
-    let locker = PgLocker::builder(app_pool.clone()).fencing(true).build();
+    let locker = PgLocker::builder(app_pool.clone())
+        .fencing(true)
+        .build()
+        .expect("valid settings");
     let first = locker.try_lock("fenced").await.unwrap().unwrap();
     let issued = first.fencing_token().expect("fencing");
     first.release().await.unwrap();
@@ -268,14 +275,17 @@ async fn an_application_role_cannot_lower_or_delete_fencing_state(
     assert!(
         ok.contains(&"UPDATE distlock.fencing_counters SET token = 0")
             && ok.contains(&"DELETE FROM distlock.fence_seen")
-            && ok.contains(&"UPDATE distlock.token_epoch SET epoch = 0"),
+            && ok.contains(&"UPDATE distlock.token_epoch SET epoch = 0")
+            && ok.contains(&"DELETE FROM distlock.token_epoch_live"),
         "{ok:?}"
     );
-    // ... and the hardening migration revokes them where they were given
-    // before it ran (an upgrade).
-    pool.execute("DELETE FROM distlock._sqlx_migrations WHERE version = 20261201000009")
-        .await
-        .unwrap();
+    // ... and the hardening migrations revoke them where they were given
+    // before they ran (an upgrade).
+    pool.execute(
+        "DELETE FROM distlock._sqlx_migrations WHERE version IN (20261201000009, 20261201000011)",
+    )
+    .await
+    .unwrap();
     distlock::migrate(&pool).await.unwrap();
     let ok = successful_attacks(&app_pool).await;
     assert!(ok.is_empty(), "after the upgrade the role could: {ok:?}");
@@ -410,7 +420,7 @@ async fn passwords_stay_out_of_debug_errors_and_tracing(
             .fencing(true)
             .multiplex(multiplex);
         seen.push(format!("{builder:?}"));
-        let locker = builder.build();
+        let locker = builder.build().expect("valid settings");
         seen.push(format!("{locker:?}"));
         let lock = locker.try_lock("secret-test").await.unwrap().unwrap();
         seen.push(format!("{lock:?}"));

@@ -96,7 +96,10 @@ async fn dropped_guard_frees_the_lock_fifty_times_in_a_row(pool: PgPool) {
 #[sqlx::test(migrations = false)]
 async fn terminated_backend_makes_lost_fire_within_two_heartbeats(pool: PgPool) {
     let heartbeat = Duration::from_millis(200);
-    let locker = PgLocker::builder(pool.clone()).heartbeat(heartbeat).build();
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat(heartbeat)
+        .build()
+        .expect("valid settings");
     let mut obs = observer_for(&pool).await;
     let guard = locker
         .try_lock("session:terminate")
@@ -135,7 +138,7 @@ async fn terminated_backend_makes_lost_fire_within_two_heartbeats(pool: PgPool) 
     assert_eq!(guard.lost().await, reason);
     match guard.release().await {
         Err(Error::LockLost { key, reason: r }) => {
-            assert_eq!(key, "session:terminate");
+            assert_eq!(key, LockKey::from("session:terminate"));
             assert_eq!(r, reason);
         }
         other => panic!("release() of a lost lock must be Err(LockLost), got {other:?}"),
@@ -223,8 +226,14 @@ async fn lock_timeout_returns_timeout_near_deadline_naming_holder(
                 waited,
                 holder_pid,
                 holder_application,
+                chain,
             }) => {
-                assert_eq!(key, "session:timeout");
+                assert_eq!(key, LockKey::from("session:timeout"));
+                assert_eq!(
+                    chain.pids(),
+                    [holder.backend_pid()],
+                    "the holder is the root"
+                );
                 assert_eq!(
                     holder_pid,
                     Some(holder.backend_pid()),
@@ -351,7 +360,8 @@ async fn cancelled_lock_waiter_leaves_pg_locks_promptly(pool: PgPool) {
 async fn cancelling_try_lock_lock_release_at_random_points_leaks_no_lock(pool: PgPool) {
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_millis(50))
-        .build();
+        .build()
+        .expect("valid settings");
     let mut obs = observer_for(&pool).await;
     let keys = ["session:rand:a", "session:rand:b", "session:rand:c"];
     // Warm up: the one-time pooler probe and a first connection, so that
@@ -390,7 +400,8 @@ async fn cancelling_try_lock_lock_release_at_random_points_leaks_no_lock(pool: P
                         stats[2] += 1;
                         held.push(g);
                     }
-                    Ok(Err(Error::Timeout { .. })) => stats[2] += 1,
+                    // A wait shorter than opening a connection ends without one.
+                    Ok(Err(Error::Timeout { .. } | Error::NoConnection { .. })) => stats[2] += 1,
                     Ok(Err(e)) => panic!("lock(): {e}"),
                     Err(_) => stats[3] += 1,
                 }
@@ -624,7 +635,10 @@ async fn a_token_write_timing_out_after_the_grant_leaves_no_lock_in_the_pool(
         .await
         .unwrap();
     distlock::migrate(&pool).await.unwrap();
-    let locker = PgLocker::builder(pool.clone()).fencing(true).build();
+    let locker = PgLocker::builder(pool.clone())
+        .fencing(true)
+        .build()
+        .expect("valid settings");
     let mut obs = observer_for(&pool).await;
     let raw = Raw::text("session:leak");
     // The counter row exists, so the token write is an UPDATE of it.
@@ -678,7 +692,10 @@ async fn a_fenced_try_whose_token_write_fails_leaves_no_lock_in_the_pool(
         .await
         .unwrap();
     distlock::migrate(&pool).await.unwrap();
-    let locker = PgLocker::builder(pool.clone()).fencing(true).build();
+    let locker = PgLocker::builder(pool.clone())
+        .fencing(true)
+        .build()
+        .expect("valid settings");
     let mut obs = observer(&connect).await;
     let raw = Raw::text("session:leak-try");
     let first = locker.try_lock("session:leak-try").await.unwrap();
@@ -705,7 +722,10 @@ async fn huge_timeouts_saturate_instead_of_panicking(pool: PgPool) {
         ("default", PgLocker::new(pool.clone())),
         (
             "multiplexed",
-            PgLocker::builder(pool.clone()).multiplex(1).build(),
+            PgLocker::builder(pool.clone())
+                .multiplex(1)
+                .build()
+                .expect("valid settings"),
         ),
     ];
     let mut obs = observer_for(&pool).await;
@@ -731,7 +751,7 @@ async fn huge_timeouts_saturate_instead_of_panicking(pool: PgPool) {
             lock.release().await.unwrap();
         }
         // The job runner's waiting entry point too.
-        let lock = distlock::LockWaiter::new(&locker, "session:forever", Duration::MAX)
+        let lock = distlock::postgres::LockWaiter::new(&locker, "session:forever", Duration::MAX)
             .lock()
             .await
             .unwrap_or_else(|e| panic!("{mode}: {e}"));
@@ -764,7 +784,8 @@ async fn keepalives_are_set_from_the_grant_on(_opts: PgPoolOptions, connect: PgC
     // No heartbeat runs while these locks are held.
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_secs(10))
-        .build();
+        .build()
+        .expect("valid settings");
     let lock = locker.try_lock("session:keepalive").await.unwrap().unwrap();
     lock.release().await.unwrap();
     assert_eq!(settings(&pool).await, expected, "after try_lock");
@@ -794,9 +815,10 @@ async fn keepalives_are_set_from_the_grant_on(_opts: PgPoolOptions, connect: PgC
 }
 
 #[sqlx::test(migrations = false)]
-async fn heartbeat_settings_never_outlast_the_servers_keepalive_cutoff(pool: PgPool) {
+async fn heartbeat_settings_that_outlast_the_servers_keepalive_cutoff_are_refused(pool: PgPool) {
     // The server frees a cut-off holder's lock about 25 s after the last
-    // answered heartbeat; the holder must have given up before that.
+    // answered heartbeat; the holder must have given up before that, so a
+    // builder refuses (rather than lowers) any pair that would notice later.
     for (every, deadline) in [
         (Duration::from_secs(60), None),
         (Duration::from_secs(5), Some(Duration::from_secs(60))),
@@ -806,11 +828,16 @@ async fn heartbeat_settings_never_outlast_the_servers_keepalive_cutoff(pool: PgP
         if let Some(deadline) = deadline {
             builder = builder.heartbeat_timeout(deadline);
         }
-        let locker = builder.build();
-        let detection = locker.heartbeat() + locker.heartbeat_timeout();
+        let built = builder.build();
         assert!(
-            detection <= Duration::from_secs(20),
-            "heartbeat {every:?} / deadline {deadline:?}: loss noticed only after {detection:?}"
+            matches!(
+                built,
+                Err(Error::InvalidSetting {
+                    setting: "heartbeat + heartbeat_timeout",
+                    ..
+                })
+            ),
+            "heartbeat {every:?} / deadline {deadline:?}: {built:?}"
         );
     }
     let default = PgLocker::new(pool.clone());
@@ -864,7 +891,8 @@ async fn a_lock_taken_while_the_timer_idles_gets_its_keeper(pool: PgPool) {
     let mut obs = observer_for(&pool).await;
     let locker = PgLocker::builder(pool)
         .heartbeat(Duration::from_millis(100))
-        .build();
+        .build()
+        .expect("valid settings");
     let quick = locker.try_lock("session:idle1").await.unwrap().unwrap();
     quick.release().await.unwrap();
     // Its heartbeat would have been due: the timer has nothing left.
@@ -889,7 +917,8 @@ async fn keepers_start_after_the_first_runtime_shut_down(
     let locker = PgLocker::builder(pool)
         .heartbeat(Duration::from_millis(100))
         .keep_warm(0, Duration::ZERO)
-        .build();
+        .build()
+        .expect("valid settings");
     let first = locker.clone();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Runtime::new().unwrap();
@@ -912,7 +941,10 @@ async fn keepers_start_after_the_first_runtime_shut_down(
 async fn shared_locks_admit_readers_and_exclude_a_writer(pool: PgPool) {
     for locker in [
         PgLocker::new(pool.clone()),
-        PgLocker::builder(pool.clone()).multiplex(1).build(),
+        PgLocker::builder(pool.clone())
+            .multiplex(1)
+            .build()
+            .expect("valid settings"),
     ] {
         let other = PgLocker::new(pool.clone());
         let r1 = locker.try_lock_shared("rw:k").await.unwrap().expect("free");
@@ -1097,13 +1129,22 @@ async fn bad_key_sets_are_refused(pool: PgPool) {
         vec!["multi:a".into(), "".into()],
     ];
     for keys in cases {
+        let refused = |err: &Error| {
+            matches!(
+                err,
+                Error::NoKeys
+                    | Error::DuplicateKey { .. }
+                    | Error::SameServerLock { .. }
+                    | Error::InvalidKey { .. }
+            )
+        };
         let err = locker.try_lock_all(keys.clone()).await.unwrap_err();
-        assert!(matches!(err, Error::InvalidKey { .. }), "{keys:?}: {err:?}");
+        assert!(refused(&err), "{keys:?}: {err:?}");
         let err = locker
             .lock_all(keys.clone(), Duration::MAX)
             .await
             .unwrap_err();
-        assert!(matches!(err, Error::InvalidKey { .. }), "{keys:?}: {err:?}");
+        assert!(refused(&err), "{keys:?}: {err:?}");
     }
     eventually("nothing held", Duration::from_secs(3), async || {
         granted_count(&mut obs).await == 0
@@ -1117,7 +1158,8 @@ async fn bad_key_sets_are_refused(pool: PgPool) {
 async fn a_guard_dropped_before_its_first_heartbeat_is_released_at_once(pool: PgPool) {
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_secs(10))
-        .build();
+        .build()
+        .expect("valid settings");
     let mut obs = observer_for(&pool).await;
     for _ in 0..3 {
         drop(
@@ -1139,7 +1181,8 @@ async fn a_guard_dropped_before_its_first_heartbeat_is_released_at_once(pool: Pg
     // backend is noticed.
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_millis(100))
-        .build();
+        .build()
+        .expect("valid settings");
     let held = locker.try_lock("session:watched").await.unwrap().unwrap();
     tokio::time::sleep(Duration::from_millis(250)).await;
     sqlx::query("SELECT pg_terminate_backend($1)")
@@ -1148,4 +1191,106 @@ async fn a_guard_dropped_before_its_first_heartbeat_is_released_at_once(pool: Pg
         .await
         .unwrap();
     bounded("lost() fires", Duration::from_secs(3), held.lost()).await;
+}
+
+// ---- A guard that outlives its runtime --------------------------------------
+
+/// Takes a lock on a runtime of its own, optionally waits there past the
+/// first heartbeat (so the keeper task runs), then shuts that runtime down
+/// and hands the guard back.
+fn lock_on_a_runtime_that_then_shuts_down(
+    connect: &PgConnectOptions,
+    (key, multiplex): (&'static str, bool),
+    (heartbeat, wait): (Duration, Duration),
+) -> distlock::SessionLock {
+    let connect = connect.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let lock = rt.block_on(async {
+            let pool = PgPoolOptions::new()
+                .max_connections(2)
+                .connect_lazy_with(connect);
+            let mut builder = PgLocker::builder(pool).heartbeat(heartbeat);
+            if multiplex {
+                builder = builder.multiplex(1);
+            }
+            let lock = builder
+                .build()
+                .expect("valid settings")
+                .try_lock(key)
+                .await
+                .unwrap()
+                .unwrap();
+            tokio::time::sleep(wait).await;
+            lock
+        });
+        drop(rt);
+        lock
+    })
+    .join()
+    .unwrap()
+}
+
+/// A guard whose runtime shut down has no task keeping its lock: it must say
+/// the lock is lost (as the multiplexed mode does), and the server must free
+/// the lock, whether the keeper had started (the runtime dropped its task)
+/// or was still parked waiting for its first heartbeat.
+#[sqlx::test(migrations = false)]
+async fn a_guard_whose_runtime_shut_down_reports_its_lock_lost(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let mut obs = observer(&connect).await;
+    let cases = [
+        (
+            "parked keeper",
+            "session:rt-gone-parked",
+            false,
+            Duration::from_secs(10),
+            Duration::ZERO,
+        ),
+        (
+            "running keeper",
+            "session:rt-gone-running",
+            false,
+            Duration::from_millis(50),
+            Duration::from_millis(200),
+        ),
+        (
+            "multiplexed",
+            "session:rt-gone-mux",
+            true,
+            Duration::from_secs(10),
+            Duration::ZERO,
+        ),
+    ];
+    for (case, key, multiplex, heartbeat, wait) in cases {
+        let lock =
+            lock_on_a_runtime_that_then_shuts_down(&connect, (key, multiplex), (heartbeat, wait));
+        assert!(
+            lock.is_lost(),
+            "{case}: is_lost() after the runtime shut down"
+        );
+        let reason = bounded(
+            &format!("{case}: lost() after the runtime shut down"),
+            Duration::from_secs(5),
+            lock.lost(),
+        )
+        .await;
+        assert_eq!(reason, LossReason::KeeperStopped, "{case}");
+        assert_eq!(lock.loss(), Some(LossReason::KeeperStopped), "{case}");
+        eventually(
+            &format!("{case}: the server frees the lock"),
+            Duration::from_secs(5),
+            async || raw_can_take(&mut obs, &Raw::text(key)).await,
+        )
+        .await;
+        match lock.release().await {
+            Err(Error::LockLost { reason, .. }) => {
+                assert_eq!(reason, LossReason::KeeperStopped, "{case}");
+            }
+            other => panic!("{case}: release() must be Err(LockLost), got {other:?}"),
+        }
+    }
+    close(obs).await;
 }

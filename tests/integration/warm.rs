@@ -18,6 +18,7 @@ fn keeping_locker(pool: &PgPool) -> PgLocker {
     PgLocker::builder(pool.clone())
         .keep_warm(2, Duration::from_secs(3600))
         .build()
+        .expect("valid settings")
 }
 
 #[sqlx::test(migrations = false)]
@@ -131,7 +132,8 @@ async fn nothing_is_kept_while_the_pool_has_no_slack(
 async fn kept_connections_go_back_after_the_idle_timeout_and_on_close(pool: PgPool) {
     let locker = PgLocker::builder(pool.clone())
         .keep_warm(2, Duration::from_millis(100))
-        .build();
+        .build()
+        .expect("valid settings");
     let lock = locker.try_lock("warm:idle").await.unwrap().expect("free");
     lock.release().await.unwrap();
     all_back_in_the_pool(&pool).await;
@@ -148,12 +150,38 @@ async fn kept_connections_go_back_after_the_idle_timeout_and_on_close(pool: PgPo
     .await;
 }
 
+/// An idle time too long for the clock (`Duration::MAX`) keeps a
+/// connection until the pool closes, and then `PgPool::close` gets it back:
+/// the sweeper must still be there to hand it back.
+#[sqlx::test(migrations = false)]
+async fn an_endless_idle_time_still_gives_connections_back_on_close(pool: PgPool) {
+    let locker = PgLocker::builder(pool.clone())
+        .keep_warm(2, Duration::MAX)
+        .build()
+        .expect("valid settings");
+    let lock = locker
+        .try_lock("warm:forever")
+        .await
+        .unwrap()
+        .expect("free");
+    lock.release().await.unwrap();
+    assert!(pool.num_idle() < pool.size() as usize, "one is kept");
+    bounded(
+        "close() with a connection kept for ever",
+        Duration::from_secs(10),
+        pool.close(),
+    )
+    .await;
+    drop(locker);
+}
+
 /// `keep_warm(0, ..)` turns it off: every acquisition borrows from the pool.
 #[sqlx::test(migrations = false)]
 async fn keep_warm_zero_keeps_nothing(pool: PgPool) {
     let locker = PgLocker::builder(pool.clone())
         .keep_warm(0, Duration::from_secs(3600))
-        .build();
+        .build()
+        .expect("valid settings");
     let lock = locker.try_lock("warm:off").await.unwrap().expect("free");
     lock.release().await.unwrap();
     all_back_in_the_pool(&pool).await;
@@ -207,4 +235,153 @@ async fn a_wait_whose_kept_connection_is_ended_goes_on_on_the_pool(pool: PgPool)
         .expect("granted after the holder let go");
     assert_ne!(lock.backend_pid(), waiting_pid);
     lock.release().await.unwrap();
+}
+
+/// A pool whose connections go through a round-trip-counting proxy, with
+/// sqlx's default pings (`test_before_acquire`), and a direct observer.
+async fn counted_pool(connect: &PgConnectOptions) -> (common::proxy::Proxy, PgPool) {
+    let proxy = common::proxy::Proxy::start(connect.get_host(), connect.get_port())
+        .await
+        .expect("proxy starts");
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(proxy.options(connect))
+        .await
+        .expect("connects through the proxy");
+    (proxy, pool)
+}
+
+/// `try_lock_all` + `release` on a kept connection: 2 round trips (the try
+/// and the unlock), for 1 to 16 keys, no pool ping among them; `lock_all`
+/// of free keys the same. Each released connection holds nothing.
+#[sqlx::test(migrations = false)]
+async fn multi_key_locks_take_two_round_trips_on_a_kept_connection(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (proxy, pool) = counted_pool(&connect).await;
+    let locker = keeping_locker(&pool);
+    let mut obs = observer(&connect).await;
+    // The locker's first lock probes for a transaction pooler, and the
+    // connection prepares the statements once.
+    for _ in 0..2 {
+        let warmup = locker.try_lock_all(["warm:multi"]).await.unwrap();
+        warmup.expect("free").release().await.unwrap();
+    }
+    for n in [1, 2, 16] {
+        let keys: Vec<String> = (0..n).map(|i| format!("warm:multi:{n}:{i}")).collect();
+        let before = proxy.round_trips();
+        let all = locker.try_lock_all(keys.clone()).await.unwrap();
+        let all = all.expect("free");
+        assert_eq!(proxy.round_trips() - before, 1, "try_lock_all, {n} keys");
+        assert_eq!(granted_count(&mut obs).await, n);
+        all.release().await.unwrap();
+        assert_eq!(proxy.round_trips() - before, 2, "with release, {n} keys");
+        assert_eq!(
+            granted_count(&mut obs).await,
+            0,
+            "the kept one holds nothing"
+        );
+
+        let before = proxy.round_trips();
+        let all = locker.lock_all(keys, Duration::from_secs(5)).await.unwrap();
+        all.release().await.unwrap();
+        assert_eq!(proxy.round_trips() - before, 2, "lock_all, {n} keys");
+    }
+}
+
+/// A multi-key try that finds one key busy gives back the others in the
+/// same statement: its connection is kept holding nothing (the next try
+/// runs on it, 1 round trip, no ping); a dropped `MultiLock`'s connection
+/// is kept only after its background unlock.
+#[sqlx::test(migrations = false)]
+async fn a_busy_or_dropped_multi_key_lock_keeps_nothing_locked(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (proxy, pool) = counted_pool(&connect).await;
+    let locker = keeping_locker(&pool);
+    let mut obs = observer(&connect).await;
+    let mut holder = observer(&connect).await;
+    let warmup = locker.try_lock_all(["warm:busy:a"]).await.unwrap();
+    warmup.expect("free").release().await.unwrap();
+    assert!(raw_try_lock(&mut holder, &Raw::text("warm:busy:z")).await);
+    let holder_pid = backend_pid(&mut holder).await;
+
+    let before = proxy.round_trips();
+    let keys = ["warm:busy:a", "warm:busy:b", "warm:busy:z"];
+    assert!(locker.try_lock_all(keys).await.unwrap().is_none());
+    assert_eq!(
+        proxy.round_trips() - before,
+        1,
+        "a kept connection, no ping"
+    );
+    let rows = advisory_locks(&mut obs).await;
+    assert!(rows.iter().all(|r| r.pid == holder_pid), "{rows:?}");
+
+    let before = proxy.round_trips();
+    let all = locker.try_lock_all(["warm:busy:a", "warm:busy:b"]).await;
+    let all = all.unwrap().expect("free");
+    assert_eq!(
+        proxy.round_trips() - before,
+        1,
+        "the busy try's connection, kept"
+    );
+    let pid = advisory_locks(&mut obs)
+        .await
+        .iter()
+        .find(|r| r.pid != holder_pid)
+        .expect("the multi-key lock")
+        .pid;
+    drop(all);
+    eventually(
+        "the dropped lock is unlocked",
+        Duration::from_secs(5),
+        async || {
+            advisory_locks(&mut obs)
+                .await
+                .iter()
+                .all(|r| r.pid == holder_pid)
+        },
+    )
+    .await;
+    // The unlock shows in pg_locks before its reply reaches the background
+    // task that then keeps the connection: give that task a moment.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let again = locker.try_lock_all(["warm:busy:c"]).await.unwrap();
+    let again = again.expect("free");
+    let rows = advisory_locks(&mut obs).await;
+    assert!(rows.iter().any(|r| r.pid == pid), "reused: {rows:?}");
+    again.release().await.unwrap();
+}
+
+/// The server ends a kept connection's session: `try_lock_all` and
+/// `lock_all` take their keys on a connection from the pool instead.
+#[sqlx::test(migrations = false)]
+async fn a_multi_key_lock_on_a_kept_connection_the_server_ended_goes_to_the_pool(pool: PgPool) {
+    let locker = keeping_locker(&pool);
+    let mut obs = observer_for(&pool).await;
+    for round in 0..2 {
+        let all = locker.try_lock_all(["warm:mterm:a", "warm:mterm:b"]).await;
+        let all = all.unwrap().expect("free");
+        let pid = advisory_locks(&mut obs).await[0].pid;
+        all.release().await.unwrap();
+        terminate(&mut obs, pid).await;
+        let next = match round {
+            0 => locker
+                .try_lock_all(["warm:mterm:a"])
+                .await
+                .unwrap()
+                .expect("free"),
+            _ => locker
+                .lock_all(["warm:mterm:a"], Duration::from_secs(5))
+                .await
+                .unwrap(),
+        };
+        let rows = advisory_locks(&mut obs).await;
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_ne!(rows[0].pid, pid, "round {round}: a new session");
+        assert!(!next.is_lost());
+        next.release().await.unwrap();
+    }
 }

@@ -70,7 +70,10 @@ impl Bench {
             ("dedicated", PgLocker::new(self.pool.clone())),
             (
                 "multiplexed",
-                PgLocker::builder(self.pool.clone()).multiplex(2).build(),
+                PgLocker::builder(self.pool.clone())
+                    .multiplex(2)
+                    .build()
+                    .expect("valid settings"),
             ),
         ]
     }

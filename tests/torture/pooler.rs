@@ -106,7 +106,10 @@ fn pgbouncer_transaction_pooling_refuses_session_locks() {
                 1 => ("lock", PgLocker::new(pool.clone())),
                 _ => (
                     "multiplexed try_lock",
-                    PgLocker::builder(pool.clone()).multiplex(1).build(),
+                    PgLocker::builder(pool.clone())
+                        .multiplex(1)
+                        .build()
+                        .expect("valid settings"),
                 ),
             };
             let attempt = match i % 3 {

@@ -283,7 +283,8 @@ async fn run(cfg: Config) {
         .release_timeout(Duration::from_millis(cfg.release_timeout_ms))
         .fencing(cfg.fencing)
         .multiplex(cfg.multiplex)
-        .build();
+        .build()
+        .expect("valid settings");
     let deadline =
         (cfg.duration_ms > 0).then(|| Instant::now() + Duration::from_millis(cfg.duration_ms));
     let ctx = Arc::new(Ctx {

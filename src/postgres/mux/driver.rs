@@ -1,19 +1,30 @@
 //! The task that owns one shared connection: it runs every lock and unlock
 //! statement for the locks pinned to it, one heartbeat per interval for all
 //! of them, and declares them all lost at once when the connection fails.
+//!
+//! Between statements the task keeps reading the connection's socket, so
+//! when the server ends the session (`pg_terminate_backend`, a fast
+//! shutdown, a crash, a switchover: an ErrorResponse, then the socket
+//! closes) the locks are declared lost at once, not at the next heartbeat.
+//! The heartbeat stays for the failures nobody announces (a partition, a
+//! stalled server). The reading is sqlx's `PgListener`, which reads its
+//! connection between statements and runs them too; it is never given a
+//! channel, and it cannot reconnect (see [`connect`]).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgConnection};
-use sqlx::{ConnectOptions, Connection};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use sqlx::{Acquire, ConnectOptions, Connection};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{sleep_until, timeout};
 
 use super::request::{Granted, Inbox, Request, Ticket, TryError, TryOutcome};
 use super::sql::{self, ServerKey};
-use crate::postgres::keeper::FIRST_HEARTBEAT;
-use crate::postgres::pooler::{PoolerCheck, loss_reason, shared_session};
+use crate::postgres::pooler::{
+    PoolerCheck, backend_changed, loss_reason, marker_seen, shared_session, shared_session_error,
+};
+use crate::postgres::session::heartbeat::FIRST_HEARTBEAT;
 use crate::postgres::sqlstate::{connect_error, locking_error, sqlstate};
 use crate::{Error, LockKey, LossReason};
 
@@ -93,18 +104,68 @@ async fn run(
 /// 10 s + 3 probes 5 s apart, or 30 s of unacknowledged data). They are set
 /// by statement rather than in the startup packet, which PgBouncer rejects
 /// ("unsupported startup parameter: options").
-async fn connect(config: &DriverConfig) -> Result<(PgConnection, i32), Error> {
+///
+/// The connection comes from a private pool of one, which a `PgListener`
+/// needs; the pool is closed as soon as the connection is out, so the
+/// listener can never open another session behind the locks' back (a lost
+/// connection stays lost), and a listener dropped with its connection hands
+/// it to a closed pool, which closes it: the session ends and frees its
+/// locks.
+async fn connect(config: &DriverConfig) -> Result<(PgListener, i32), Error> {
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .test_before_acquire(false)
+        .acquire_timeout(config.connect_timeout)
+        .connect_lazy_with(config.connect.clone());
+    let listener = PgListener::connect_with(&pool).await;
+    // Marks the pool closed at once; nothing waits for it.
+    drop(pool.close());
+    let mut listener = match listener {
+        Ok(listener) => listener,
+        // The pool retries a refusal it takes for a passing one (a
+        // connection limit, a server starting up) until its deadline, and
+        // then only says that it timed out: one direct attempt tells why.
+        Err(sqlx::Error::PoolTimedOut) => return Err(why_not(config).await),
+        Err(err) => return Err(connect_error(err)),
+    };
     let open = async {
-        let mut conn = config.connect.connect().await.map_err(connect_error)?;
-        PoolerCheck::default().ensure_session(&mut conn).await?;
+        // Closing the private pool is not a reason to stop reading.
+        listener.ignore_pool_close_event(true);
+        // A lost connection must not be replaced (the pool refuses anyway).
+        listener.eager_reconnect(false);
+        let conn = (&mut listener).acquire().await?;
+        PoolerCheck::default().ensure_session(conn).await?;
         let pid: i32 = sqlx::query_scalar(FIRST_HEARTBEAT)
-            .fetch_one(&mut conn)
+            .fetch_one(&mut *conn)
             .await?;
-        Ok::<_, Error>((conn, pid))
+        Ok::<_, Error>((listener, pid))
     };
     match timeout(config.connect_timeout, open).await {
         Ok(up) => up,
-        Err(_) => Err(Error::Database(sqlx::Error::PoolTimedOut)),
+        Err(_) => Err(Error::ConnectTimedOut {
+            after: config.connect_timeout,
+        }),
+    }
+}
+
+/// Why the shared connection could not be opened, from one direct attempt
+/// (within the connect deadline) after the private pool gave up.
+async fn why_not(config: &DriverConfig) -> Error {
+    match timeout(config.connect_timeout, config.connect.connect()).await {
+        Ok(Err(err)) => connect_error(err),
+        // It worked this time: the refusal has passed; report the timeout.
+        Ok(Ok(conn)) => {
+            let _ = timeout(config.connect_timeout, conn.close()).await;
+            Error::ConnectTimedOut {
+                after: config.connect_timeout,
+            }
+        }
+        Err(_) => Error::ConnectTimedOut {
+            after: config.connect_timeout,
+        },
     }
 }
 
@@ -148,7 +209,9 @@ struct Held {
 }
 
 struct Driver {
-    conn: PgConnection,
+    /// The shared connection; reading it between statements is what tells
+    /// of a server-ended session at once.
+    conn: PgListener,
     pid: i32,
     statement_timeout: Duration,
     locks: HashMap<u64, Held>,
@@ -180,7 +243,17 @@ impl Driver {
                 }
                 request = requests.recv() => match request {
                     Some(request) => self.handle(request).await,
-                    None => return self.close().await,
+                    None => return self.close(),
+                },
+                // Cancel safe: sqlx consumes a message only once it is read
+                // whole. Nothing is ever listened to, so all that can come
+                // while no statement runs is the server's goodbye.
+                goodbye = self.conn.try_recv() => match goodbye {
+                    Ok(Some(_)) => Ok(()),
+                    Ok(None) => Err(LossReason::ConnectionFailed(
+                        "the server ended the session (the connection closed)".into(),
+                    )),
+                    Err(err) => Err(loss_reason(&err)),
                 },
             };
             if let Err(reason) = step {
@@ -238,10 +311,7 @@ impl Driver {
             // one of ours gone: a transaction pooler shares the session, so
             // none of its locks can be trusted (as in the default mode).
             Ok(Err(err)) if shared_session(&err) => {
-                let refused = Error::PoolerDetected {
-                    expected_pid: self.pid,
-                    actual_pid: 0,
-                };
+                let refused = shared_session_error(&err);
                 let _ = reply.send(Err(TryError::Failed(refused)));
                 return Err(LossReason::SessionShared(err.to_string()));
             }
@@ -263,8 +333,15 @@ impl Driver {
             }
             Ok(Ok(row)) => row,
         };
-        let row = match sql::decode_try(&row, args, fencing) {
+        let row = match sql::decode_try(&row, (&key, args), fencing) {
             Ok(row) => row,
+            // A grant without its token: the lock may be held with no guard
+            // to own it, so the session goes, which frees it.
+            Err(err @ Error::MissingFencingToken { .. }) => {
+                let reason = LossReason::SessionAbandoned(err.to_string());
+                let _ = reply.send(Err(TryError::Failed(err)));
+                return Err(reason);
+            }
             Err(err) => {
                 // We cannot tell what the statement did: give the session up.
                 let _ = reply.send(Err(TryError::Gone));
@@ -272,10 +349,7 @@ impl Driver {
             }
         };
         if row.pid != self.pid {
-            let _ = reply.send(Err(TryError::Failed(Error::PoolerDetected {
-                expected_pid: self.pid,
-                actual_pid: row.pid,
-            })));
+            let _ = reply.send(Err(TryError::Failed(backend_changed(self.pid, row.pid))));
             return Err(LossReason::BackendChanged {
                 expected_pid: self.pid,
                 actual_pid: row.pid,
@@ -284,10 +358,7 @@ impl Driver {
         let Some(locked) = row.locked else {
             // The session holds locks this driver did not take: another
             // client shares it (a transaction pooler). Nothing was taken.
-            let _ = reply.send(Err(TryError::Failed(Error::PoolerDetected {
-                expected_pid: self.pid,
-                actual_pid: row.pid,
-            })));
+            let _ = reply.send(Err(TryError::Failed(marker_seen(row.pid))));
             return Err(LossReason::SessionShared(
                 "the session holds advisory locks this connection did not take".into(),
             ));
@@ -350,8 +421,9 @@ impl Driver {
             }
             Ok(false) => {
                 tracing::warn!(key = %held.key, "distlock multiplexed lock was not held at release");
-                let err = Error::LockNotHeld {
-                    key: held.key.to_string(),
+                let err = Error::LockLost {
+                    key: held.key.clone(),
+                    reason: LossReason::NotHeld,
                 };
                 (Err(err), Ok(()))
             }
@@ -360,16 +432,13 @@ impl Driver {
                     LossReason::BackendChanged {
                         expected_pid,
                         actual_pid,
-                    } => Error::PoolerDetected {
-                        expected_pid: *expected_pid,
-                        actual_pid: *actual_pid,
-                    },
+                    } => backend_changed(*expected_pid, *actual_pid),
                     LossReason::HeartbeatTimedOut(after) => Error::ReleaseTimedOut {
-                        key: held.key.to_string(),
+                        key: held.key.clone(),
                         after: *after,
                     },
                     _ => Error::LockLost {
-                        key: held.key.to_string(),
+                        key: held.key.clone(),
                         reason: reason.clone(),
                     },
                 };
@@ -445,15 +514,17 @@ impl Driver {
             crate::metrics::lost("postgres", &held.key);
         }
         self.loss.send_replace(Some(reason));
-        // Dropping a `PgConnection` without `close` drops the socket without
-        // a goodbye, like `HeldConn` does for a lock's connection.
+        // The listener hands its connection (if it still has one) to its
+        // closed pool in the background, which closes it: the session ends
+        // and frees whatever it held. It never goes back to any pool.
         drop(self.conn);
         refuse_all(requests, None);
     }
 
-    /// Nobody can send anything any more: no lock is held, say goodbye.
-    async fn close(self) {
-        let _ = timeout(self.statement_timeout, self.conn.close()).await;
+    /// Nobody can send anything any more: no lock is held. The connection is
+    /// closed in the background (see [`Driver::lost`]).
+    fn close(self) {
+        drop(self.conn);
     }
 }
 

@@ -48,8 +48,8 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use super::session_lock::SessionLock;
 use crate::postgres::config::Config;
+use crate::postgres::session::guard::SessionLock;
 use crate::{Error, LockKey};
 use driver::DriverConfig;
 use request::{Granted, Inbox, Request, TryError};
@@ -154,7 +154,7 @@ impl Mux {
             }
             match answer.await {
                 Ok(Ok(Some(granted))) => {
-                    return Ok(Some(self.guard(key.clone(), granted, place)));
+                    return Ok(Some(self.new_guard(key.clone(), granted, place)));
                 }
                 Ok(Ok(None)) => return Ok(None),
                 Ok(Err(TryError::Failed(err))) => return Err(err),
@@ -163,9 +163,10 @@ impl Mux {
                 Ok(Err(TryError::Gone)) | Err(_) => {}
             }
         }
-        Err(Error::Database(sqlx::Error::Protocol(
-            "the multiplexed connection failed on every attempt".into(),
-        )))
+        Err(Error::MultiplexFailed {
+            key: key.clone(),
+            attempts: ATTEMPTS,
+        })
     }
 
     /// The inbox of the live driver for `key`'s connection, starting one if
@@ -199,7 +200,7 @@ impl Mux {
     }
 
     /// Turns a grant into the public guard; a task waits for its release.
-    fn guard(&self, key: LockKey, granted: Granted, place: Place) -> SessionLock {
+    fn new_guard(&self, key: LockKey, granted: Granted, place: Place) -> SessionLock {
         let Granted {
             ticket,
             pid,

@@ -9,7 +9,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::time::timeout;
 
 use super::request::Ticket;
-use crate::postgres::keeper::ReleaseRequest;
+use crate::postgres::session::guard::ReleaseRequest;
 use crate::{Error, LockKey, LossReason};
 
 /// Waits for the guard: `release()` sends where to put the outcome, a dropped
@@ -40,7 +40,7 @@ async fn release(
     deadline: Duration,
 ) -> Result<(), Error> {
     let lost = || Error::LockLost {
-        key: key.to_string(),
+        key: key.clone(),
         reason: loss.borrow().clone().unwrap_or(LossReason::KeeperStopped),
     };
     if loss.borrow().is_some() {
@@ -57,7 +57,7 @@ async fn release(
         // The unlock is still queued or running; the driver's own statement
         // deadline closes the connection if the server does not answer.
         Err(_) => Err(Error::ReleaseTimedOut {
-            key: key.to_string(),
+            key: key.clone(),
             after: deadline,
         }),
     }

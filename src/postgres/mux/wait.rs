@@ -5,9 +5,9 @@
 use std::time::{Duration, Instant};
 
 use super::{Mux, sql};
-use crate::postgres::conn::HeldConn;
-use crate::postgres::session_lock::SessionLock;
-use crate::postgres::sql::{client_check, keepalives};
+use crate::postgres::conn::held::HeldConn;
+use crate::postgres::request::{self, unlimited};
+use crate::postgres::session::guard::SessionLock;
 use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
 use crate::{Error, LockKey};
 
@@ -16,7 +16,8 @@ impl Mux {
     ///
     /// Costs 1 round trip on the shared connection when the key is free. When
     /// it is busy, each round of waiting costs 1 round trip on a pooled
-    /// connection (answered when the holder lets go) plus 1 more try.
+    /// connection (answered when the holder lets go; 3 where the session has
+    /// a `statement_timeout`, lifted for the wait) plus 1 more try.
     pub(crate) async fn lock(&self, key: LockKey, timeout: Duration) -> Result<SessionLock, Error> {
         let args = key.args()?;
         let started = Instant::now();
@@ -34,36 +35,41 @@ impl Mux {
         };
         // Armed while it is used: a wait dropped mid-statement closes the
         // connection (the server abandons the wait) instead of pooling it.
-        let mut waiter: Option<HeldConn> = None;
+        // With whether its session's statement_timeout must be lifted.
+        let mut waiter: Option<(HeldConn, bool)> = None;
         loop {
             if let Some(lock) = self.attempt(&key).await? {
                 // Its last wait finished, so it holds nothing: pool it.
-                if let Some(conn) = waiter {
+                if let Some((conn, _)) = waiter {
                     conn.into_pool();
                 }
                 return Ok(self.acquired(lock, started));
             }
             let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
             if remaining.is_zero() {
-                return Err(self.timeout_error(&key, started, waiter).await);
+                let conn = waiter.map(|(conn, _)| conn);
+                return Err(self.timeout_error(&key, started, conn).await);
             }
-            let mut conn = match waiter.take() {
-                Some(conn) => conn,
-                None => match self.waiting_conn(deadline).await {
+            let (mut conn, limited) = match waiter.take() {
+                Some(waiter) => waiter,
+                None => match self.waiting_conn(&key, started, deadline).await {
                     Ok(Some(conn)) => conn,
                     Ok(None) => return Err(self.timeout_error(&key, started, None).await),
                     Err(err) => return Err(err),
                 },
             };
-            let wait = sql::wait_until_free(args, remaining).execute(conn.conn());
+            let wait = sql::wait_until_free(args, remaining);
+            let wait = unlimited::session_wait(conn.conn(), limited, async |conn| {
+                wait.execute(conn).await
+            });
             // A stalled network must not hang the caller past its deadline.
             let grace = crate::deadline::after(deadline, self.config.heartbeat_timeout);
             match tokio::time::timeout_at(grace, wait).await {
-                Ok(Ok(_)) => waiter = Some(conn),
+                Ok(Ok(_)) => waiter = Some((conn, limited)),
                 // PostgreSQL can grant the awaited lock at the instant its
                 // lock_timeout fires and still fail the statement, which then
                 // never reaches its unlock: the connection may hold the
-                // shared lock, so it is closed, not pooled.
+                // awaited lock, so it is closed, not pooled.
                 Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
                     drop(conn);
                     return Err(self.timeout_error(&key, started, None).await);
@@ -80,30 +86,29 @@ impl Mux {
         }
     }
 
-    /// A pooled connection to wait on, or `None` if the deadline passed
-    /// first. It is told to check for a vanished client every 100 ms
+    /// A pooled connection to wait on ([`Error::NoConnection`] if the pool
+    /// gave none before the deadline), or `None` if the deadline passed
+    /// while it was being set up. It is told to check for a vanished client every 100 ms
     /// (`client_connection_check_interval`) *before* it waits: the server
     /// reads that setting when a statement starts, so setting it inside the
     /// waiting statement would not apply to that wait. Then a wait whose
     /// caller went away ends within 100 ms instead of at its `lock_timeout`.
-    /// The setting is harmless for the connection's later users. 1 round trip.
+    /// The setting is harmless for the connection's later users. 1 round trip,
+    /// which also tells whether the session has a `statement_timeout` that a
+    /// wait must lift.
     async fn waiting_conn(
         &self,
+        key: &LockKey,
+        started: Instant,
         deadline: tokio::time::Instant,
-    ) -> Result<Option<HeldConn>, Error> {
-        let Ok(pooled) = tokio::time::timeout_at(deadline, self.pool().acquire()).await else {
-            return Ok(None);
-        };
-        let mut conn = HeldConn::new(pooled?, true);
-        let set = sqlx::query(concat!(
-            "SELECT ",
-            client_check!(session),
-            ", ",
-            keepalives!(session)
-        ))
-        .execute(conn.conn());
+    ) -> Result<Option<(HeldConn, bool)>, Error> {
+        let pooled =
+            crate::postgres::conn::pooled::pooled_before(self.pool(), key, started, deadline);
+        let mut conn = HeldConn::new(pooled.await?, true);
+        let set =
+            sqlx::query_scalar::<_, String>(request::sql::WAIT_SETTINGS).fetch_one(conn.conn());
         match tokio::time::timeout_at(deadline, set).await {
-            Ok(Ok(_)) => Ok(Some(conn)),
+            Ok(Ok(limit)) => Ok(Some((conn, unlimited::limited(Some(&limit))))),
             Ok(Err(err)) => Err(err.into()),
             Err(_) => Ok(None),
         }

@@ -1,11 +1,15 @@
 //! What a [`TableLocker`](super::TableLocker) and its leases share: the
-//! pool, the settings and the listening connection.
+//! pool, the settings, the warm connections and the listening connection.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::PgPool;
 
 use super::notify::Listener;
+use crate::postgres::conn::warm::Warm;
+use crate::postgres::conn::watched::WatchedConn;
+use crate::{Error, LockKey};
 
 #[derive(Debug)]
 pub(super) struct Inner {
@@ -15,6 +19,18 @@ pub(super) struct Inner {
     pub(super) release_timeout: Duration,
     /// `None` when built with `.listen(false)`.
     pub(super) listener: Option<Listener>,
-    /// A setting the builder refused: every acquisition fails with it.
-    pub(super) invalid: Option<&'static str>,
+    /// Connections kept between grants and releases, so the next skips the
+    /// pool's pings (a lease's statements leave nothing held on them).
+    pub(super) warm: Arc<Warm>,
+}
+
+impl Inner {
+    /// A connection from the pool for `key`'s statement, or
+    /// [`Error::PoolExhausted`] when every connection is in use. Of the
+    /// kind the locker's warm connections keep (shared with no session
+    /// lock: a lease's statements need no watching, but one stash serves
+    /// every kind).
+    pub(super) async fn pooled(&self, key: &LockKey) -> Result<WatchedConn, Error> {
+        crate::postgres::conn::pooled::watched(&self.pool, key).await
+    }
 }

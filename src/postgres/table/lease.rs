@@ -3,11 +3,8 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
-
-use tokio::sync::watch;
 use tokio::task::AbortHandle;
 use tracing::Instrument;
 
@@ -15,10 +12,11 @@ use super::inner::Inner;
 use super::release::{release_in_background, release_statement};
 use super::renew::Renewal;
 use super::sql::{KeyExpr, Owner};
-use crate::{Error, FencingToken, Lease, LockKey, LossReason};
+use crate::loss_state::{self, LossState};
+use crate::{Error, FencingToken, LockKey, LossReason};
 
 /// A lease of a [`TableLocker`](super::TableLocker): a row of `distlock.leases` that a
-/// background task renews every third of the TTL.
+/// background task renews every quarter of the TTL.
 ///
 /// Treat it as gone once [`lost`](Self::lost) completes: it completes two
 /// thirds of a TTL after the last renewal that succeeded was sent (a third
@@ -38,7 +36,7 @@ pub struct TableLease {
     inner: Arc<Inner>,
     expr: KeyExpr,
     owner: Owner,
-    loss: watch::Receiver<Option<LossReason>>,
+    loss: LossState,
     renewer: AbortHandle,
     released: bool,
 }
@@ -64,7 +62,9 @@ impl TableLease {
         token: FencingToken,
         sent: tokio::time::Instant,
     ) -> Self {
-        let (loss, loss_rx) = watch::channel(None);
+        // The renewal task holds the sender: if it stops without a reason
+        // (its runtime shut down), nothing renews the row any more.
+        let (loss, loss_rx) = loss_state::channel(LossReason::KeeperStopped);
         let renewal = Renewal {
             inner: Arc::clone(&inner),
             key: key.clone(),
@@ -85,6 +85,11 @@ impl TableLease {
             renewer,
             released: false,
         }
+    }
+
+    /// The lease's owner, for the leader record of an election.
+    pub(super) fn owner(&self) -> Owner {
+        self.owner
     }
 
     /// The key held.
@@ -111,20 +116,26 @@ impl TableLease {
     ///
     /// Cancel safe: it only watches a channel.
     pub async fn lost(&self) -> LossReason {
-        let mut loss = self.loss.clone();
-        match loss.wait_for(Option::is_some).await {
-            Ok(reason) => reason.clone().unwrap_or(LossReason::KeeperStopped),
-            Err(_) => self
-                .loss
-                .borrow()
-                .clone()
-                .unwrap_or(LossReason::KeeperStopped),
-        }
+        self.loss.lost().await
     }
 
-    /// `true` once [`lost`](Self::lost) would complete.
+    /// `true` once [`lost`](Self::lost) would complete; exactly when
+    /// [`loss`](Self::loss) is `Some` (the renewal task ending counts). No
+    /// round trip.
     pub fn is_lost(&self) -> bool {
-        self.loss.borrow().is_some() || self.renewer.is_finished()
+        self.loss.is_lost()
+    }
+
+    /// Why the lease was lost, if it was: `None` while it is held. No round
+    /// trip.
+    pub fn loss(&self) -> Option<LossReason> {
+        self.loss.loss()
+    }
+
+    /// How long the lease has been held, from its grant as this process saw
+    /// it. No round trip.
+    pub fn held_for(&self) -> Duration {
+        self.acquired_at.elapsed()
     }
 
     /// Ends the lease: stops its renewal and deletes its row, which wakes
@@ -151,14 +162,16 @@ impl TableLease {
             outcome = tracing::field::Empty,
         );
         let budget = self.inner.release_timeout;
-        let statement = release_statement(&self.inner, &self.expr, self.owner);
+        let statement = release_statement(&self.inner, &self.key, &self.expr, self.owner);
         let outcome = tokio::time::timeout(budget, statement)
             .instrument(span.clone())
             .await;
-        let lost = self.loss.borrow().clone();
+        // A reason the renewal reported, not the renewal's end: it was
+        // just aborted above.
+        let lost = self.loss.reported();
         let result = match (outcome, lost) {
             (_, Some(reason)) => Err(Error::LockLost {
-                key: self.key.to_string(),
+                key: self.key.clone(),
                 reason,
             }),
             (Ok(Ok(true)), None) => {
@@ -166,12 +179,12 @@ impl TableLease {
                 Ok(())
             }
             (Ok(Ok(false)), None) => Err(Error::LockLost {
-                key: self.key.to_string(),
+                key: self.key.clone(),
                 reason: LossReason::Expired,
             }),
             (Ok(Err(err)), None) => Err(err),
             (Err(_), None) => Err(Error::ReleaseTimedOut {
-                key: self.key.to_string(),
+                key: self.key.clone(),
                 after: budget,
             }),
         };
@@ -191,29 +204,13 @@ impl Drop for TableLease {
             return;
         }
         self.renewer.abort();
-        release_in_background(Arc::clone(&self.inner), self.expr.clone(), self.owner);
+        release_in_background(
+            Arc::clone(&self.inner),
+            self.key.clone(),
+            self.expr.clone(),
+            self.owner,
+        );
     }
 }
 
-#[async_trait]
-impl Lease for TableLease {
-    fn key(&self) -> &LockKey {
-        TableLease::key(self)
-    }
-
-    fn fencing_token(&self) -> Option<FencingToken> {
-        TableLease::fencing_token(self)
-    }
-
-    async fn lost(&self) -> LossReason {
-        TableLease::lost(self).await
-    }
-
-    fn is_lost(&self) -> bool {
-        TableLease::is_lost(self)
-    }
-
-    async fn release(self: Box<Self>) -> Result<(), Error> {
-        TableLease::release(*self).await
-    }
-}
+crate::lease::lease_from_inherent!(TableLease);

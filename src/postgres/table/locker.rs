@@ -1,29 +1,36 @@
 //! `TableLocker`, its builder, and taking a lease (`try_lock`, `lock`).
 
+use crate::DEFAULT_TTL;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgPool};
 use sqlx::{AssertSqlSafe, Row};
+use tokio::sync::oneshot;
+use tracing::Instrument;
 
 use super::inner::Inner;
 use super::lease::TableLease;
 use super::notify::Listener;
 use super::sql::{self, KeyExpr, Owner};
-use crate::postgres::conn::HeldConn;
+use crate::postgres::conn::held::HeldConn;
+use crate::postgres::conn::warm::{DEFAULT_WARM, DEFAULT_WARM_IDLE, Warm};
 use crate::{Error, FencingToken, Lease, LockKey, Locker, span};
 
-/// The default time to live of a lease: renewed every 10 s, a holder that
-/// cannot renew reports loss within 20 s, and the key of a holder that
-/// vanished is free again 30 s after its last renewal.
-pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
 /// The shortest time to live a builder accepts.
 pub const MIN_TTL: Duration = Duration::from_millis(100);
 /// The longest time to live a builder accepts.
 pub const MAX_TTL: Duration = Duration::from_secs(86_400);
 /// Default deadline of a release.
 const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The shortest release deadline a builder accepts.
+const MIN_RELEASE_TIMEOUT: Duration = Duration::from_millis(1);
+/// The range of a waiter's poll interval: a poll more often than every
+/// millisecond is a busy loop against the server; one rarer than hourly
+/// leaves a waiter without a listener asleep past any sensible deadline.
+const MIN_POLL: Duration = Duration::from_millis(1);
+const MAX_POLL: Duration = Duration::from_secs(3600);
 /// A waiter's fallback poll while it listens for releases.
 const POLL_LISTENING: Duration = Duration::from_secs(1);
 /// A waiter's poll when it does not listen.
@@ -33,7 +40,7 @@ const POLL_NOT_LISTENING: Duration = Duration::from_millis(100);
 /// poolers and failover.
 ///
 /// A lease is a row with a random owner and an expiry on the database
-/// server's clock, renewed from a background task every third of its time
+/// server's clock, renewed from a background task every quarter of its time
 /// to live (TTL). Every operation is **one statement in one short
 /// transaction**, sent as a simple query (one protocol message), so it works
 /// through PgBouncer in transaction mode, where [`PgLocker`](crate::PgLocker)'s
@@ -42,10 +49,10 @@ const POLL_NOT_LISTENING: Duration = Duration::from_millis(100);
 ///
 /// | call | round trips | durable writes (commits) |
 /// |---|---|---|
-/// | [`try_lock`](Self::try_lock), granted | 1 | 1 (the row, its token, up to 8 expired rows purged) |
+/// | [`try_lock`](Self::try_lock), granted | 1 | 1 (the row and its token; about one grant in 16 also purges up to 32 expired rows) |
 /// | [`try_lock`](Self::try_lock), busy | 1 | 0 |
 /// | [`lock`](Self::lock) | 1 per attempt: one at once, one after each release announced or poll | 1 when granted |
-/// | renewal (background, every TTL/3) | 1 | 1 |
+/// | renewal (background, every TTL/4) | 1 (more when retried) | 1 |
 /// | [`TableLease::release`] | 1 | 1 (and a `NOTIFY`) |
 /// | [`purge_expired`](Self::purge_expired) | 1 | 1 if anything expired |
 ///
@@ -61,6 +68,13 @@ const POLL_NOT_LISTENING: Duration = Duration::from_millis(100);
 /// they agree on the time. A holder that is *paused* (GC, SIGSTOP, a frozen
 /// VM) cannot notice anything while it is paused: present the lease's
 /// fencing token with every protected write ([`fence`](crate::fence)).
+///
+/// A renewal that fails or gets no answer is retried until that deadline,
+/// each attempt on a fresh connection and given half of the time left, so
+/// one connection stuck on a server that stopped answering cannot use up the
+/// budget: an outage (a planned switchover behind a proxy, say) of up to a
+/// third of a TTL, whenever it starts, is survived if the promoted server
+/// has the lease (synchronous replication).
 ///
 /// # Waiting
 ///
@@ -82,7 +96,7 @@ const POLL_NOT_LISTENING: Duration = Duration::from_millis(100);
 /// use std::time::Duration;
 /// let locker = distlock::postgres::TableLocker::builder(pool)
 ///     .ttl(Duration::from_secs(15))
-///     .build();
+///     .build()?;
 /// if let Some(lease) = locker.try_lock("reports:nightly").await? {
 ///     let token = lease.fencing_token().expect("always issued");
 ///     tokio::select! {
@@ -108,25 +122,31 @@ pub struct TableLockerBuilder {
     release_timeout: Duration,
     listen: bool,
     listen_options: Option<PgConnectOptions>,
+    warm: usize,
+    warm_idle: Duration,
 }
 
 impl TableLockerBuilder {
-    /// The leases' time to live (default [`DEFAULT_TTL`], 30 s), between
-    /// [`MIN_TTL`] (100 ms) and [`MAX_TTL`] (24 h); [`build`](Self::build)
-    /// with others every acquisition fails with [`Error::InvalidConfig`].
+    /// The leases' time to live (default [`DEFAULT_TTL`], 30 s).
     ///
-    /// A lease is renewed every `ttl / 3`; a holder that cannot renew reports
+    /// Range: [`MIN_TTL`] (100 ms) to [`MAX_TTL`] (24 h);
+    /// [`build`](Self::build) refuses others with [`Error::InvalidSetting`].
+    ///
+    /// A lease is renewed every `ttl / 4`; a holder that cannot renew reports
     /// loss `2 * ttl / 3` after its last successful renewal was sent; a
     /// holder that vanished blocks its key for up to `ttl`.
+    #[must_use = "the setter returns the changed builder"]
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
     }
 
     /// How often a waiting [`TableLocker::lock`] looks again when nothing
-    /// woke it (default: 1 s while listening, 100 ms with `.listen(false)`),
-    /// between 1 ms and 1 h; with others every acquisition fails with
-    /// [`Error::InvalidConfig`].
+    /// woke it (default: 1 s while listening, 100 ms with `.listen(false)`).
+    ///
+    /// Range: 1 ms to 1 h; [`build`](Self::build) refuses others with
+    /// [`Error::InvalidSetting`].
+    #[must_use = "the setter returns the changed builder"]
     pub fn poll_interval(mut self, every: Duration) -> Self {
         self.poll_interval = Some(every);
         self
@@ -136,6 +156,7 @@ impl TableLockerBuilder {
     /// connection per locker, opened at the first wait from the pool's
     /// connect options (or those of [`listen_options`](Self::listen_options)),
     /// outside the pool. With `false`, waiters poll.
+    #[must_use = "the setter returns the changed builder"]
     pub fn listen(mut self, enabled: bool) -> Self {
         self.listen = enabled;
         self
@@ -144,55 +165,124 @@ impl TableLockerBuilder {
     /// Listen on a connection made with `options` instead of the pool's:
     /// for a pool that goes through a transaction pooler, a direct connection
     /// to the same database, where `LISTEN` works.
+    #[must_use = "the setter returns the changed builder"]
     pub fn listen_options(mut self, options: PgConnectOptions) -> Self {
         self.listen_options = Some(options);
         self.listen = true;
         self
     }
 
-    /// How long [`TableLease::release`] (and a dropped lease's background
-    /// release) may take (default 5 s, at least 1 ms). A release that does
-    /// not finish leaves the row to expire.
-    pub fn release_timeout(mut self, deadline: Duration) -> Self {
-        self.release_timeout = deadline.max(Duration::from_millis(1));
+    /// Keep up to `connections` connections between statements, each for
+    /// at most `idle_timeout`, and run the next grant or release on them
+    /// instead of borrowing from the pool (default: 2 connections, 20 ms;
+    /// `0` connections turns it off), as
+    /// [`PgLockerBuilder::keep_warm`](crate::PgLockerBuilder::keep_warm)
+    /// does for session locks.
+    ///
+    /// sqlx's pool pings a connection when it takes it back and again when
+    /// it hands it out, so a grant and a release on borrowed connections
+    /// cost 4 round trips on top of their 2 statements. A lease holds
+    /// nothing on a connection (each statement is a transaction of its own,
+    /// committed before the answer), so the connection of every answered
+    /// statement can be kept, but only while the pool has an idle
+    /// connection or room to open one; it goes back to the pool after
+    /// `idle_timeout` without use, or at once when the pool is closed.
+    /// Renewals borrow from the pool, a fresh connection per attempt.
+    ///
+    /// A kept connection is not pinged: if the server (or a transaction
+    /// pooler) ended its session meanwhile, the statement fails on it with
+    /// a connection error and runs once more on a connection from the pool
+    /// (a grant under a new owner; the first owner's row, if the failed
+    /// statement was granted after all, is released in the background).
+    ///
+    /// Range: any; an idle time too long for the clock (such as
+    /// `Duration::MAX`) means until the pool is closed.
+    #[must_use = "the setter returns the changed builder"]
+    pub fn keep_warm(mut self, connections: usize, idle_timeout: Duration) -> Self {
+        self.warm = connections;
+        self.warm_idle = idle_timeout;
         self
     }
 
-    /// Builds the locker. A TTL or poll interval out of range does not fail
-    /// here but makes every acquisition fail with [`Error::InvalidConfig`],
-    /// as the Redis lockers do, so that `build()` is infallible like
-    /// [`PgLockerBuilder::build`](crate::postgres::PgLockerBuilder::build).
-    pub fn build(self) -> TableLocker {
+    /// How long [`TableLease::release`] (and a dropped lease's background
+    /// release) may take (default 5 s). A release that does not finish
+    /// leaves the row to expire.
+    ///
+    /// Range: at least 1 ms; a deadline too long for the clock (such as
+    /// `Duration::MAX`) means as long as possible. [`build`](Self::build)
+    /// refuses zero with [`Error::InvalidSetting`].
+    #[must_use = "the setter returns the changed builder"]
+    pub fn release_timeout(mut self, deadline: Duration) -> Self {
+        self.release_timeout = deadline;
+        self
+    }
+
+    /// Builds the locker, or refuses the first setting outside its range
+    /// with [`Error::InvalidSetting`] naming it. Costs no round trip (the
+    /// listener connects at the first wait).
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool) {
+    /// use std::time::Duration;
+    /// let refused = distlock::postgres::TableLocker::builder(pool)
+    ///     .ttl(Duration::from_millis(10))
+    ///     .build();
+    /// assert!(matches!(
+    ///     refused,
+    ///     Err(distlock::Error::InvalidSetting { setting: "ttl", .. })
+    /// ));
+    /// # }
+    /// ```
+    pub fn build(self) -> Result<TableLocker, Error> {
         let default_poll = if self.listen {
             POLL_LISTENING
         } else {
             POLL_NOT_LISTENING
         };
         let poll_interval = self.poll_interval.unwrap_or(default_poll);
-        let invalid = if !(MIN_TTL..=MAX_TTL).contains(&self.ttl) {
-            Some("TableLocker ttl must be between 100 ms and 24 h")
-        } else if !(Duration::from_millis(1)..=Duration::from_secs(3600)).contains(&poll_interval) {
-            Some("TableLocker poll interval must be between 1 ms and 1 h")
-        } else {
-            None
-        };
+        within("ttl", self.ttl, MIN_TTL, MAX_TTL)?;
+        within("poll_interval", poll_interval, MIN_POLL, MAX_POLL)?;
+        if self.release_timeout < MIN_RELEASE_TIMEOUT {
+            return Err(Error::InvalidSetting {
+                setting: "release_timeout",
+                value: format!("{:?}", self.release_timeout),
+                allowed: format!("at least {MIN_RELEASE_TIMEOUT:?}"),
+            });
+        }
         let listener = self.listen.then(|| {
             let options = self
                 .listen_options
                 .unwrap_or_else(|| self.pool.connect_options().as_ref().clone());
             Listener::new(options)
         });
-        TableLocker {
+        Ok(TableLocker {
             inner: Arc::new(Inner {
-                pool: self.pool,
                 ttl: self.ttl,
                 poll_interval,
                 release_timeout: self.release_timeout,
                 listener,
-                invalid,
+                warm: Warm::new(self.pool.clone(), self.warm, self.warm_idle),
+                pool: self.pool,
             }),
-        }
+        })
     }
+}
+
+/// Refuses `value` outside `min..=max`, naming `setting`.
+fn within(
+    setting: &'static str,
+    value: Duration,
+    min: Duration,
+    max: Duration,
+) -> Result<(), Error> {
+    if (min..=max).contains(&value) {
+        return Ok(());
+    }
+    Err(Error::InvalidSetting {
+        setting,
+        value: format!("{value:?}"),
+        allowed: format!("between {min:?} and {max:?}"),
+    })
 }
 
 /// What one attempt found.
@@ -212,11 +302,11 @@ impl TableLocker {
         Self {
             inner: Arc::new(Inner {
                 listener: Some(Listener::new(pool.connect_options().as_ref().clone())),
+                warm: Warm::new(pool.clone(), DEFAULT_WARM, DEFAULT_WARM_IDLE),
                 pool,
                 ttl: DEFAULT_TTL,
                 poll_interval: POLL_LISTENING,
                 release_timeout: DEFAULT_RELEASE_TIMEOUT,
-                invalid: None,
             }),
         }
     }
@@ -230,15 +320,13 @@ impl TableLocker {
             release_timeout: DEFAULT_RELEASE_TIMEOUT,
             listen: true,
             listen_options: None,
+            warm: DEFAULT_WARM,
+            warm_idle: DEFAULT_WARM_IDLE,
         }
     }
 
-    /// Refuses a bad key, and every key when the builder was given a bad
-    /// setting.
+    /// Refuses a bad key.
     fn check(&self, key: &LockKey) -> Result<(), Error> {
-        if let Some(why) = self.inner.invalid {
-            return Err(Error::InvalidConfig(why));
-        }
         key.validate()
     }
 
@@ -256,16 +344,22 @@ impl TableLocker {
     /// expired), without waiting; `Ok(None)` if someone holds it.
     ///
     /// Costs 1 round trip (plus what the pool spends handing out a
-    /// connection); a grant is 1 durable write (the row and its fencing
+    /// connection when no [warm one](TableLockerBuilder::keep_warm) is
+    /// kept); a grant is 1 durable write (the row and its fencing
     /// token), a refusal writes nothing. The returned [`TableLease`] renews
     /// itself in the background.
     ///
     /// # Cancel safety
     ///
-    /// Dropping the future leaves nothing held for long: once the statement
-    /// may have been sent, a dropped future releases whatever it may have
-    /// been granted in the background (1 round trip), and at worst (no
-    /// runtime, no connection) the row expires after one TTL.
+    /// Dropping the future leaves no lease behind once the statement it
+    /// started has ended. The statement runs in a task of its own that owns
+    /// its connection, so a dropped caller never cuts it short (PostgreSQL
+    /// would not notice a closed socket while the statement waits for a
+    /// concurrent taker of the key, and could still commit a grant). If the
+    /// statement grants the key after the caller is gone, the task deletes
+    /// the row (1 more round trip and durable write). At worst (the runtime
+    /// shuts down first, the connection breaks mid-statement, the release
+    /// fails) the row expires after one TTL.
     pub async fn try_lock(&self, key: impl Into<LockKey>) -> Result<Option<TableLease>, Error> {
         let key = key.into();
         span::traced(&key, "table", "try", Option::is_some, async {
@@ -289,8 +383,10 @@ impl TableLocker {
     ///
     /// # Cancel safety
     ///
-    /// As for [`try_lock`](Self::try_lock): a dropped wait holds nothing
-    /// (an attempt in flight is released in the background).
+    /// As for [`try_lock`](Self::try_lock): a dropped wait leaves no lease
+    /// behind once the attempt in flight (if any) has ended; that attempt
+    /// runs to its end in a task of its own, which releases a grant nobody
+    /// took. Waiting between attempts holds nothing.
     pub async fn lock(
         &self,
         key: impl Into<LockKey>,
@@ -329,10 +425,11 @@ impl TableLocker {
             let now = tokio::time::Instant::now();
             if now >= deadline {
                 return Err(Error::Timeout {
-                    key: key.to_string(),
+                    key: key.clone(),
                     waited: started.elapsed(),
                     holder_pid: None,
                     holder_application: None,
+                    chain: Default::default(),
                 });
             }
             // A listening waiter polls only as a safety net; one whose
@@ -354,53 +451,82 @@ impl TableLocker {
     }
 
     /// One attempt: 1 round trip.
+    ///
+    /// The statement runs in a task of its own that owns the connection, so
+    /// that dropping this future never cuts a statement short: PostgreSQL
+    /// does not notice a closed socket while a statement waits (for a row
+    /// lock, say), and such a statement would go on to commit a grant after
+    /// any release sent meanwhile on another connection had found nothing to
+    /// delete. The task releases a grant nobody took, once the statement has
+    /// ended.
+    ///
+    /// The statement runs on one of the locker's warm connections when there
+    /// is one (see `Warm`), else on one from the pool. A kept connection
+    /// found broken is closed, its attempt's owner released in the
+    /// background (harmless if nothing was granted), and the statement runs
+    /// once more on a pooled connection *under a new owner*, so that release
+    /// can never delete the new attempt's row.
     async fn attempt(&self, key: &LockKey, expr: &KeyExpr) -> Result<Attempt, Error> {
-        let owner = Owner::random();
-        let mut conn = HeldConn::new(self.pool().acquire().await?, true);
-        // From here the statement may reach the server: if this future is
-        // dropped (or fails) before the answer is read, whatever it was
-        // granted is released in the background.
-        let pending = Pending {
-            inner: Some(Arc::clone(&self.inner)),
-            expr: expr.clone(),
-            owner,
-        };
+        // Dropped while waiting for a connection: nothing was sent.
+        let taken = self.inner.warm.connection(self.inner.pooled(key)).await?;
         let sent = tokio::time::Instant::now();
-        let row = sqlx::raw_sql(AssertSqlSafe(sql::acquire(expr, owner, self.inner.ttl)))
-            .fetch_one(conn.conn())
-            .await?;
-        conn.into_pool();
-        let granted: bool = row.try_get("granted")?;
-        let lock_id: i64 = row.try_get("lock_id")?;
-        if !granted {
-            pending.disarm();
-            let wait_ms: Option<i64> = row.try_get("wait_ms")?;
-            let wait_ms = u64::try_from(wait_ms.unwrap_or(1)).unwrap_or(1);
-            return Ok(Attempt::Busy {
-                left: Duration::from_millis(wait_ms),
+        let (answer_tx, answer_rx) = oneshot::channel();
+        let (inner, task_key, task_expr) = (Arc::clone(&self.inner), key.clone(), expr.clone());
+        tokio::spawn(
+            async move {
+                let (inner, key, expr) = (&inner, &task_key, &task_expr);
+                let statement = move |mut conn: HeldConn| async move {
+                    let answer = acquire_statement(inner, (key, expr), Owner::random(), &mut conn);
+                    let answer = answer.await;
+                    (conn, answer)
+                };
+                let ran = inner
+                    .warm
+                    .first_statement(taken, || inner.pooled(key), statement)
+                    .await;
+                // The connection answered: it goes back (kept warm, or to
+                // the pool) before the caller hears of it, so the caller's
+                // next statement (a release, at once) finds it.
+                let answer = ran.map(|(conn, answer)| {
+                    drop(conn);
+                    answer
+                });
+                // If this caller is gone, the answer comes back here and is
+                // dropped, which releases a grant (see `Answer`).
+                let _ = answer_tx.send(answer);
+            }
+            .in_current_span(),
+        );
+        // Only a runtime shutting down drops the task before it answers; the
+        // statement's connection is then closed and a grant expires after a
+        // TTL.
+        let answer = answer_rx.await.map_err(|_| Error::TaskStopped {
+            key: key.clone(),
+            task: "lease_acquire",
+        })??;
+        match answer {
+            Answer::Busy { left, lock_id } => Ok(Attempt::Busy { left, lock_id }),
+            Answer::Granted {
+                mut grant,
+                token,
                 lock_id,
-            });
+            } => {
+                grant.disarm();
+                Ok(Attempt::Granted(TableLease::start(
+                    Arc::clone(&self.inner),
+                    key.clone(),
+                    expr.with_id(lock_id),
+                    grant.owner,
+                    FencingToken::new(token),
+                    sent,
+                )))
+            }
         }
-        let token: Option<i64> = row.try_get("fencing_token")?;
-        let Some(token) = token else {
-            // Leave `pending` armed: the row is released in the background.
-            return Err(Error::Database(sqlx::Error::Protocol(
-                "lease_acquire granted a lease without a fencing token".into(),
-            )));
-        };
-        pending.disarm();
-        Ok(Attempt::Granted(TableLease::start(
-            Arc::clone(&self.inner),
-            key.clone(),
-            expr.with_id(lock_id),
-            owner,
-            FencingToken::new(token),
-            sent,
-        )))
     }
 
-    /// Deletes up to `limit` expired rows of `distlock.leases` (every grant
-    /// already deletes up to 8); returns how many were deleted.
+    /// Deletes up to `limit` expired rows of `distlock.leases` (about one
+    /// grant in 16 already deletes up to 32); returns how many were
+    /// deleted.
     ///
     /// Costs 1 round trip, and a durable write if anything had expired.
     ///
@@ -419,24 +545,90 @@ impl TableLocker {
     }
 }
 
-/// An attempt whose answer has not been read yet: dropped armed, it releases
-/// the key for its owner in the background (harmless if nothing was granted).
-struct Pending {
+/// What `lease_acquire` answered, as the statement's task hands it over.
+enum Answer {
+    Busy {
+        left: Duration,
+        lock_id: i64,
+    },
+    /// Dropped with `grant` armed (the caller went away before it took the
+    /// answer, or the answer was never received), the grant is released.
+    Granted {
+        grant: Grant,
+        token: i64,
+        lock_id: i64,
+    },
+}
+
+/// `lease_acquire` for `owner` on `conn`, from start to end; a statement
+/// that failed or granted a lease without a token is released in the
+/// background (harmless if nothing was granted). `conn` is disarmed once
+/// the answer is read.
+async fn acquire_statement(
+    inner: &Arc<Inner>,
+    (key, expr): (&LockKey, &KeyExpr),
+    owner: Owner,
+    conn: &mut HeldConn,
+) -> Result<Answer, Error> {
+    let grant = Grant {
+        inner: Some(Arc::clone(inner)),
+        key: key.clone(),
+        expr: expr.clone(),
+        owner,
+    };
+    // Armed until the answer is read: an error here (a broken connection
+    // among them) may come after the server committed a grant.
+    let row = sqlx::raw_sql(AssertSqlSafe(sql::acquire(expr, owner, inner.ttl)))
+        .fetch_one(conn.conn())
+        .await?;
+    conn.disarm();
+    let granted: bool = row.try_get("granted")?;
+    let lock_id: i64 = row.try_get("lock_id")?;
+    if !granted {
+        let mut grant = grant;
+        grant.disarm();
+        let wait_ms: Option<i64> = row.try_get("wait_ms")?;
+        let wait_ms = u64::try_from(wait_ms.unwrap_or(1)).unwrap_or(1);
+        return Ok(Answer::Busy {
+            left: Duration::from_millis(wait_ms),
+            lock_id,
+        });
+    }
+    let token: Option<i64> = row.try_get("fencing_token")?;
+    let Some(token) = token else {
+        // `grant` stays armed: the row is released in the background.
+        return Err(Error::MissingFencingToken { key: key.clone() });
+    };
+    Ok(Answer::Granted {
+        grant,
+        token,
+        lock_id,
+    })
+}
+
+/// A grant nobody has taken yet: dropped armed, it releases the key for its
+/// owner in the background (harmless if nothing was granted). It is only
+/// ever dropped armed after the acquiring statement has ended (answered,
+/// failed, or its task was stopped with the runtime), so the release cannot
+/// run before the grant it deletes.
+struct Grant {
     inner: Option<Arc<Inner>>,
+    key: LockKey,
     expr: KeyExpr,
     owner: Owner,
 }
 
-impl Pending {
-    fn disarm(mut self) {
+impl Grant {
+    fn disarm(&mut self) {
         self.inner = None;
     }
 }
 
-impl Drop for Pending {
+impl Drop for Grant {
     fn drop(&mut self) {
         if let Some(inner) = self.inner.take() {
-            super::release::release_in_background(inner, self.expr.clone(), self.owner);
+            let (key, expr) = (self.key.clone(), self.expr.clone());
+            super::release::release_in_background(inner, key, expr, self.owner);
         }
     }
 }
@@ -454,5 +646,9 @@ impl Locker for TableLocker {
 
     fn backend(&self) -> &'static str {
         "table"
+    }
+
+    fn election(&self) -> Option<&dyn crate::ElectionLocker> {
+        Some(self)
     }
 }

@@ -6,7 +6,7 @@
 //! gone after a failover (a standby has no sessions). A [`TableLease`] is a
 //! row of `distlock.leases` instead, with an owner only its holder knows, an
 //! expiry on the server's clock and a fencing token, kept alive by a
-//! renewal every third of its time to live. Every operation is one
+//! renewal every quarter of its time to live. Every operation is one
 //! statement in one short transaction; a grant committed with synchronous
 //! replication survives a failover.
 //!
@@ -18,17 +18,21 @@
 //! | file | what it holds |
 //! |---|---|
 //! | `locker.rs` | [`TableLocker`], [`TableLockerBuilder`], taking a lease, the `Locker` impl |
+//! | `holders.rs` | [`LeaseHolder`]: who holds leases now (`TableLocker::holders`) |
 //! | `inner.rs` | what the locker and its leases share (pool, settings, listener) |
 //! | `lease.rs` | [`TableLease`] and its `Lease` impl |
 //! | `release.rs` | deleting a lease's row, also in the background |
 //! | `renew.rs` | the renewal task and its loss deadline |
 //! | `notify.rs` | the `LISTEN` connection that wakes waiters |
+//! | `election.rs` | the record of who leads a `LeaderElection` (`ElectionLocker`) |
 //! | `sql.rs` | the statements, as simple queries safe for poolers |
 //!
 //! The SQL functions (`distlock.lease_acquire`, `lease_renew`,
 //! `lease_release`, `lease_purge`) are in the crate's migrations and can be
 //! called from other languages with the same guarantees.
 
+mod election;
+mod holders;
 mod inner;
 mod lease;
 mod locker;
@@ -37,5 +41,6 @@ mod release;
 mod renew;
 mod sql;
 
+pub use holders::LeaseHolder;
 pub use lease::TableLease;
-pub use locker::{DEFAULT_TTL, MAX_TTL, MIN_TTL, TableLocker, TableLockerBuilder};
+pub use locker::{MAX_TTL, MIN_TTL, TableLocker, TableLockerBuilder};

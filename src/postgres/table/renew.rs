@@ -1,4 +1,4 @@
-//! The task that keeps a lease: renews it every third of its TTL and
+//! The task that keeps a lease: renews it every quarter of its TTL and
 //! reports loss before the server can grant the key to anyone else.
 //!
 //! # The deadline
@@ -11,8 +11,20 @@
 //! time at first) and gives up at `s + 2/3 TTL`: a third of a TTL before the
 //! earliest possible expiry, which absorbs a difference in clock *rates* of
 //! up to a third and the scheduling delay of reporting the loss. Absolute
-//! clocks are never compared. Renewals start at `s + 1/3 TTL` and are
-//! retried until the deadline.
+//! clocks are never compared.
+//!
+//! # Retries
+//!
+//! Renewals start at `s + 1/4 TTL` and are retried until the deadline, each
+//! attempt with a timeout of its own: half of the time left (see
+//! [`attempt_budget`]), so an attempt stuck on a connection that will never
+//! answer (a proxy still waiting on a node that was switched over) is given
+//! up while there is time for another on a new connection. Renewing at a
+//! quarter, not a third, leaves `2/3 - 1/4 = 5/12` of a TTL between a
+//! renewal falling due and the deadline: an outage of up to a third of a
+//! TTL, whenever it starts, ends with at least a twelfth of a TTL to spare
+//! (half a second for a 6 s TTL), and the halving guarantees an attempt in
+//! that time.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +35,7 @@ use tokio::time::{Instant, sleep_until, timeout_at};
 
 use super::inner::Inner;
 use super::sql::{self, KeyExpr, Owner};
-use crate::postgres::conn::HeldConn;
+use crate::postgres::conn::held::HeldConn;
 use crate::{Error, LockKey, LossReason};
 
 /// What a lease's task needs.
@@ -35,31 +47,52 @@ pub(super) struct Renewal {
     pub(super) loss: watch::Sender<Option<LossReason>>,
 }
 
+/// The shortest time an attempt is given (unless less is left before the
+/// deadline): below it not even a healthy server answers reliably.
+const MIN_ATTEMPT: Duration = Duration::from_millis(10);
+
+/// How long an attempt sent `left` before the deadline may take: half of
+/// what is left (at least [`MIN_ATTEMPT`], at most `left`). Halving keeps a
+/// slow but healthy server plenty of time at first, and guarantees that
+/// after the network comes back an attempt starts while at least half of
+/// the time that was left then remains: one stuck connection (to a node
+/// that stopped answering) cannot take the whole budget.
+fn attempt_budget(left: Duration) -> Duration {
+    (left / 2).max(MIN_ATTEMPT).min(left)
+}
+
 impl Renewal {
     /// Runs until the lease is lost (or the task is aborted by `release()`
     /// or the guard's drop). `sent` is when the granting statement was sent.
     pub(super) async fn run(self, sent: Instant) {
         let ttl = self.inner.ttl;
-        let retry = (ttl / 15).max(Duration::from_millis(10));
+        // After a quick failure (refused, reset): a short pause, so that a
+        // server that is back is found soon without spinning.
+        let pause = (ttl / 60).max(Duration::from_millis(5));
         let mut last_ok = sent;
         loop {
             let deadline = crate::deadline::after(last_ok, ttl * 2 / 3);
-            sleep_until(crate::deadline::after(last_ok, ttl / 3)).await;
+            sleep_until(crate::deadline::after(last_ok, ttl / 4)).await;
             let mut last_error = None;
             let renewed = loop {
                 let attempt_sent = Instant::now();
                 if attempt_sent >= deadline {
                     break Err(last_error);
                 }
-                match timeout_at(deadline, self.renew_once()).await {
+                let give_up = attempt_sent + attempt_budget(deadline - attempt_sent);
+                match timeout_at(give_up, self.renew_once()).await {
                     Ok(Ok(true)) => break Ok(attempt_sent),
                     Ok(Ok(false)) => return self.lose(LossReason::Expired).await,
                     Ok(Err(err)) => {
                         tracing::debug!(key = %self.key, error = %err, "distlock lease renewal failed; retrying");
                         last_error = Some(err.to_string());
-                        sleep_until((Instant::now() + retry).min(deadline)).await;
+                        sleep_until((Instant::now() + pause).min(deadline)).await;
                     }
-                    Err(_) => break Err(last_error),
+                    // Its connection is closed (see `renew_once`); the next
+                    // attempt gets another one.
+                    Err(_) => {
+                        tracing::debug!(key = %self.key, after = ?give_up - attempt_sent, "distlock lease renewal got no answer in time; retrying");
+                    }
                 }
             };
             match renewed {
@@ -76,7 +109,7 @@ impl Renewal {
     /// 1 round trip: `true` if the lease was ours, unexpired, and is
     /// extended by a TTL from now (server time).
     async fn renew_once(&self) -> Result<bool, Error> {
-        // Armed: a renewal abandoned at the deadline closes its connection
+        // Armed: a renewal abandoned at its timeout closes its connection
         // rather than hand a stalled one back to the pool.
         let mut conn = HeldConn::new(self.inner.pool.acquire().await?, true);
         let sql = sql::renew(&self.expr, self.owner, self.inner.ttl);
@@ -96,8 +129,23 @@ impl Renewal {
         let expired = reason == LossReason::Expired;
         self.loss.send_replace(Some(reason));
         if !expired {
-            let release = super::release::release_statement(&self.inner, &self.expr, self.owner);
+            let release =
+                super::release::release_statement(&self.inner, &self.key, &self.expr, self.owner);
             let _ = tokio::time::timeout(self.inner.release_timeout, release).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_attempt_gets_half_of_what_is_left_within_bounds() {
+        let ms = Duration::from_millis;
+        assert_eq!(attempt_budget(ms(2500)), ms(1250));
+        assert_eq!(attempt_budget(ms(15)), ms(10));
+        assert_eq!(attempt_budget(ms(4)), ms(4));
+        assert_eq!(attempt_budget(Duration::ZERO), Duration::ZERO);
     }
 }

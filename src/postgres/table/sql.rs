@@ -31,11 +31,31 @@ use crate::key::Repr;
 /// key, with payload `<space>:<lock_id>`.
 pub(super) const CHANNEL: &str = "distlock_lease";
 
+/// The live leases (not expired by the server's clock), by key: key text,
+/// token, and granted, renewed and expiry times in microseconds since the
+/// epoch. No value goes into the text.
+pub(super) const LIVE_LEASES: &str = "SELECT l.key_text, l.token, \
+     (extract(epoch FROM l.acquired_at) * 1000000)::pg_catalog.int8, \
+     (extract(epoch FROM l.renewed_at) * 1000000)::pg_catalog.int8, \
+     (extract(epoch FROM l.expires_at) * 1000000)::pg_catalog.int8 \
+     FROM distlock.leases AS l WHERE l.expires_at > pg_catalog.clock_timestamp() \
+     ORDER BY l.space, l.lock_id";
+
 /// A lease's owner: random, known only to its holder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Owner(u128);
 
 impl Owner {
+    /// The owner's 128 bits, as an election's seat carries them.
+    pub(super) fn bits(self) -> u128 {
+        self.0
+    }
+
+    /// The owner whose bits are `bits`.
+    pub(super) fn from_bits(bits: u128) -> Self {
+        Self(bits)
+    }
+
     /// 122 random bits laid out as a version-4 UUID.
     pub(super) fn random() -> Self {
         let bits = rand::random::<u128>();
@@ -44,7 +64,7 @@ impl Owner {
         Self(bits)
     }
 
-    fn literal(self) -> String {
+    pub(super) fn literal(self) -> String {
         let hex = format!("{:032x}", self.0);
         format!(
             "'{}-{}-{}-{}-{}'::pg_catalog.uuid",
@@ -73,12 +93,6 @@ pub(super) struct KeyExpr {
 impl KeyExpr {
     /// The expressions for a validated `key`.
     pub(super) fn new(key: &LockKey) -> Self {
-        let text = |name: &str| {
-            format!(
-                "pg_catalog.convert_from(pg_catalog.decode('{}', 'hex'), 'UTF8')",
-                hex(name)
-            )
-        };
         match &key.repr {
             Repr::Text(name) => Self {
                 space: 1,
@@ -119,6 +133,15 @@ impl KeyExpr {
     pub(super) fn space(&self) -> i16 {
         self.space
     }
+}
+
+/// `text` as an SQL expression that holds no character of it: hexadecimal
+/// digits the server decodes.
+fn text(text: &str) -> String {
+    format!(
+        "pg_catalog.convert_from(pg_catalog.decode('{}', 'hex'), 'UTF8')",
+        hex(text)
+    )
 }
 
 /// `(n)::pg_catalog.int8`; parenthesised so that `i64::MIN` parses.
@@ -183,6 +206,65 @@ pub(super) fn release(key: &KeyExpr, owner: Owner) -> String {
     )
 }
 
+/// Columns: `term` (int8), `since` (µs since the epoch, int8),
+/// `after_loss` (bool); all NULL if `owner` does not hold the lease. The
+/// leader record of a lease is `via` 2 (see the `leader_records`
+/// migration).
+pub(super) fn proclaim(
+    key: &KeyExpr,
+    owner: Owner,
+    proclamation: &crate::Proclamation,
+    key_text: &str,
+) -> String {
+    let token = proclamation
+        .fencing_token
+        .map_or_else(|| "NULL".to_owned(), |t| int8(t.value()));
+    format!(
+        "SELECT p.term, (extract(epoch FROM p.since) * 1000000)::pg_catalog.int8, p.after_loss \
+         FROM (SELECT {name} AS k) AS n \
+         CROSS JOIN LATERAL distlock.leader_proclaim(2::pg_catalog.int2, \
+         {space}::pg_catalog.int2, {id}, {key_text}, NULL, {owner}, {identity}, {value}, \
+         {token}, {grace}::pg_catalog.int8) AS p",
+        name = key.name,
+        space = key.space,
+        id = key.id,
+        key_text = text(key_text),
+        owner = owner.literal(),
+        identity = text(&proclamation.identity),
+        value = text(&proclamation.value),
+        grace = proclamation.grace.as_millis(),
+    )
+}
+
+/// One column: whether the record named `owner` (and `term`) and is
+/// cleared now.
+pub(super) fn withdraw(key: &KeyExpr, owner: Owner, term: Option<i64>) -> String {
+    format!(
+        "SELECT distlock.leader_withdraw(2::pg_catalog.int2, {space}::pg_catalog.int2, {id}, \
+         NULL, {owner}, {term}) FROM (SELECT {name} AS k) AS n",
+        space = key.space,
+        id = key.id,
+        owner = owner.literal(),
+        term = term.map_or_else(|| "NULL".to_owned(), int8),
+        name = key.name,
+    )
+}
+
+/// Columns: `identity`, `value` (text), `term`, `since` (µs since the
+/// epoch), `fencing_token` (int8); no row if nobody leads.
+pub(super) fn leader_of(key: &KeyExpr) -> String {
+    format!(
+        "SELECT l.identity, l.value, l.term, \
+         (extract(epoch FROM l.since) * 1000000)::pg_catalog.int8, l.fencing_token \
+         FROM (SELECT {name} AS k) AS n \
+         CROSS JOIN LATERAL distlock.leader_of(2::pg_catalog.int2, {space}::pg_catalog.int2, \
+         {id}) AS l",
+        name = key.name,
+        space = key.space,
+        id = key.id,
+    )
+}
+
 /// One column: how many expired rows were deleted.
 pub(super) fn purge(limit: u32) -> String {
     format!("SELECT distlock.lease_purge({limit})")
@@ -211,11 +293,21 @@ mod tests {
         ] {
             let expr = KeyExpr::new(&key);
             let owner = Owner::random();
+            let proclamation = crate::Proclamation {
+                identity: hostile.to_owned(),
+                value: hostile.to_owned(),
+                fencing_token: Some(crate::FencingToken::new(i64::MIN)),
+                grace: Duration::from_secs(1),
+            };
             for sql in [
                 acquire(&expr, owner, Duration::from_secs(1)),
                 renew(&expr, owner, Duration::from_secs(1)),
                 release(&expr, owner),
                 release(&expr.with_id(-42), owner),
+                proclaim(&expr, owner, &proclamation, hostile),
+                withdraw(&expr, owner, Some(i64::MIN)),
+                withdraw(&expr, owner, None),
+                leader_of(&expr),
             ] {
                 assert!(!sql.contains("DROP"), "{sql}");
                 assert!(!sql.contains(';'), "{sql}");

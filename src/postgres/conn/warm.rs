@@ -1,0 +1,311 @@
+//! Warm connections: the few connections a `PgLocker` keeps for a moment
+//! after a lock statement, so that the next acquisition skips the pool.
+//!
+//! sqlx's pool pings a connection when it takes it back and again when it
+//! hands it out (`test_before_acquire`), so a lock that borrows a pooled
+//! connection per acquisition pays two round trips on top of its own
+//! statements, and in a hot-key hand-off the returning holder's way back
+//! into the queue goes through both. A locker therefore keeps up to
+//! [`max`](Warm::max) connections that released their lock (or found the key
+//! busy) for at most its idle time, and hands them to its next acquisitions
+//! directly. Only connections that hold no lock are kept: a confirmed unlock,
+//! or a try that took nothing.
+//!
+//! Holding connections takes them from the pool's other users, so a
+//! connection is kept only while the pool has slack (an idle connection or
+//! room to open one: nobody can be waiting for it then), and a sweeper task
+//! returns every kept connection to the pool once it has been idle for the
+//! idle time (default 20 ms: long enough for a loop that takes the next
+//! lock at once, short enough that a pool user who starts waiting while a
+//! connection is kept waits at most that long), or at once when the pool is
+//! closed. The sweeper runs only while something is kept.
+//!
+//! A kept connection is not pinged before use. If the server ended its
+//! session meanwhile, the acquisition's first statement fails with a
+//! connection error; the caller then closes it and runs the statement once
+//! more on a connection from the pool ([`is_broken`]). The failed
+//! connection is closed, so whatever its statement may have taken ends with
+//! its session, as for any connection distlock closes.
+
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::time::Instant;
+
+use crate::Error;
+use crate::postgres::conn::held::{HeldConn, Home};
+use crate::postgres::conn::watched::WatchedConn;
+
+/// Default: how many connections a locker keeps warm.
+pub(crate) const DEFAULT_WARM: usize = 2;
+/// Default: how long a kept connection may stay idle before it goes back to
+/// the pool.
+pub(crate) const DEFAULT_WARM_IDLE: Duration = Duration::from_millis(20);
+
+/// A locker's kept connections.
+#[derive(Debug)]
+pub(crate) struct Warm {
+    pool: PgPool,
+    max: usize,
+    idle: Duration,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Oldest first; each with the time it was put back.
+    conns: Vec<(WatchedConn, Instant)>,
+    /// Whether a sweeper task is running for these connections.
+    sweeping: bool,
+}
+
+impl Warm {
+    pub(crate) fn new(pool: PgPool, max: usize, idle: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            pool,
+            max,
+            idle,
+            state: Mutex::default(),
+        })
+    }
+
+    /// The most recently kept connection, if any, armed (see [`HeldConn`])
+    /// and coming back here when disarmed. Never waits.
+    pub(crate) fn checkout(self: &Arc<Self>) -> Option<HeldConn> {
+        if self.pool.is_closed() {
+            return None;
+        }
+        let (conn, _) = self.lock().conns.pop()?;
+        Some(self.adopt(conn))
+    }
+
+    /// Wraps a connection from the pool: armed, and coming back here when
+    /// disarmed.
+    pub(crate) fn adopt(self: &Arc<Self>, conn: WatchedConn) -> HeldConn {
+        let home: Arc<Self> = Arc::clone(self);
+        HeldConn::watched(conn, true).kept_by(home)
+    }
+
+    /// Keeps `conn`, which must hold no lock, or returns it to the pool when
+    /// the locker keeps enough already, the pool has no slack, or there is
+    /// no runtime to sweep on. Never blocks (a short mutex). A connection
+    /// not kept goes back to the pool as it drops, after the mutex is let go
+    /// (locals drop in reverse order).
+    pub(crate) fn keep(self: &Arc<Self>, conn: WatchedConn) {
+        if self.max == 0 || self.pool.is_closed() || !self.pool_has_slack() {
+            return;
+        }
+        let mut state = self.lock();
+        if state.conns.len() >= self.max {
+            return;
+        }
+        if !state.sweeping {
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                return;
+            };
+            state.sweeping = true;
+            runtime.spawn(sweep(Arc::downgrade(self), self.pool.clone()));
+        }
+        state.conns.push((conn, Instant::now()));
+    }
+
+    /// An idle connection in the pool, or room to open one: no one can be
+    /// waiting for a connection, so keeping one takes nothing from anyone
+    /// (for now; the idle time bounds the rest).
+    fn pool_has_slack(&self) -> bool {
+        self.pool.num_idle() > 0 || self.pool.size() < self.pool.options().get_max_connections()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes out the connections idle for the idle time or longer; returns
+    /// when the sweeper next has something to do (and marks it gone when
+    /// nothing is left).
+    fn expire(&self, now: Instant) -> (Vec<WatchedConn>, Next) {
+        let mut state = self.lock();
+        let fresh = state
+            .conns
+            .iter()
+            .position(|(_, since)| now.saturating_duration_since(*since) < self.idle)
+            .unwrap_or(state.conns.len());
+        let expired = state.conns.drain(..fresh).map(|(conn, _)| conn).collect();
+        let next = match state.conns.first() {
+            None => {
+                state.sweeping = false;
+                Next::Done
+            }
+            // An idle time too long for the clock never expires: the
+            // connection stays until the pool closes.
+            Some((_, since)) => since.checked_add(self.idle).map_or(Next::Close, Next::At),
+        };
+        (expired, next)
+    }
+
+    /// Takes out every kept connection and marks the sweeper gone.
+    fn drain(&self) -> Vec<WatchedConn> {
+        let mut state = self.lock();
+        state.sweeping = false;
+        state.conns.drain(..).map(|(conn, _)| conn).collect()
+    }
+}
+
+impl Home for Warm {
+    fn put(self: Arc<Self>, conn: WatchedConn) {
+        self.keep(conn);
+    }
+}
+
+/// Returns kept connections to the pool once idle for the idle time, and all
+/// of them when the pool closes (`PgPool::close` waits for every connection
+/// to come back). Ends when none is kept or the locker is gone (its kept
+/// connections then go back as it drops). Returned connections are dropped
+/// outside the mutex: their return to the pool (an `UNLISTEN *`, see
+/// [`WatchedConn`], then sqlx's ping) runs in a task they spawn.
+async fn sweep(warm: Weak<Warm>, pool: PgPool) {
+    let closed = pool.close_event();
+    tokio::pin!(closed);
+    loop {
+        let Some(kept) = warm.upgrade() else { return };
+        let (expired, next) = kept.expire(Instant::now());
+        drop(expired);
+        let next = match next {
+            Next::Done => return,
+            Next::At(at) => Some(at),
+            Next::Close => None,
+        };
+        drop(kept);
+        tokio::select! {
+            () = sleep_until_some(next) => {}
+            () = &mut closed => {
+                if let Some(kept) = warm.upgrade() {
+                    drop(kept.drain());
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// When the sweeper next has something to do.
+#[derive(Debug)]
+enum Next {
+    /// Nothing is kept: the sweeper ends.
+    Done,
+    /// The oldest kept connection's idle time ends then.
+    At(Instant),
+    /// Only when the pool closes (the idle time never ends).
+    Close,
+}
+
+/// Sleeps until `at`, or for ever.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What an acquisition's first statement hands back: its connection, and
+/// its outcome.
+pub(crate) type Ran<T> = (HeldConn, Result<T, Error>);
+
+impl Warm {
+    /// An acquisition's connection, with its first statement's outcome:
+    /// [`connection`](Self::connection), then
+    /// [`first_statement`](Self::first_statement). On an error the
+    /// connection is dropped (closed: it is armed).
+    pub(crate) async fn acquire<T, P, S>(
+        self: &Arc<Self>,
+        pooled: impl Fn() -> P,
+        statement: impl FnMut(HeldConn) -> S,
+    ) -> Result<(HeldConn, T), Error>
+    where
+        P: Future<Output = Result<WatchedConn, Error>>,
+        S: Future<Output = Ran<T>>,
+    {
+        let (conn, kept) = self.connection(pooled()).await?;
+        self.first_statement((conn, kept), pooled, statement).await
+    }
+
+    /// A connection for an acquisition, armed and coming back here when
+    /// disarmed: the most recently kept one (`true`; not pinged, see
+    /// [`first_statement`](Self::first_statement)), or else the one
+    /// `pooled` takes from the pool (not awaited when one is kept).
+    pub(crate) async fn connection(
+        self: &Arc<Self>,
+        pooled: impl Future<Output = Result<WatchedConn, Error>>,
+    ) -> Result<(HeldConn, bool), Error> {
+        match self.checkout() {
+            Some(conn) => Ok((conn, true)),
+            None => Ok((self.adopt(pooled.await?), false)),
+        }
+    }
+
+    /// Runs an acquisition's first statement on `conn`, which the statement
+    /// hands back with its outcome (a statement dropped before its end
+    /// drops the connection: closed, as it is armed). If `conn` was a kept
+    /// one (`kept`) found broken ([`retry_on_pool`]), it is closed and the
+    /// statement runs once more on a connection from `pooled`. On an error
+    /// the connection is dropped (closed).
+    pub(crate) async fn first_statement<T, P, S>(
+        self: &Arc<Self>,
+        (conn, kept): (HeldConn, bool),
+        pooled: impl Fn() -> P,
+        mut statement: impl FnMut(HeldConn) -> S,
+    ) -> Result<(HeldConn, T), Error>
+    where
+        P: Future<Output = Result<WatchedConn, Error>>,
+        S: Future<Output = Ran<T>>,
+    {
+        let (conn, outcome) = statement(conn).await;
+        if !retry_on_pool(kept, &outcome) {
+            return outcome.map(|value| (conn, value));
+        }
+        drop(conn);
+        let (conn, outcome) = statement(self.adopt(pooled().await?)).await;
+        outcome.map(|value| (conn, value))
+    }
+}
+
+/// Whether an acquisition's first statement, run on a kept connection
+/// (`kept`), failed because the connection is broken ([`is_broken`]): the
+/// caller then closes it and runs the statement once more on a connection
+/// from the pool.
+pub(crate) fn retry_on_pool<T>(kept: bool, outcome: &Result<T, Error>) -> bool {
+    let broken = kept && matches!(outcome, Err(Error::Database(err)) if is_broken(err));
+    if broken {
+        tracing::debug!("distlock: a kept connection was closed; retrying on the pool's");
+    }
+    broken
+}
+
+/// Whether a statement failed because its connection is no longer usable:
+/// the socket failed, or the server ended the session (SQLSTATE class 08,
+/// 57P01–57P05 such as `pg_terminate_backend`, or 25P03, the idle-in-
+/// transaction timeout). Only then is a kept connection's statement run
+/// again on a pooled one.
+pub(crate) fn is_broken(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            code.starts_with("08") || code.starts_with("57P0") || code == "25P03"
+        }),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_connection_failures_count_as_broken() {
+        let io = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+        assert!(is_broken(&io));
+        assert!(!is_broken(&sqlx::Error::RowNotFound));
+        assert!(!is_broken(&sqlx::Error::PoolTimedOut));
+    }
+}

@@ -1,0 +1,165 @@
+//! `PgLocker`'s record of who leads an election (`ElectionLocker`): a row
+//! of `distlock.leaders` per election, written by the leader and believed
+//! only while `pg_locks` shows the backend it names holding the lock.
+//!
+//! The rule lives in the schema's functions (`distlock.leader_proclaim`,
+//! `leader_withdraw`, `leader_of`, migration `leader_records`), so SQL of
+//! any language can ask who leads by it; here each is one statement.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use sqlx::postgres::PgRow;
+use sqlx::{Postgres, Row};
+
+use crate::postgres::request::key_args::KeyArgs;
+use crate::{
+    ElectionLocker, Error, FencingToken, LeaderInfo, Lease, LockKey, PgLocker, Proclaimed,
+    Proclamation, Seat,
+};
+
+/// The election's `(space, lock_id)` as `distlock.leaders` keys it,
+/// computed on the server from the key's shape (`$1`: 0 a name hashed with
+/// `hashtext`, 1 a bigint, 2 a namespaced name), number (`$2`) and name
+/// (`$3`), as the advisory lock functions see the key.
+const KEY: &str = "WITH k AS (SELECT \
+     CASE WHEN $1::pg_catalog.int2 = 2 THEN 2 ELSE 1 END::pg_catalog.int2 AS space, \
+     CASE $1::pg_catalog.int2 \
+       WHEN 0 THEN pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8 \
+       WHEN 1 THEN $2::pg_catalog.int8 \
+       ELSE ($2::pg_catalog.int8 << 32) \
+            | (pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8 & 4294967295) \
+     END AS lock_id) ";
+
+// Via 1: records of session advisory locks.
+
+const PROCLAIM: &str = "SELECT p.term, \
+     (extract(epoch FROM p.since) * 1000000)::pg_catalog.int8, p.after_loss \
+     FROM k, distlock.leader_proclaim(1::pg_catalog.int2, k.space, k.lock_id, $4, $5, NULL, \
+     $6, $7, $8, $9) AS p";
+
+const WITHDRAW: &str =
+    "SELECT distlock.leader_withdraw(1::pg_catalog.int2, k.space, k.lock_id, $4, NULL, $5) FROM k";
+
+const LEADER: &str = "SELECT l.identity, l.value, l.term, \
+     (extract(epoch FROM l.since) * 1000000)::pg_catalog.int8, l.fencing_token \
+     FROM k, distlock.leader_of(1::pg_catalog.int2, k.space, k.lock_id) AS l";
+
+/// `sql` after [`KEY`], with the key's three parameters bound.
+fn keyed<'q>(
+    sql: &'static str,
+    key: &'q LockKey,
+) -> Result<sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>, Error> {
+    let (shape, number, name): (i16, Option<i64>, Option<&str>) = match key.args()? {
+        KeyArgs::Text(name) => (0, None, Some(name)),
+        KeyArgs::BigInt(id) => (1, Some(id), None),
+        KeyArgs::Pair(ns, name) => (2, Some(i64::from(ns)), Some(name)),
+    };
+    let text: String = [KEY, sql].concat();
+    Ok(sqlx::query(sqlx::AssertSqlSafe(text))
+        .bind(shape)
+        .bind(number)
+        .bind(name))
+}
+
+/// The backend pid a seat names.
+fn pid(seat: Seat) -> Result<i32, Error> {
+    i32::try_from(seat.id()).map_err(|_| Error::InvalidArgument {
+        argument: "seat",
+        reason: format!("{} is not a PostgreSQL backend pid", seat.id()),
+    })
+}
+
+/// A server timestamp in microseconds since the Unix epoch.
+pub(super) fn instant(micros: i64) -> SystemTime {
+    let offset = Duration::from_micros(micros.unsigned_abs());
+    if micros >= 0 {
+        UNIX_EPOCH + offset
+    } else {
+        UNIX_EPOCH - offset
+    }
+}
+
+/// A term number as the row holds it (never below 1).
+pub(super) fn term(number: i64) -> u64 {
+    u64::try_from(number).unwrap_or(0)
+}
+
+/// Each method's costs are on the trait; a seat is the backend pid of the
+/// session that holds the lock (its own connection, or in the multiplexed
+/// mode the shared one).
+#[async_trait]
+impl ElectionLocker for PgLocker {
+    async fn lock_seat(
+        &self,
+        key: LockKey,
+        timeout: Duration,
+    ) -> Result<(Box<dyn Lease>, Seat), Error> {
+        let lock = PgLocker::lock(self, key, timeout).await?;
+        let seat = Seat::new(u128::from(lock.backend_pid().unsigned_abs()));
+        Ok((Box::new(lock), seat))
+    }
+
+    async fn proclaim(
+        &self,
+        key: &LockKey,
+        seat: Seat,
+        proclamation: &Proclamation,
+    ) -> Result<Option<Proclaimed>, Error> {
+        let row: PgRow = keyed(PROCLAIM, key)?
+            .bind(key.to_string())
+            .bind(pid(seat)?)
+            .bind(proclamation.identity.as_str())
+            .bind(proclamation.value.as_str())
+            .bind(proclamation.fencing_token.map(FencingToken::value))
+            .bind(i64::try_from(proclamation.grace.as_millis()).unwrap_or(i64::MAX))
+            .fetch_one(self.pool())
+            .await?;
+        let number: Option<i64> = row.try_get(0)?;
+        let (Some(number), Some(since), Some(after_loss)) = (
+            number,
+            row.try_get::<Option<i64>, _>(1)?,
+            row.try_get::<Option<bool>, _>(2)?,
+        ) else {
+            return Ok(None);
+        };
+        let leader = LeaderInfo::new(
+            proclamation.identity.clone(),
+            proclamation.value.clone(),
+            term(number),
+            instant(since),
+            proclamation.fencing_token,
+        );
+        Ok(Some(Proclaimed { leader, after_loss }))
+    }
+
+    async fn withdraw(&self, key: &LockKey, seat: Seat, number: Option<u64>) -> Result<(), Error> {
+        let number = number.and_then(|n| i64::try_from(n).ok());
+        keyed(WITHDRAW, key)?
+            .bind(pid(seat)?)
+            .bind(number)
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
+    async fn leader(&self, key: &LockKey) -> Result<Option<LeaderInfo>, Error> {
+        let row = keyed(LEADER, key)?.fetch_optional(self.pool()).await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        Ok(Some(LeaderInfo::new(
+            row.try_get::<String, _>(0)?,
+            row.try_get::<String, _>(1)?,
+            term(row.try_get(2)?),
+            instant(row.try_get(3)?),
+            row.try_get::<Option<i64>, _>(4)?.map(FencingToken::new),
+        )))
+    }
+
+    fn loss_notice_bound(&self) -> Duration {
+        // A heartbeat that finds the session gone fails at once; one that
+        // gets no answer counts as loss at its deadline.
+        self.heartbeat().saturating_add(self.heartbeat_timeout())
+    }
+}

@@ -1,0 +1,234 @@
+//! The fragments every lock statement shares (the session marker, the
+//! standby check, keepalives, the client check), which the statement
+//! builder in `request/` composes, and the three-shape [`keyed`] form that
+//! the guard's unlock and the holders lookup still use.
+//!
+//! Keys are always bound as parameters, never formatted into SQL.
+
+use sqlx::postgres::{PgArguments, Postgres};
+use sqlx::query::Query;
+
+use crate::postgres::request::key_args::KeyArgs;
+
+/// Builds a `match` over the key shape yielding a `&'static str` for each.
+/// `$a` and `$b` are the placeholders the key's one or two values bind to.
+macro_rules! keyed {
+    ($args:expr; $pre:expr, $post:expr; $a:literal, $b:literal) => {
+        match $args {
+            $crate::postgres::request::key_args::KeyArgs::Text(_) => {
+                concat!($pre, "pg_catalog.hashtext(", $a, ")", $post)
+            }
+            $crate::postgres::request::key_args::KeyArgs::BigInt(_) => {
+                concat!($pre, $a, "::pg_catalog.int8", $post)
+            }
+            $crate::postgres::request::key_args::KeyArgs::Pair(..) => {
+                concat!(
+                    $pre,
+                    $a,
+                    "::pg_catalog.int4, pg_catalog.hashtext(",
+                    $b,
+                    ")",
+                    $post
+                )
+            }
+        }
+    };
+}
+pub(crate) use keyed;
+
+/// `set_config` calls (a select-list fragment) that ask the server to probe
+/// the client with TCP keepalives: idle 10 s, then 3 probes 5 s apart, and
+/// give up on 30 s of unacknowledged data. A holder cut off by a partition
+/// then has its session, and its locks, ended by the server within about
+/// 25 s instead of the operating system's default of about two hours. Part
+/// of every lock statement, so the bound holds from the grant on. `session`
+/// keeps them for the connection; `xact` for the transaction.
+macro_rules! keepalives {
+    // Set only where they are not set yet (a connection keeps them): the
+    // set_config calls cost more than reading the settings. All four are
+    // read: a connection whose application set one of them itself (say
+    // `-c tcp_user_timeout=30000` in its connect options) would otherwise
+    // keep the operating system's keepalive idle time of two hours.
+    (session) => {
+        $crate::postgres::request::fragments::keepalives!(@local "false")
+    };
+    (xact) => {
+        $crate::postgres::request::fragments::keepalives!(@local "true")
+    };
+    (@local $local:literal) => {
+        concat!(
+            "CASE WHEN pg_catalog.current_setting('tcp_user_timeout') <> '30000' \
+             OR pg_catalog.current_setting('tcp_keepalives_idle') <> '10' \
+             OR pg_catalog.current_setting('tcp_keepalives_interval') <> '5' \
+             OR pg_catalog.current_setting('tcp_keepalives_count') <> '3' THEN \
+             pg_catalog.set_config('tcp_keepalives_idle', '10', ", $local, ") || \
+             pg_catalog.set_config('tcp_keepalives_interval', '5', ", $local, ") || \
+             pg_catalog.set_config('tcp_keepalives_count', '3', ", $local, ") || \
+             pg_catalog.set_config('tcp_user_timeout', '30000', ", $local, ") END"
+        )
+    };
+}
+pub(crate) use keepalives;
+
+/// The session marker: how many distlock session locks the server session
+/// holds, in the session setting `distlock.locks` ('' or '0' when none).
+///
+/// Advisory locks are re-entrant, so on a server session that a
+/// transaction-pooling proxy shares between clients (PgBouncer with one
+/// server connection, which renames prepared statements and so shows none
+/// of the other signals), a second client's lock attempt would be granted
+/// to the backend that already holds the key: two holders. Every lock
+/// statement therefore attempts the lock only if the marker is what this
+/// connection expects, and counts the lock in the marker when it is taken;
+/// every unlock counts it out. A marker someone else set means the session
+/// is shared, and the attempt takes nothing (the statement's "taken" column
+/// is NULL). Costs nothing extra: it rides in the lock statement.
+///
+/// `unmarked` opens a `CASE WHEN <no lock held> THEN ...`, which the
+/// statement closes after the lock call; `mark` counts the taken lock in
+/// (column `l.ok` of the statement's CTE `l`). `held` opens the same `CASE`
+/// for a statement on the session of a lock this connection holds, which
+/// changes what that one lock holds (an upgrade) but not the count.
+macro_rules! session_marker {
+    (unmarked) => {
+        concat!(
+            "CASE WHEN ",
+            $crate::postgres::request::fragments::standby_check!(),
+            " THEN NULL WHEN coalesce(pg_catalog.current_setting('distlock.locks', true), '') \
+             IN ('', '0')"
+        )
+    };
+    (mark) => {
+        "CASE WHEN l.ok THEN pg_catalog.set_config('distlock.locks', '1', false) END"
+    };
+    (free) => {
+        concat!(
+            "(CASE WHEN ",
+            $crate::postgres::request::fragments::standby_check!(),
+            " THEN false ELSE coalesce(pg_catalog.current_setting('distlock.locks', true), '') \
+             IN ('', '0') END)"
+        )
+    };
+    // The session of a lock this connection already holds (an upgrade, a
+    // downgrade): the marker counts that one lock, and the backend is the
+    // one that took it (`$pid`), so a statement that a pooler moved to
+    // another session takes (or gives back) nothing there.
+    (held, $pid:literal) => {
+        concat!(
+            "CASE WHEN ",
+            $crate::postgres::request::fragments::standby_check!(),
+            " THEN NULL WHEN coalesce(pg_catalog.current_setting('distlock.locks', true), '') = '1' \
+             AND pg_catalog.pg_backend_pid() = ",
+            $pid
+        )
+    };
+    (held_free, $pid:literal) => {
+        concat!(
+            "(CASE WHEN ",
+            $crate::postgres::request::fragments::standby_check!(),
+            " THEN false ELSE coalesce(pg_catalog.current_setting('distlock.locks', true), '') = '1' \
+             AND pg_catalog.pg_backend_pid() = ",
+            $pid,
+            " END)"
+        )
+    };
+    (unmark) => {
+        "pg_catalog.set_config('distlock.locks', '0', false)"
+    };
+    (read) => {
+        "pg_catalog.current_setting('distlock.locks', true)"
+    };
+}
+pub(crate) use session_marker;
+
+/// A condition that fails the statement on a hot standby, before any lock
+/// call that follows it in a `CASE`: a standby grants advisory locks of its
+/// own, apart from its primary's, so a locker pointed at one (a read-only
+/// URL, a name that still points at a demoted node) would take a second
+/// copy of a lock the primary holds. `pg_current_wal_lsn()` answers on a
+/// primary (never NULL: the condition is false) and raises SQLSTATE 55000
+/// ("recovery is in progress") during recovery, which
+/// [`locking_error`](crate::postgres::sqlstate::locking_error) reports as
+/// [`Error::HotStandby`](crate::Error::HotStandby). It writes nothing and
+/// costs a read of shared memory.
+macro_rules! standby_check {
+    () => {
+        "pg_catalog.pg_current_wal_lsn() IS NULL"
+    };
+}
+pub(crate) use standby_check;
+
+/// How long after the last answered heartbeat the server ends a cut-off
+/// holder's session at the earliest ([`keepalives`]: 10 s idle + 3 × 5 s).
+pub(crate) const SERVER_CUTOFF: std::time::Duration = std::time::Duration::from_secs(25);
+
+/// Binds the key's values, in order, to `query`.
+pub(crate) fn bind_key<'q>(
+    query: Query<'q, Postgres, PgArguments>,
+    args: KeyArgs<'q>,
+) -> Query<'q, Postgres, PgArguments> {
+    match args {
+        KeyArgs::Text(name) => query.bind(name),
+        KeyArgs::BigInt(id) => query.bind(id),
+        KeyArgs::Pair(ns, name) => query.bind(ns).bind(name),
+    }
+}
+
+/// `lock_timeout` and friends take milliseconds as text; `0` means "forever",
+/// so a wait always gets at least one millisecond and at most `i32::MAX`.
+pub(crate) fn millis_setting(d: std::time::Duration) -> String {
+    let ms = d.as_millis().clamp(1, i32::MAX as u128);
+    format!("{ms}ms")
+}
+
+/// A query with bound arguments, as every statement here is built.
+pub(crate) type PgQuery<'q> = Query<'q, Postgres, PgArguments>;
+
+/// `set_config` (a select-list fragment) asking the server to check every
+/// 100 ms, while a statement runs, that its client is still there
+/// (`client_connection_check_interval`, PostgreSQL 14+): a lock wait or a
+/// closure's statement whose caller went away (a dropped future closes the
+/// connection) is then aborted within 100 ms and its locks freed, instead
+/// of running to its end. The server reads the setting when a statement
+/// starts, so it is set before a wait, by the statement before it. `session`
+/// keeps it for the connection (harmless for its later users); `xact` for
+/// the transaction.
+macro_rules! client_check {
+    (session) => {
+        $crate::postgres::request::fragments::client_check!(@local "false")
+    };
+    (xact) => {
+        $crate::postgres::request::fragments::client_check!(@local "true")
+    };
+    (@local $local:literal) => {
+        concat!(
+            "CASE WHEN pg_catalog.current_setting('client_connection_check_interval') <> '100ms' THEN \
+             pg_catalog.set_config('client_connection_check_interval', '100ms', ", $local, ") END"
+        )
+    };
+}
+pub(crate) use client_check;
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn keepalives_are_session_wide_or_transaction_local() {
+        for (fragment, local, other) in [
+            (keepalives!(session), "false)", "true)"),
+            (keepalives!(xact), "true)", "false)"),
+        ] {
+            assert_eq!(fragment.matches(local).count(), 4, "{fragment}");
+            assert!(!fragment.contains(other), "{fragment}");
+            assert!(
+                fragment.starts_with("CASE WHEN pg_catalog.current_setting('tcp_user_timeout')")
+            );
+            assert!(client_check!(session).ends_with("'100ms', false) END"));
+            assert!(client_check!(xact).ends_with("'100ms', true) END"));
+            assert!(fragment.ends_with(
+                &("pg_catalog.set_config('tcp_user_timeout', '30000', ".to_owned()
+                    + local
+                    + " END")
+            ));
+        }
+    }
+}

@@ -1,0 +1,58 @@
+//! What a session lock statement answered (the columns of every statement
+//! [`sql::session`](super::sql::session) and [`sql::mux_try`](super::sql::mux_try)
+//! build), read in one place.
+
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+
+use super::unlimited;
+use crate::{Error, FencingToken, LockKey};
+
+/// One session lock statement's answer.
+#[derive(Debug)]
+pub(crate) struct SessionRow {
+    /// `None`: not attempted, the session holds a distlock lock this
+    /// connection does not know of (it is shared through a pooler).
+    pub(crate) taken: Option<bool>,
+    /// The backend that answered.
+    pub(crate) pid: i32,
+    /// The fencing token, when the lock was taken with fencing on.
+    pub(crate) token: Option<FencingToken>,
+    /// Whether the session's `statement_timeout` would cut a wait short.
+    pub(crate) limited: bool,
+    /// The key as the server resolved it: space, a, b.
+    pub(crate) resolved: (i32, i64, i64),
+}
+
+impl SessionRow {
+    /// Reads `row`; a lock taken with `fencing` on must carry its token.
+    pub(crate) fn decode(row: &PgRow, key: &LockKey, fencing: bool) -> Result<Self, Error> {
+        let taken: Option<bool> = row.try_get(0)?;
+        let token = match (
+            fencing && taken == Some(true),
+            row.try_get::<Option<i64>, _>(2)?,
+        ) {
+            (false, _) => None,
+            (true, Some(token)) => Some(FencingToken::new(token)),
+            (true, None) => {
+                return Err(Error::MissingFencingToken { key: key.clone() });
+            }
+        };
+        let limit: Option<String> = row.try_get(4)?;
+        Ok(Self {
+            taken,
+            pid: row.try_get(1)?,
+            token,
+            limited: unlimited::limited(limit.as_deref()),
+            resolved: (row.try_get(5)?, row.try_get(6)?, row.try_get(7)?),
+        })
+    }
+
+    /// Whether the lock was taken; a refused attempt (the session already
+    /// holds another client's lock: it is shared) is
+    /// [`Error::PoolerDetected`].
+    pub(crate) fn taken(&self) -> Result<bool, Error> {
+        self.taken
+            .ok_or_else(|| crate::postgres::pooler::marker_seen(self.pid))
+    }
+}

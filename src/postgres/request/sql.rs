@@ -1,0 +1,724 @@
+//! The statement builder: every lock statement as a `&'static str`,
+//! composed from the fragments below by a `match` over the few request
+//! shapes, so each guarantee is written once.
+//!
+//! Parameters: `$1`–`$3` the key (see [`key`](super::key)), then the
+//! shape's own (`lock_timeout`, the multiplexed session's lock counts, ...).
+
+use super::{Lock, Step};
+use crate::postgres::request::fragments::{
+    client_check, keepalives, session_marker, standby_check,
+};
+
+/// The CTE `k`: one key resolved to `(space, a, b)`, the arguments of the
+/// server lock: `pg_advisory_lock(a)` in space 1, `pg_advisory_lock(a, b)`
+/// in space 2. `b` is 0 in space 1 (so one lock has one triple).
+macro_rules! resolved {
+    () => {
+        "k AS (SELECT $1::pg_catalog.int4 AS space, \
+           coalesce($2::pg_catalog.int8, pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8) AS a, \
+           (CASE WHEN $1::pg_catalog.int4 = 2 THEN pg_catalog.hashtext($3::pg_catalog.text) ELSE 0 END) \
+           ::pg_catalog.int8 AS b)"
+    };
+}
+
+/// The CTEs `given` (each key resolved as [`resolved`] does, with `i` its
+/// 1-based place in the caller's list), `k` (the distinct server locks) and
+/// `o` (them in canonical order: space, then value), from three arrays.
+macro_rules! resolved_all {
+    () => {
+        "given AS (SELECT x.space, \
+           coalesce(x.v, pg_catalog.hashtext(x.n)::pg_catalog.int8) AS a, \
+           (CASE WHEN x.space = 2 THEN pg_catalog.hashtext(x.n) ELSE 0 END)::pg_catalog.int8 AS b, x.i \
+           FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int4[]), pg_catalog.unnest($2::pg_catalog.int8[]), \
+             pg_catalog.unnest($3::pg_catalog.text[])) WITH ORDINALITY AS x(space, v, n, i)), \
+         k AS (SELECT DISTINCT space, a, b FROM given), \
+         o AS (SELECT space, a, b FROM k ORDER BY space, a, b OFFSET 0)"
+    };
+}
+
+/// The advisory-lock function `$f` called on the resolved key `$k`.
+macro_rules! call {
+    ($k:literal, $f:literal) => {
+        concat!(
+            "CASE WHEN ",
+            $k,
+            ".space = 1 THEN pg_catalog.",
+            $f,
+            "(",
+            $k,
+            ".a) \
+             ELSE pg_catalog.",
+            $f,
+            "(",
+            $k,
+            ".a::pg_catalog.int4, ",
+            $k,
+            ".b::pg_catalog.int4) END"
+        )
+    };
+}
+
+/// A waiting lock function (it returns `void`) as `true` once granted.
+macro_rules! wait_call {
+    ($k:literal, $f:literal) => {
+        concat!(
+            "CASE WHEN ",
+            $k,
+            ".space = 1 THEN (SELECT true FROM pg_catalog.",
+            $f,
+            "(",
+            $k,
+            ".a)) \
+             ELSE (SELECT true FROM pg_catalog.",
+            $f,
+            "(",
+            $k,
+            ".a::pg_catalog.int4, ",
+            $k,
+            ".b::pg_catalog.int4)) END"
+        )
+    };
+}
+
+/// The fencing token column: issued by the statement that took the lock,
+/// only if it took it (`distlock.next_token()`: a sequence draw, no durable
+/// write).
+macro_rules! token {
+    (fenced) => {
+        "CASE WHEN l.ok THEN distlock.next_token() END"
+    };
+    (unfenced) => {
+        "NULL::pg_catalog.int8"
+    };
+}
+
+/// The session-marker test of a multiplexed connection: the lock is
+/// attempted only if the session holds exactly the locks its driver counts
+/// (`$4`, as text); `$5` is the count after a grant.
+macro_rules! counted {
+    () => {
+        concat!(
+            "CASE WHEN ",
+            standby_check!(),
+            " THEN NULL WHEN coalesce(nullif(pg_catalog.current_setting('distlock.locks', true), ''), '0') = $4"
+        )
+    };
+}
+
+/// The key's upgrade intent, with the lock function `$f` called on it: a
+/// lock in the reserved namespace
+/// [`UpgradeableLock::INTENT_NAMESPACE`](crate::UpgradeableLock::INTENT_NAMESPACE)
+/// of the two-`int4` keyspace, which no user key reaches (the namespace is
+/// refused in keys). Its second half is the resolved key's own value where
+/// that fits an `int4` (every `LockKey::from` name, as `hashtext` gives it,
+/// and small ids), else a 32-bit hash of the resolved key.
+macro_rules! intent {
+    ($f:literal) => {
+        concat!(
+            "pg_catalog.",
+            $f,
+            "(-2147483647, (CASE WHEN k.space = 1 AND k.a BETWEEN -2147483648 AND 2147483647 \
+             THEN k.a ELSE pg_catalog.hashtext(pg_catalog.concat_ws(':', k.space, k.a, k.b)) END)\
+             ::pg_catalog.int4)"
+        )
+    };
+}
+
+/// An upgradeable read lock's try: the intent exclusively, then the key
+/// shared; a busy key gives the intent back in the same expression. The
+/// intent comes first, always: a session that held the key shared while it
+/// waited for the intent would keep the intent's holder from upgrading, and
+/// the two would deadlock.
+macro_rules! upgradeable_try {
+    () => {
+        concat!(
+            "CASE WHEN ",
+            intent!("pg_try_advisory_lock"),
+            " THEN CASE WHEN ",
+            call!("k", "pg_try_advisory_lock_shared"),
+            " THEN true ELSE NOT ",
+            intent!("pg_advisory_unlock"),
+            " END ELSE false END"
+        )
+    };
+}
+
+/// An upgradeable read lock's wait: the intent, then the key shared, both
+/// within the statement's one `lock_timeout` (`$4`): the key's wait gets
+/// what the intent's left of it, measured from the statement's start (set
+/// between the two by the order of a `CASE`).
+macro_rules! upgradeable_wait {
+    () => {
+        concat!(
+            "CASE WHEN (SELECT true FROM ",
+            intent!("pg_advisory_lock"),
+            ") THEN CASE WHEN pg_catalog.set_config('lock_timeout', greatest(1, pg_catalog.ceil( \
+             extract(epoch FROM pg_catalog.statement_timestamp() + $4::pg_catalog.interval \
+             - pg_catalog.clock_timestamp()) * 1000))::pg_catalog.int8::pg_catalog.text || 'ms', true) \
+             IS NULL THEN NULL ELSE ",
+            wait_call!("k", "pg_advisory_lock_shared"),
+            " END END"
+        )
+    };
+}
+
+/// Which session a lock statement runs on, as the session marker sees it
+/// (see `session_marker`): `fresh`, one that holds no distlock lock (the
+/// lock is attempted only there and counted in when taken); `held`, the
+/// session of the lock this guard holds (an upgrade: attempted only if the
+/// marker counts that one lock and the backend, `$5`, is the one that took
+/// it; the count stays).
+macro_rules! on_session {
+    (fresh, test) => {
+        session_marker!(unmarked)
+    };
+    (fresh, free) => {
+        session_marker!(free)
+    };
+    (fresh, mark) => {
+        session_marker!(mark)
+    };
+    (held, test) => {
+        session_marker!(held, "$5")
+    };
+    (held, free) => {
+        session_marker!(held_free, "$5")
+    };
+    (held, mark) => {
+        session_marker!(read)
+    };
+}
+
+/// A session lock statement. The CTE `l` runs once (it calls volatile
+/// functions), left to right: `$lead`, the lock (`$ok`), `$tail`; then the
+/// marker counts a taken lock in. Columns: 0 taken (NULL: refused, the
+/// session is shared), 1 backend pid, 2 token, 3 marker, 4 the session's
+/// `statement_timeout`, 5–7 the resolved key.
+macro_rules! session_sql {
+    ($lead:expr, $ok:expr, $tail:expr, $token:expr, $mark:expr) => {
+        concat!(
+            "WITH ",
+            resolved!(),
+            ", l AS (SELECT k.space, k.a, k.b, \
+             pg_catalog.pg_backend_pid() AS pid, ",
+            $lead,
+            $ok,
+            " AS ok",
+            $tail,
+            " FROM k) SELECT l.ok, l.pid, ",
+            $token,
+            ", ",
+            $mark,
+            ", pg_catalog.current_setting('statement_timeout'), l.space, l.a, l.b FROM l"
+        )
+    };
+}
+
+/// What a dedicated connection sets with its first statements: the client
+/// check (read when the *next* statement starts) and keepalives.
+macro_rules! session_settings {
+    () => {
+        concat!(", ", client_check!(session), ", ", keepalives!(session))
+    };
+}
+
+/// The statement-local `lock_timeout` (`$4`) a wait runs under; outside a
+/// transaction block it lasts for this one statement.
+macro_rules! lock_timeout {
+    () => {
+        "pg_catalog.set_config('lock_timeout', $4, true), "
+    };
+}
+
+/// The try: attempted only on a session that holds no distlock lock (see
+/// `session_marker`).
+macro_rules! session_try {
+    ($on:ident, $try:expr, $wait:expr, $token:ident) => {
+        session_sql!(
+            "",
+            concat!(on_session!($on, test), " THEN ", $try, " END"),
+            session_settings!(),
+            token!($token),
+            on_session!($on, mark)
+        )
+    };
+}
+
+/// The first statement of a wait: waits at once on a connection that
+/// already checks for a vanished client (so a dropped caller's wait ends
+/// within 100 ms) and has no `statement_timeout` (which would cut it
+/// short), tries elsewhere; "taken" is `false` only after a try.
+macro_rules! session_try_or_wait {
+    ($on:ident, $try:expr, $wait:expr, $token:ident) => {
+        session_sql!(
+            lock_timeout!(),
+            concat!(
+                "CASE WHEN NOT ",
+                on_session!($on, free),
+                " THEN NULL \
+                 WHEN pg_catalog.current_setting('client_connection_check_interval') = '100ms' \
+                 AND pg_catalog.current_setting('statement_timeout') = '0' THEN ",
+                $wait,
+                " ELSE ",
+                $try,
+                " END"
+            ),
+            session_settings!(),
+            token!($token),
+            on_session!($on, mark)
+        )
+    };
+}
+
+/// The wait. The marker is checked again: another client sharing the
+/// session through a pooler may have taken a lock since the try. With
+/// fencing, the token is issued after the grant, under the same
+/// `lock_timeout`.
+macro_rules! session_wait {
+    ($on:ident, $try:expr, $wait:expr, $token:ident) => {
+        session_sql!(
+            lock_timeout!(),
+            concat!(on_session!($on, test), " THEN ", $wait, " END"),
+            "",
+            token!($token),
+            on_session!($on, mark)
+        )
+    };
+}
+
+/// The multiplexed connection's try: the counted marker, and the session's
+/// settings are the driver's (set when it connects).
+macro_rules! mux_try {
+    ($token:ident) => {
+        session_sql!(
+            "",
+            concat!(
+                counted!(),
+                " THEN ",
+                call!("k", "pg_try_advisory_lock"),
+                " END"
+            ),
+            "",
+            token!($token),
+            "CASE WHEN l.ok THEN pg_catalog.set_config('distlock.locks', $5, false) END"
+        )
+    };
+}
+
+/// Expands `$shape!` for the lock functions of `lock` and the token column
+/// of `fencing` (a shared lock carries none: readers do not write).
+macro_rules! by_lock {
+    ($shape:ident, $lock:expr, $fencing:expr) => {
+        match ($lock, $fencing) {
+            (Lock::Shared, _) => $shape!(
+                fresh,
+                call!("k", "pg_try_advisory_lock_shared"),
+                wait_call!("k", "pg_advisory_lock_shared"),
+                unfenced
+            ),
+            (Lock::Exclusive, true) => $shape!(
+                fresh,
+                call!("k", "pg_try_advisory_lock"),
+                wait_call!("k", "pg_advisory_lock"),
+                fenced
+            ),
+            (Lock::Exclusive, false) => $shape!(
+                fresh,
+                call!("k", "pg_try_advisory_lock"),
+                wait_call!("k", "pg_advisory_lock"),
+                unfenced
+            ),
+        }
+    };
+}
+
+/// A session lock statement on a dedicated connection; columns as
+/// [`session_sql`]'s. Binds the key, then (waiting steps) `$4` the
+/// `lock_timeout`.
+pub(crate) fn session(step: Step, lock: Lock, fencing: bool) -> &'static str {
+    match step {
+        Step::Try => by_lock!(session_try, lock, fencing),
+        Step::TryOrWait => by_lock!(session_try_or_wait, lock, fencing),
+        Step::Wait => by_lock!(session_wait, lock, fencing),
+    }
+}
+
+/// An upgradeable read lock's statement of `step` on a dedicated
+/// connection (the key's intent exclusively, then the key shared; see
+/// [`upgradeable_try`]); columns as [`session_sql`]'s, no token. Binds the
+/// key, then (waiting steps) `$4` the `lock_timeout` of the whole wait.
+pub(crate) fn session_upgradeable(step: Step) -> &'static str {
+    match step {
+        Step::Try => session_try!(fresh, upgradeable_try!(), upgradeable_wait!(), unfenced),
+        Step::TryOrWait => {
+            session_try_or_wait!(fresh, upgradeable_try!(), upgradeable_wait!(), unfenced)
+        }
+        Step::Wait => session_wait!(fresh, upgradeable_try!(), upgradeable_wait!(), unfenced),
+    }
+}
+
+/// Expands `$shape!` for an upgrade: the exclusive lock on the key, on the
+/// session of the upgradeable read lock that holds it shared.
+macro_rules! upgrade_shape {
+    ($shape:ident, $fencing:expr) => {
+        if $fencing {
+            $shape!(
+                held,
+                call!("k", "pg_try_advisory_lock"),
+                wait_call!("k", "pg_advisory_lock"),
+                fenced
+            )
+        } else {
+            $shape!(
+                held,
+                call!("k", "pg_try_advisory_lock"),
+                wait_call!("k", "pg_advisory_lock"),
+                unfenced
+            )
+        }
+    };
+}
+
+/// The upgrade of an upgradeable read lock to exclusive, on its own
+/// session: PostgreSQL lets a session that holds the key shared take it
+/// exclusively ahead of the waiters that wait for that shared lock (a
+/// queued writer), once every other reader has gone, and queues readers
+/// that come later behind it. Columns as [`session_sql`]'s; the token is
+/// fresh. Binds the key, `$4` the `lock_timeout` (unused by a try), `$5`
+/// the backend pid that holds the read lock.
+pub(crate) fn upgrade(step: Step, fencing: bool) -> &'static str {
+    match step {
+        Step::Try => upgrade_shape!(session_try, fencing),
+        Step::TryOrWait => upgrade_shape!(session_try_or_wait, fencing),
+        Step::Wait => upgrade_shape!(session_wait, fencing),
+    }
+}
+
+/// The downgrade of an upgraded lock: its exclusive mode given back, its
+/// shared mode and intent kept (a session counts its advisory locks per
+/// mode). Attempted only on the session that took it (`$4`, its backend
+/// pid). Columns: unlocked (NULL: not that session; false: it held no
+/// exclusive lock on the key), pid.
+pub(crate) const DOWNGRADE: &str = concat!(
+    "WITH ",
+    resolved!(),
+    " SELECT ",
+    session_marker!(held, "$4"),
+    " THEN ",
+    call!("k", "pg_advisory_unlock"),
+    " END, pg_catalog.pg_backend_pid() FROM k"
+);
+
+/// After an upgrade's wait failed: PostgreSQL may have granted the
+/// exclusive lock in the instant its `lock_timeout` fired (a lock outlives
+/// the error of the statement that waited for it), so it is given back if
+/// the session holds it, which leaves the read lock as it was. Attempted
+/// only on the session that took it (`$4`). Columns: given back (NULL: not
+/// that session), pid.
+pub(crate) const UNDO_UPGRADE: &str = concat!(
+    "WITH ",
+    resolved!(),
+    " SELECT ",
+    session_marker!(held, "$4"),
+    " THEN CASE WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_locks l \
+       WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock' \
+       AND l.pid = pg_catalog.pg_backend_pid() AND l.objsubid = k.space \
+       AND l.database = (SELECT oid FROM pg_catalog.pg_database \
+         WHERE datname = pg_catalog.current_database()) \
+       AND ((k.space = 1 AND ((l.classid::pg_catalog.int8 << 32) | l.objid::pg_catalog.int8) = k.a) \
+         OR (k.space = 2 AND l.classid::pg_catalog.int8 = (k.a & 4294967295) \
+           AND l.objid::pg_catalog.int8 = (k.b & 4294967295)))) THEN ",
+    call!("k", "pg_advisory_unlock"),
+    " ELSE false END END, pg_catalog.pg_backend_pid() FROM k"
+);
+
+/// The multiplexed connection's try (exclusive only); columns as
+/// [`session_sql`]'s. Binds the key, `$4` the driver's count of held locks
+/// and `$5` that count plus this one.
+pub(crate) fn mux_try(fencing: bool) -> &'static str {
+    if fencing {
+        mux_try!(fenced)
+    } else {
+        mux_try!(unfenced)
+    }
+}
+
+/// The multiplexed mode's wake-up wait on a temporary pooled connection:
+/// waits (under `lock_timeout` `$4`) until no one holds the key at all, by
+/// taking it *exclusively*, and gives it back in the same statement, so a
+/// finished statement leaves nothing held. Exclusively, because the lock it
+/// wakes up for is exclusive: a shared wait would be granted at once beside
+/// readers and the caller would poll. It queues behind earlier waiters.
+pub(crate) const MUX_WAIT_UNTIL_FREE: &str = concat!(
+    "WITH ",
+    resolved!(),
+    " SELECT ",
+    "pg_catalog.set_config('lock_timeout', $4, true), ",
+    wait_call!("k", "pg_advisory_lock"),
+    ", ",
+    call!("k", "pg_advisory_unlock"),
+    " FROM k"
+);
+
+/// What a connection about to wait sets first (see
+/// [`session_settings`]), returning its `statement_timeout`.
+pub(crate) const WAIT_SETTINGS: &str = concat!(
+    "SELECT pg_catalog.current_setting('statement_timeout')",
+    session_settings!()
+);
+
+/// Several keys at once, all or nothing: every key attempted in canonical
+/// order on a session that holds no distlock lock; if any was busy, the
+/// ones taken are given back in the same statement. Columns: 0 all taken
+/// (NULL: refused, the session is shared), 1 pid, 2 distinct server locks,
+/// 3 keys given back, 4 marker, 5 the session's `statement_timeout`.
+pub(crate) const TRY_ALL: &str = concat!(
+    "WITH ",
+    resolved_all!(),
+    ", m AS MATERIALIZED (SELECT ",
+    session_marker!(unmarked),
+    " THEN true END AS free",
+    session_settings!(),
+    "), t AS (SELECT o.space, o.a, o.b, CASE WHEN m.free THEN ",
+    call!("o", "pg_try_advisory_lock"),
+    " END AS ok FROM o, m), \
+     v AS (SELECT pg_catalog.bool_and(ok) AS all_ok FROM t), \
+     undo AS (SELECT pg_catalog.count(",
+    call!("t", "pg_advisory_unlock"),
+    ") AS n FROM t, v WHERE t.ok AND NOT v.all_ok) \
+     SELECT v.all_ok, pg_catalog.pg_backend_pid(), (SELECT pg_catalog.count(*) FROM k), \
+       (SELECT n FROM undo), \
+       CASE WHEN v.all_ok THEN pg_catalog.set_config('distlock.locks', '1', false) END, \
+       pg_catalog.current_setting('statement_timeout') FROM v"
+);
+
+/// The multi-key wait: every key taken in canonical order, on a session
+/// that holds no distlock lock (checked before the first key, as in the
+/// single-key wait). Each key waits under a `lock_timeout` of what is left
+/// of the `$4` milliseconds, measured from the statement's start (set in
+/// the first step of every row, before its lock, by the order of a `CASE`),
+/// so the whole wait ends within `$4` however many keys are busy.
+/// Columns: all taken (NULL: refused, the session is shared), pid.
+pub(crate) const WAIT_ALL: &str = concat!(
+    "WITH ",
+    resolved_all!(),
+    ", m AS MATERIALIZED (SELECT ",
+    session_marker!(free),
+    " AS free, pg_catalog.clock_timestamp() \
+       + pg_catalog.make_interval(secs => $4::pg_catalog.float8 / 1000) AS deadline), \
+     t AS (SELECT CASE WHEN NOT m.free THEN NULL \
+       WHEN pg_catalog.set_config('lock_timeout', greatest(1, pg_catalog.ceil( \
+         extract(epoch FROM m.deadline - pg_catalog.clock_timestamp()) * 1000))::pg_catalog.int8 \
+         ::pg_catalog.text || 'ms', true) IS NULL THEN NULL \
+       ELSE ",
+    wait_call!("o", "pg_advisory_lock"),
+    " END AS ok FROM o, m) \
+     SELECT pg_catalog.bool_and(ok), pg_catalog.pg_backend_pid(), \
+       CASE WHEN pg_catalog.bool_and(ok) THEN pg_catalog.set_config('distlock.locks', '1', false) END \
+     FROM t"
+);
+
+/// The keys `$1`, `$2`, `$3` (three arrays, as [`resolved_all`]) in the
+/// shape `pg_locks` shows advisory locks, for statements that look keys up
+/// there: CTEs for a `WITH` list (which may be `WITH RECURSIVE`), ending in
+/// `w`, one row per key, with `i` its 1-based place in the caller's list,
+/// `s` the key space as `objsubid` (1 or 2), `c` and `o` its `classid` and
+/// `objid` widened to `int8`.
+pub(crate) const KEYS_AS_LOCKED: &str = concat!(
+    resolved_all!(),
+    ", w AS (SELECT g.i, g.space AS s, \
+       CASE WHEN g.space = 1 THEN (g.a >> 32) & 4294967295 ELSE g.a & 4294967295 END AS c, \
+       CASE WHEN g.space = 1 THEN g.a & 4294967295 ELSE g.b & 4294967295 END AS o \
+       FROM given g)"
+);
+
+/// The transaction-scoped try of `with_advisory_lock*`, inside the
+/// transaction it opened: the lock, the client check and keepalives for the
+/// transaction, the transaction-local marker `distlock.xact_lock` (read by
+/// the checked commit), the standby check. A busy key about to be waited
+/// for (`$4`) on a session with a `statement_timeout` lifts it for the
+/// transaction; the wait statement puts it back. Columns: taken, the
+/// `statement_timeout` before.
+macro_rules! xact_try {
+    ($try:literal) => {
+        concat!(
+            "WITH ",
+            resolved!(),
+            ", l AS (SELECT ",
+            call!("k", $try),
+            " AS ok, ",
+            client_check!(xact),
+            ", pg_catalog.set_config('distlock.xact_lock', 'held', true), ",
+            keepalives!(xact),
+            ", ",
+            standby_check!(),
+            ", pg_catalog.current_setting('statement_timeout') AS st FROM k) \
+             SELECT l.ok, l.st, CASE WHEN NOT l.ok AND $4::pg_catalog.bool AND l.st <> '0' \
+             THEN pg_catalog.set_config('statement_timeout', '0', true) END FROM l"
+        )
+    };
+}
+
+/// A transaction-scoped wait inside an open transaction: remembers the
+/// transaction's `lock_timeout`, waits under `$4`, and puts it back, with
+/// the `statement_timeout` `$5` a try lifted (NULL: none was), in one
+/// statement (`OFFSET 0` keeps the inner select, which runs first, from
+/// being flattened).
+macro_rules! xact_wait {
+    ($wait:literal) => {
+        concat!(
+            "WITH ",
+            resolved!(),
+            " SELECT pg_catalog.set_config('lock_timeout', s.prev, true), \
+             CASE WHEN $5::pg_catalog.text IS NOT NULL \
+             THEN pg_catalog.set_config('statement_timeout', $5::pg_catalog.text, true) END \
+             FROM (SELECT pg_catalog.current_setting('lock_timeout') AS prev, \
+             pg_catalog.set_config('lock_timeout', $4, true), ",
+            wait_call!("k", $wait),
+            " FROM k OFFSET 0) s"
+        )
+    };
+}
+
+/// The try of `with_advisory_lock*`; binds the key and `$4`, whether a
+/// wait follows a busy key.
+pub(crate) fn xact_try(lock: Lock) -> &'static str {
+    match lock {
+        Lock::Exclusive => xact_try!("pg_try_advisory_xact_lock"),
+        Lock::Shared => xact_try!("pg_try_advisory_xact_lock_shared"),
+    }
+}
+
+/// A wait inside an open transaction; binds the key, `$4` the
+/// `lock_timeout`, `$5` the `statement_timeout` to put back (or NULL).
+pub(crate) fn xact_wait(lock: Lock) -> &'static str {
+    match lock {
+        Lock::Exclusive => xact_wait!("pg_advisory_xact_lock"),
+        Lock::Shared => xact_wait!("pg_advisory_xact_lock_shared"),
+    }
+}
+
+/// `try_lock_xact` in the caller's transaction: the lock and the standby
+/// check (which fails the statement, and the caller's transaction, on a
+/// standby); changes no setting.
+pub(crate) const CALLER_XACT_TRY: &str = concat!(
+    "WITH ",
+    resolved!(),
+    " SELECT ",
+    call!("k", "pg_try_advisory_xact_lock"),
+    ", ",
+    standby_check!(),
+    " FROM k"
+);
+
+/// The first statement of `lock_xact` in the caller's transaction: waits at
+/// once under `lock_timeout` `$4` when the session has no
+/// `statement_timeout`, and only tries when it has one, lifting it for the
+/// wait that follows a busy key (which puts it back: [`xact_wait`]). The
+/// caller's `lock_timeout` is put back in the same statement. Columns:
+/// taken, the `statement_timeout` before.
+pub(crate) const CALLER_XACT_FIRST: &str = concat!(
+    "WITH ",
+    resolved!(),
+    ", l AS (SELECT pg_catalog.current_setting('lock_timeout') AS prev, \
+       pg_catalog.current_setting('statement_timeout') AS st, \
+       pg_catalog.set_config('lock_timeout', $4, true), ",
+    standby_check!(),
+    ", CASE WHEN pg_catalog.current_setting('statement_timeout') = '0' THEN ",
+    wait_call!("k", "pg_advisory_xact_lock"),
+    " ELSE ",
+    call!("k", "pg_try_advisory_xact_lock"),
+    " END AS ok FROM k) \
+     SELECT l.ok, l.st, pg_catalog.set_config('lock_timeout', l.prev, true), \
+       CASE WHEN NOT l.ok THEN pg_catalog.set_config('statement_timeout', '0', true) END FROM l"
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_statement_calls_qualified_functions_and_binds_the_key_once() {
+        let mut all = vec![
+            mux_try(true),
+            mux_try(false),
+            MUX_WAIT_UNTIL_FREE,
+            TRY_ALL,
+            WAIT_ALL,
+            KEYS_AS_LOCKED,
+            CALLER_XACT_TRY,
+            CALLER_XACT_FIRST,
+        ];
+        all.extend([DOWNGRADE, UNDO_UPGRADE]);
+        for step in [Step::Try, Step::TryOrWait, Step::Wait] {
+            for (lock, fencing) in [
+                (Lock::Exclusive, true),
+                (Lock::Exclusive, false),
+                (Lock::Shared, false),
+            ] {
+                all.push(session(step, lock, fencing));
+            }
+            all.extend([
+                session_upgradeable(step),
+                upgrade(step, true),
+                upgrade(step, false),
+            ]);
+        }
+        for lock in [Lock::Exclusive, Lock::Shared] {
+            all.push(xact_try(lock));
+            all.push(xact_wait(lock));
+        }
+        for sql in all {
+            assert!(!sql.contains(" pg_advisory"), "{sql}");
+            assert!(!sql.contains("(pg_advisory"), "{sql}");
+            assert!(!sql.contains(" hashtext"), "{sql}");
+            assert!(!sql.contains("(hashtext"), "{sql}");
+            // The key is resolved once, in one CTE.
+            assert_eq!(
+                sql.matches("pg_catalog.int4 AS space").count()
+                    + sql.matches("x(space, v, n, i)").count(),
+                1,
+                "{sql}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_intent_is_taken_first_in_the_reserved_namespace() {
+        assert_eq!(
+            crate::UpgradeableLock::INTENT_NAMESPACE.to_string(),
+            "-2147483647"
+        );
+        for step in [Step::Try, Step::TryOrWait, Step::Wait] {
+            let sql = session_upgradeable(step);
+            assert!(!sql.contains("next_token"), "{sql}");
+            // Every path that takes the key shared takes the intent first.
+            for (intent, key) in [
+                (
+                    "pg_try_advisory_lock(-2147483647",
+                    "pg_try_advisory_lock_shared(",
+                ),
+                ("pg_advisory_lock(-2147483647", "pg_advisory_lock_shared("),
+            ] {
+                if let Some(shared) = sql.find(key) {
+                    let intent = sql.find(intent).expect("the intent");
+                    assert!(intent < shared, "{sql}");
+                }
+            }
+            // An upgrade never takes the intent again, and issues a token.
+            assert!(!upgrade(step, true).contains("-2147483647"));
+            assert!(upgrade(step, true).contains("distlock.next_token()"));
+            assert!(upgrade(step, true).contains("pg_backend_pid() = $5"));
+        }
+    }
+
+    #[test]
+    fn fencing_issues_a_token_only_on_exclusive_session_locks() {
+        for step in [Step::Try, Step::TryOrWait, Step::Wait] {
+            assert!(session(step, Lock::Exclusive, true).contains("distlock.next_token()"));
+            assert!(!session(step, Lock::Exclusive, false).contains("next_token"));
+            assert!(!session(step, Lock::Shared, true).contains("next_token"));
+        }
+    }
+}

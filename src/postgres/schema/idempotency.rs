@@ -1,0 +1,252 @@
+//! Idempotency keys: a `(scope, key)` pair that can be claimed exactly once.
+//!
+//! A claim is a row in `distlock.idempotency_keys` with a unique constraint
+//! on `(scope, key)`. Made in the same transaction as the effect, it commits
+//! with the effect or not at all: a second execution becomes impossible even
+//! when a lock failed (a retried HTTP request, a job run twice after a
+//! failover), and a claim whose transaction rolled back can be claimed again.
+//!
+//! # Retention
+//!
+//! Claims are kept until purged. Keep them at least as long as duplicates can
+//! arrive (a client's retry window, a queue's redelivery horizon), then call
+//! [`purge`] (or the SQL function `distlock.purge_idempotency_keys(interval)`)
+//! from a periodic job, e.g. `purge(&pool, Duration::from_secs(7 * 86400))`.
+
+use std::time::{Duration, SystemTime};
+
+use sqlx::{Connection, PgConnection, PgPool};
+
+use crate::Error;
+
+/// The longest `scope`, and the longest `key`, that [`claim`], [`once`],
+/// [`once_in`], [`store`] and [`stored`] take, in bytes of UTF-8. Together they form the primary key of
+/// `distlock.idempotency_keys`, whose B-tree entries must fit in a third of
+/// a page (about 2.7 kB at the default 8 kB page): twice this leaves room
+/// whatever the text's compression, so a key is refused before the server
+/// sees it rather than with "index row requires ... bytes".
+pub const MAX_KEY_LEN: usize = 1024;
+
+/// The longest age [`purge`] takes: a century. An age further back than
+/// PostgreSQL's earliest timestamp (4713 BC) would fail on the server with
+/// "timestamp out of range", and nothing is older than a century anyway.
+pub const MAX_PURGE_AGE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// Claims `(scope, key)`: `true` exactly once, `false` if it was claimed
+/// before.
+///
+/// If another transaction holds an uncommitted claim on the same pair, this
+/// call waits for it to finish: `false` if it committed, `true` if it rolled
+/// back. Call it in the transaction that makes the effect. Costs 1 round trip.
+/// Needs [`migrate`](crate::migrate).
+///
+/// `scope` and `key` must be valid key names ([`Error::InvalidKey`]
+/// otherwise) of at most [`MAX_KEY_LEN`] bytes each
+/// ([`Error::InvalidArgument`] otherwise); refused, they cost no round trip.
+///
+/// # Cancel safety
+///
+/// It runs one statement on `conn` and holds no lock of its own. Dropped
+/// before the answer, the statement may or may not have run; in your
+/// transaction that is settled by your commit or rollback.
+pub async fn claim(conn: &mut PgConnection, scope: &str, key: &str) -> Result<bool, Error> {
+    validate(scope, key)?;
+    let inserted = sqlx::query(
+        "INSERT INTO distlock.idempotency_keys (scope, key) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+    )
+    .bind(scope)
+    .bind(key)
+    .execute(conn)
+    .await?
+    .rows_affected();
+    Ok(inserted == 1)
+}
+
+/// What [`once`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Once {
+    /// This call claimed the key and ran the closure; its result was stored.
+    Ran(String),
+    /// The key had been claimed before; the stored result of that run.
+    AlreadyDone {
+        /// The result stored by the run that claimed the key (`None` if it
+        /// was claimed with [`claim`], which stores none).
+        result: Option<String>,
+        /// When it was claimed.
+        claimed_at: SystemTime,
+    },
+}
+
+/// Runs `f` at most once per `(scope, key)`: claims the key, runs `f` and
+/// stores its result in one transaction.
+///
+/// If the key was claimed before, `f` does not run and the stored result comes
+/// back as [`Once::AlreadyDone`]; if a concurrent call is running it, this
+/// call waits for its transaction and then reports its result. An `Err` from
+/// `f` rolls back the claim too, so the key can be tried again. Costs 4 round
+/// trips plus `f`'s own, on one connection of `pool`. `scope` and `key` are
+/// checked as in [`claim`] before a connection is taken. To run it inside a
+/// transaction of your own (a `with_advisory_lock` closure's `conn`), use
+/// [`once_in`].
+///
+/// # Cancel safety
+///
+/// Dropping the future before it commits drops the transaction: sqlx rolls
+/// it back before the connection is used again, so neither the claim nor
+/// the effect is kept and the key can be claimed again.
+pub async fn once<F, E>(pool: &PgPool, scope: &str, key: &str, f: F) -> Result<Once, E>
+where
+    F: AsyncFnOnce(&mut PgConnection) -> Result<String, E>,
+    E: From<Error>,
+{
+    validate(scope, key)?;
+    let mut conn = pool.acquire().await.map_err(Error::from)?;
+    once_in(&mut conn, scope, key, f).await
+}
+
+/// [`once`] on a connection you hold, typically inside your own transaction
+/// (a `with_advisory_lock` closure's `conn`, a `pool.begin()`).
+///
+/// In a transaction it works in a savepoint: an `Err` from `f` rolls back the
+/// claim and `f`'s writes only, and returns the error; your transaction goes
+/// on, and the claim and `f`'s effect commit with it or not at all. On a
+/// connection outside a transaction it makes its own, as [`once`] does.
+/// Costs 4 round trips plus `f`'s own (`SAVEPOINT`, the claim, storing the
+/// result, `RELEASE`). Needs [`migrate`](crate::migrate).
+///
+/// # Cancel safety
+///
+/// Dropped before it finishes, the savepoint (or transaction) is rolled back
+/// by sqlx before the connection is used again: no claim and none of `f`'s
+/// writes are kept, and your own transaction is left as it was before the
+/// call.
+pub async fn once_in<F, E>(conn: &mut PgConnection, scope: &str, key: &str, f: F) -> Result<Once, E>
+where
+    F: AsyncFnOnce(&mut PgConnection) -> Result<String, E>,
+    E: From<Error>,
+{
+    validate(scope, key)?;
+    let mut tx = conn.begin().await.map_err(Error::from)?;
+    if !claim(&mut tx, scope, key).await? {
+        tx.rollback().await.map_err(Error::from)?;
+        return Ok(stored(conn, scope, key)
+            .await?
+            .unwrap_or(Once::AlreadyDone {
+                result: None,
+                claimed_at: SystemTime::now(),
+            }));
+    }
+    let result = f(&mut tx).await?;
+    store(&mut tx, scope, key, &result).await?;
+    tx.commit().await.map_err(Error::from)?;
+    Ok(Once::Ran(result))
+}
+
+/// Stores `result` with the claim of `(scope, key)`, for [`stored`] (and a
+/// later [`once`]) to return: the way to record what a [`claim`]ed effect
+/// produced (a response body, a charge id). Call it in the transaction that
+/// made the claim, so the result commits with the claim and the effect.
+///
+/// A pair that was never claimed is refused with
+/// [`Error::InvalidArgument`]: there is nothing to store it with. Costs 1
+/// round trip; one row updated, durable at your commit. `scope` and `key`
+/// are checked as in [`claim`].
+///
+/// # Cancel safety
+///
+/// One statement on `conn`: dropped before the answer, it may or may not
+/// have run; in your transaction that is settled by your commit or rollback.
+pub async fn store(
+    conn: &mut PgConnection,
+    scope: &str,
+    key: &str,
+    result: &str,
+) -> Result<(), Error> {
+    validate(scope, key)?;
+    let updated = sqlx::query(
+        "UPDATE distlock.idempotency_keys SET result = $3 WHERE scope = $1 AND key = $2",
+    )
+    .bind(scope)
+    .bind(key)
+    .bind(result)
+    .execute(conn)
+    .await?
+    .rows_affected();
+    if updated == 0 {
+        return Err(Error::InvalidArgument {
+            argument: "key",
+            reason: format!(
+                "({scope}, {key}) was never claimed: claim it before storing its result"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The stored claim of `(scope, key)`, if it was claimed. Costs 1 round trip.
+/// `scope` and `key` are checked as in [`claim`].
+///
+/// # Cancel safety
+///
+/// Cancel safe: a read.
+pub async fn stored(
+    conn: &mut PgConnection,
+    scope: &str,
+    key: &str,
+) -> Result<Option<Once>, Error> {
+    validate(scope, key)?;
+    let row: Option<(Option<String>, i64)> = sqlx::query_as(
+        "SELECT result, (extract(epoch FROM claimed_at) * 1000000)::pg_catalog.int8 \
+         FROM distlock.idempotency_keys WHERE scope = $1 AND key = $2",
+    )
+    .bind(scope)
+    .bind(key)
+    .fetch_optional(conn)
+    .await?;
+    Ok(row.map(|(result, micros)| Once::AlreadyDone {
+        result,
+        claimed_at: SystemTime::UNIX_EPOCH + Duration::from_micros(micros.unsigned_abs()),
+    }))
+}
+
+/// Deletes claims older than `older_than`; returns how many were deleted.
+/// Costs 1 round trip. An `older_than` above [`MAX_PURGE_AGE`] (a century)
+/// is refused with [`Error::InvalidArgument`], without a round trip.
+///
+/// # Cancel safety
+///
+/// One statement: dropped before the answer, the delete either ran whole or
+/// not at all.
+pub async fn purge(pool: &PgPool, older_than: Duration) -> Result<u64, Error> {
+    if older_than > MAX_PURGE_AGE {
+        return Err(Error::InvalidArgument {
+            argument: "older_than",
+            reason: format!("{older_than:?} is more than the limit of 100 years"),
+        });
+    }
+    let deleted: i64 = sqlx::query_scalar(
+        "SELECT distlock.purge_idempotency_keys(pg_catalog.make_interval(secs => $1))",
+    )
+    .bind(older_than.as_secs_f64())
+    .fetch_one(pool)
+    .await?;
+    Ok(deleted.unsigned_abs())
+}
+
+fn validate(scope: &str, key: &str) -> Result<(), Error> {
+    crate::LockKey::from(scope).validate()?;
+    crate::LockKey::from(key).validate()?;
+    for (argument, text) in [("scope", scope), ("key", key)] {
+        if text.len() > MAX_KEY_LEN {
+            return Err(Error::InvalidArgument {
+                argument,
+                reason: format!(
+                    "{} bytes, more than the limit of {MAX_KEY_LEN} bytes",
+                    text.len()
+                ),
+            });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,19 @@
+//! What a session lock's connection holds, and so how it is unlocked.
+
+/// What a session lock's connection holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hold {
+    /// `pg_advisory_lock(key)`.
+    Exclusive,
+    /// `pg_advisory_lock_shared(key)`.
+    Shared,
+    /// Several keys (a `MultiLock`): unlocked with `pg_advisory_unlock_all()`,
+    /// which is sound because the connection holds nothing else.
+    All,
+    /// An upgradeable read lock (an `UpgradeableLock`): the key's upgrade
+    /// intent exclusively, the key shared, and, while upgraded, the key
+    /// exclusively too. Unlocked with `pg_advisory_unlock_all()` like
+    /// [`All`](Self::All), which frees whatever of these the session holds
+    /// at that moment, upgraded or not.
+    Upgradeable,
+}

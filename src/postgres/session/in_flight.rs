@@ -1,0 +1,101 @@
+//! An operation on a held lock's own connection (an upgrade, a downgrade):
+//! it runs holding the slot, so the heartbeat waits for it, and a failure
+//! that leaves the session in a state no guard knows, or a future dropped
+//! midway, closes the connection and reports the lock lost.
+//!
+//! A statement dropped midway may still run on the server, and a lock it
+//! waits for may be granted after the caller went away; a connection left
+//! mid-statement would also hand its unread answer to the next heartbeat.
+//! Closing it is the one outcome that leaves nothing held that no guard
+//! owns: the server ends the session and frees all it held.
+
+use tokio::sync::MutexGuard;
+
+use crate::postgres::conn::held::HeldConn;
+use crate::postgres::session::keeper::Keeper;
+use crate::postgres::session::slot::Slot;
+use crate::{Error, LockKey, LossReason};
+
+/// How an operation on the lock's connection failed.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The lock is as it was before the operation: the connection stays.
+    Kept(Error),
+    /// What the session holds is no longer known (the connection broke, the
+    /// server did not answer in time, another session answered): the
+    /// connection is closed and the lock reported lost with the reason.
+    Broken(LossReason),
+}
+
+/// The slot, held for one operation on its connection.
+pub(crate) struct InFlight<'a> {
+    slot: &'a Slot<Keeper>,
+    key: &'a LockKey,
+    /// `None` once the operation has finished, one way or the other.
+    conn: Option<MutexGuard<'a, Option<HeldConn>>>,
+}
+
+impl<'a> InFlight<'a> {
+    /// Waits for the slot (an in-flight heartbeat finishes first) and holds
+    /// it; [`Error::LockLost`] if the lock is gone already.
+    pub(crate) async fn begin(
+        slot: &'a Slot<Keeper>,
+        key: &'a LockKey,
+        loss: &crate::loss_state::LossState,
+    ) -> Result<Self, Error> {
+        let conn = slot.conn().await;
+        if conn.is_none() {
+            return Err(Error::LockLost {
+                key: key.clone(),
+                reason: slot.loss_of(loss),
+            });
+        }
+        Ok(Self {
+            slot,
+            key,
+            conn: Some(conn),
+        })
+    }
+
+    /// The lock's connection.
+    pub(crate) fn conn(&mut self) -> Option<&mut HeldConn> {
+        self.conn.as_mut().and_then(|conn| conn.as_mut())
+    }
+
+    /// Ends the operation: the connection stays with the lock on `Ok` and
+    /// [`Failure::Kept`]; on [`Failure::Broken`] it is closed and the lock
+    /// reported lost, and the caller gets [`Error::LockLost`].
+    pub(crate) fn finish<T>(mut self, outcome: Result<T, Failure>) -> Result<T, Error> {
+        match outcome {
+            Ok(value) => {
+                self.conn = None;
+                Ok(value)
+            }
+            Err(Failure::Kept(err)) => {
+                self.conn = None;
+                Err(err)
+            }
+            Err(Failure::Broken(reason)) => {
+                self.abandon(reason.clone());
+                Err(Error::LockLost {
+                    key: self.key.clone(),
+                    reason,
+                })
+            }
+        }
+    }
+
+    fn abandon(&mut self, reason: LossReason) {
+        if let Some(mut conn) = self.conn.take() {
+            self.slot.abandon(&mut conn, self.key, reason);
+        }
+    }
+}
+
+/// Dropped before [`finish`](InFlight::finish): the operation's future was
+/// dropped at an `.await`, its statement perhaps still running.
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.abandon(LossReason::Interrupted);
+    }
+}

@@ -1,0 +1,265 @@
+//! Starts session locks' keepers when they are due (a short, fixed delay
+//! after the grant, see `keeper.rs`): one task per `PgLocker` instead of one
+//! task per lock at grant time, so a lock held for less than that delay
+//! never spawns anything.
+//!
+//! Scheduling a keeper is a push onto a heap under a short mutex. The timer
+//! task is woken only when the new keeper is due before every other (in
+//! practice: when the heap was empty), since all keepers of a locker are due
+//! the same delay after their grant and so arrive in the order they are due.
+//! A lock taken and released at once while others are scheduled therefore
+//! costs no task wake-up.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+
+use tokio::sync::Notify;
+use tokio::time::{Instant, sleep_until};
+
+/// A keeper parked until it is due to start, as the timer sees it.
+/// A trait, so that the timer depends on nothing of the keeper's (the
+/// keeper parks itself here, see `keeper.rs`).
+pub(crate) trait Parked: Send + Sync {
+    /// Starts the parked keeper; nothing if it was started or taken
+    /// meanwhile.
+    fn start(&self);
+
+    /// Stops the parked keeper: its runtime is going away.
+    fn stop(&self);
+}
+
+/// A locker's timer; its task starts with the locker's first session lock
+/// and ends once the locker is gone and no keeper waits.
+#[derive(Debug, Default)]
+pub(crate) struct Timer {
+    state: OnceLock<Arc<State>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    heap: Mutex<Heap>,
+    /// Woken when a keeper is due before the task's next wake-up, or the
+    /// locker is gone.
+    wake: Notify,
+    /// The locker is gone: the task ends once the heap is empty.
+    closed: AtomicBool,
+}
+
+#[derive(Debug, Default)]
+struct Heap {
+    due: BinaryHeap<Reverse<Due>>,
+    /// Whether a task runs for this heap (false once its runtime dropped it).
+    running: bool,
+}
+
+impl Timer {
+    /// Starts the keeper parked in `slot` at `due`, unless the lock is gone
+    /// by then. Never blocks (a short mutex); spawns the timer task when
+    /// none runs.
+    pub(crate) fn schedule(&self, due: Instant, slot: Weak<dyn Parked>) {
+        let state = self.state.get_or_init(Arc::default);
+        let mut heap = state.lock();
+        let first = heap.due.peek().is_none_or(|Reverse(next)| due < next.at);
+        heap.due.push(Reverse(Due { at: due, slot }));
+        if !heap.running {
+            heap.running = true;
+            drop(heap);
+            // The guard is made here, not inside the task: a runtime that is
+            // shutting down drops a new task without polling it, and the
+            // guard must still see that (or `running` would stay set and no
+            // keeper of this locker would ever start again).
+            let running = Running(Some(Arc::clone(state)));
+            tokio::spawn(run(Arc::clone(state), running));
+        } else if first {
+            drop(heap);
+            state.wake.notify_one();
+        }
+    }
+}
+
+impl Drop for Timer {
+    fn drop(&mut self) {
+        if let Some(state) = self.state.get() {
+            state.closed.store(true, Ordering::Release);
+            state.wake.notify_one();
+        }
+    }
+}
+
+impl State {
+    fn lock(&self) -> MutexGuard<'_, Heap> {
+        self.heap.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes out what is due at `now`; returns it, when the next keeper is
+    /// due, and whether the task should end (the locker is gone, nothing
+    /// waits). Ending is decided under the mutex, so a keeper scheduled at
+    /// the same moment spawns a new task.
+    fn take_due(&self, now: Instant) -> (Vec<Due>, Option<Instant>, bool) {
+        let mut heap = self.lock();
+        let mut due = Vec::new();
+        while heap.due.peek().is_some_and(|Reverse(next)| next.at <= now) {
+            if let Some(Reverse(next)) = heap.due.pop() {
+                due.push(next);
+            }
+        }
+        let next = heap.due.peek().map(|Reverse(next)| next.at);
+        let end = next.is_none() && self.closed.load(Ordering::Acquire);
+        if end {
+            heap.running = false;
+        }
+        (due, next, end)
+    }
+}
+
+/// The timer task.
+async fn run(state: Arc<State>, mut running: Running) {
+    loop {
+        let (due, next, end) = state.take_due(Instant::now());
+        for due in &due {
+            start(due);
+        }
+        if end {
+            // `take_due` marked the heap task-less already; a task spawned
+            // since then must stay marked as running.
+            running.0 = None;
+            return;
+        }
+        match next {
+            Some(next) => tokio::select! {
+                () = sleep_until(next) => {}
+                () = state.wake.notified() => {}
+            },
+            None => state.wake.notified().await,
+        }
+    }
+}
+
+/// Marks the heap as having no task when the task is dropped by its
+/// runtime (which only happens when the runtime shuts down), so the next
+/// `schedule` spawns another.
+///
+/// The keepers still parked in the heap are stopped then: their locks were
+/// taken on the runtime that is going away (their sockets belong to its I/O
+/// driver), no task will ever start them there, and a guard that outlives
+/// the runtime must not go on claiming its lock. Stopping a parked keeper
+/// closes its connection and reports `KeeperStopped` (see `Keeper`'s
+/// `Drop`). A locker used from several runtimes at once has its timer on one
+/// of them; when that one shuts down, locks of the others still parked are
+/// reported lost too: a false alarm, never a missed one.
+struct Running(Option<Arc<State>>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let Some(state) = self.0.take() else {
+            return;
+        };
+        let parked = {
+            let mut heap = state.lock();
+            heap.running = false;
+            std::mem::take(&mut heap.due)
+        };
+        // Outside the heap's mutex: stopping a keeper closes its connection.
+        for Reverse(due) in parked {
+            if let Some(parked) = due.slot.upgrade() {
+                parked.stop();
+            }
+        }
+    }
+}
+
+/// Starts the keeper parked in `due`'s slot, if the lock is still held and
+/// its keeper still parked.
+fn start(due: &Due) {
+    if let Some(parked) = due.slot.upgrade() {
+        parked.start();
+    }
+}
+
+/// When a parked keeper is due to start.
+struct Due {
+    at: Instant,
+    slot: Weak<dyn Parked>,
+}
+
+impl std::fmt::Debug for Due {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Due")
+            .field("at", &self.at)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for Due {
+    fn eq(&self, other: &Self) -> bool {
+        self.at == other.at
+    }
+}
+
+impl Eq for Due {}
+
+impl PartialOrd for Due {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Due {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.at.cmp(&other.at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Nothing parked: the lock was gone before its first heartbeat.
+    struct Gone;
+
+    impl Parked for Gone {
+        fn start(&self) {}
+        fn stop(&self) {}
+    }
+
+    fn gone() -> Weak<dyn Parked> {
+        Weak::<Gone>::new()
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("a current-thread runtime")
+    }
+
+    /// A timer whose first task is spawned on a runtime that is already
+    /// shutting down (the task is dropped unpolled) must spawn a new one on
+    /// the next runtime, or no keeper of its locker would ever start.
+    #[test]
+    fn a_task_dropped_unpolled_does_not_leave_the_timer_stuck() {
+        let timer = Timer::default();
+        let dead = runtime();
+        let handle = dead.handle().clone();
+        drop(dead);
+        {
+            let _entered = handle.enter();
+            timer.schedule(Instant::now(), gone());
+        }
+        let alive = runtime();
+        alive.block_on(async {
+            timer.schedule(Instant::now(), gone());
+            // The task takes what is due at once; give it a generous bound.
+            let started = Instant::now();
+            while !timer.state.get().expect("scheduled").lock().due.is_empty() {
+                assert!(
+                    started.elapsed() < std::time::Duration::from_secs(5),
+                    "the timer task never ran on the second runtime"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        });
+    }
+}

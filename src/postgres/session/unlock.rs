@@ -1,0 +1,63 @@
+//! The unlock statement of a session lock, run on the lock's own
+//! connection, which goes back to the pool only after a confirmed unlock.
+
+use std::time::Duration;
+
+use sqlx::Row;
+use tokio::time::{Instant, timeout_at};
+
+use crate::postgres::conn::held::HeldConn;
+use crate::postgres::request::fragments::{bind_key, keyed, session_marker};
+use crate::postgres::session::hold::Hold;
+use crate::{Error, LockKey, LossReason};
+
+/// Unlocks on the lock's own connection: 1 round trip, no durable write.
+/// Only a confirmed unlock by the same backend returns the connection to the
+/// pool; anything else closes it, which frees the lock on the server.
+pub(crate) async fn unlock(
+    mut conn: HeldConn,
+    (key, hold): (&LockKey, Hold),
+    pid: i32,
+    deadline: Instant,
+    budget: Duration,
+) -> Result<(), Error> {
+    let args = key.args()?;
+    let query = match hold {
+        Hold::Exclusive => bind_key(
+            sqlx::query(keyed!(args; "SELECT pg_catalog.pg_advisory_unlock(",
+                concat!("), pg_catalog.pg_backend_pid(), ", session_marker!(unmark)); "$1", "$2")),
+            args,
+        ),
+        Hold::Shared => bind_key(
+            sqlx::query(keyed!(args; "SELECT pg_catalog.pg_advisory_unlock_shared(",
+                concat!("), pg_catalog.pg_backend_pid(), ", session_marker!(unmark)); "$1", "$2")),
+            args,
+        ),
+        Hold::All | Hold::Upgradeable => sqlx::query(concat!(
+            "SELECT (SELECT true FROM pg_catalog.pg_advisory_unlock_all()), pg_catalog.pg_backend_pid(), ",
+            session_marker!(unmark)
+        )),
+    };
+    let query = query.fetch_one(conn.conn());
+    let row = match timeout_at(deadline, query).await {
+        Err(_) => {
+            return Err(Error::ReleaseTimedOut {
+                key: key.clone(),
+                after: budget,
+            });
+        }
+        Ok(row) => row?,
+    };
+    let (unlocked, actual): (bool, i32) = (row.try_get(0)?, row.try_get(1)?);
+    if actual != pid {
+        return Err(crate::postgres::pooler::backend_changed(pid, actual));
+    }
+    if !unlocked {
+        return Err(Error::LockLost {
+            key: key.clone(),
+            reason: LossReason::NotHeld,
+        });
+    }
+    conn.into_pool();
+    Ok(())
+}

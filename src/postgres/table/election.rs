@@ -1,0 +1,107 @@
+//! The lease table's record of who leads an election (`ElectionLocker`):
+//! a row of `distlock.leaders` (via 2) naming the lease's owner, believed
+//! only while the lease row is that owner's and unexpired by the server's
+//! clock. Statements are simple queries, as every statement of the lease
+//! table, so they work through a transaction pooler.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, Row};
+
+use super::TableLocker;
+use super::sql::{self, KeyExpr, Owner};
+use crate::postgres::conn::held::HeldConn;
+use crate::postgres::election::{instant, term};
+use crate::{
+    ElectionLocker, Error, FencingToken, LeaderInfo, Lease, LockKey, Proclaimed, Proclamation, Seat,
+};
+
+impl TableLocker {
+    /// Runs one simple-query statement; its rows. Only a connection that
+    /// answered goes back to the pool.
+    async fn simple(&self, sql: String) -> Result<Vec<PgRow>, Error> {
+        let mut conn = HeldConn::new(self.pool().acquire().await?, true);
+        let rows = sqlx::raw_sql(AssertSqlSafe(sql))
+            .fetch_all(conn.conn())
+            .await?;
+        conn.into_pool();
+        Ok(rows)
+    }
+}
+
+/// Each call is 1 round trip, one short transaction; a seat is the
+/// lease's owner.
+#[async_trait]
+impl ElectionLocker for TableLocker {
+    async fn lock_seat(
+        &self,
+        key: LockKey,
+        timeout: Duration,
+    ) -> Result<(Box<dyn Lease>, Seat), Error> {
+        let lease = TableLocker::lock(self, key, timeout).await?;
+        let seat = Seat::new(lease.owner().bits());
+        Ok((Box::new(lease), seat))
+    }
+
+    async fn proclaim(
+        &self,
+        key: &LockKey,
+        seat: Seat,
+        proclamation: &Proclamation,
+    ) -> Result<Option<Proclaimed>, Error> {
+        key.validate()?;
+        let owner = Owner::from_bits(seat.id());
+        let statement = sql::proclaim(&KeyExpr::new(key), owner, proclamation, &key.to_string());
+        let rows = self.simple(statement).await?;
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let (Some(number), Some(since), Some(after_loss)) = (
+            row.try_get::<Option<i64>, _>(0)?,
+            row.try_get::<Option<i64>, _>(1)?,
+            row.try_get::<Option<bool>, _>(2)?,
+        ) else {
+            return Ok(None);
+        };
+        let leader = LeaderInfo::new(
+            proclamation.identity.clone(),
+            proclamation.value.clone(),
+            term(number),
+            instant(since),
+            proclamation.fencing_token,
+        );
+        Ok(Some(Proclaimed { leader, after_loss }))
+    }
+
+    async fn withdraw(&self, key: &LockKey, seat: Seat, number: Option<u64>) -> Result<(), Error> {
+        key.validate()?;
+        let number = number.and_then(|n| i64::try_from(n).ok());
+        let owner = Owner::from_bits(seat.id());
+        self.simple(sql::withdraw(&KeyExpr::new(key), owner, number))
+            .await?;
+        Ok(())
+    }
+
+    async fn leader(&self, key: &LockKey) -> Result<Option<LeaderInfo>, Error> {
+        key.validate()?;
+        let rows = self.simple(sql::leader_of(&KeyExpr::new(key))).await?;
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        Ok(Some(LeaderInfo::new(
+            row.try_get::<String, _>(0)?,
+            row.try_get::<String, _>(1)?,
+            term(row.try_get(2)?),
+            instant(row.try_get(3)?),
+            row.try_get::<Option<i64>, _>(4)?.map(FencingToken::new),
+        )))
+    }
+
+    fn loss_notice_bound(&self) -> Duration {
+        // A holder that cannot renew reports its loss a third of a TTL
+        // before the server could grant the key to anyone else.
+        Duration::ZERO
+    }
+}

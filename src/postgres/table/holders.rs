@@ -1,0 +1,70 @@
+//! Who holds leases of the table: [`TableLocker::holders`].
+
+use std::time::{Duration, SystemTime};
+
+use sqlx::{AssertSqlSafe, Row};
+
+use super::locker::TableLocker;
+use super::sql;
+use crate::{Error, FencingToken};
+
+/// One live lease of `distlock.leases`, from [`TableLocker::holders`].
+///
+/// The table knows holders only: a waiter of the lease table retries (on a
+/// notification or its poll interval) and leaves no trace there, so there is
+/// no wait chain to show. Nor does it name a session or a process; the
+/// lease's owner is a secret of its holder and is not shown.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LeaseHolder {
+    /// The key as its holder spelled it (`LockKey`'s display: the name, or
+    /// the id in decimal).
+    pub key: String,
+    /// The fencing token the lease was granted with.
+    pub fencing_token: FencingToken,
+    /// When the lease was granted, by the server's clock.
+    pub since: SystemTime,
+    /// When its holder last renewed it.
+    pub renewed: SystemTime,
+    /// When it expires unless renewed again.
+    pub expires: SystemTime,
+}
+
+impl TableLocker {
+    /// The leases held right now (not expired by the server's clock), by
+    /// key space and key. Expired rows that no grant has purged yet are left
+    /// out: their keys are free.
+    ///
+    /// Costs 1 round trip, a read; one simple query, so it works through a
+    /// transaction pooler. Needs [`migrate`](crate::migrate)
+    /// ([`Error::NotMigrated`] otherwise).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a read on a pooled connection.
+    pub async fn holders(&self) -> Result<Vec<LeaseHolder>, Error> {
+        let rows = sqlx::raw_sql(AssertSqlSafe(sql::LIVE_LEASES))
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(decode).collect()
+    }
+}
+
+fn decode(row: &sqlx::postgres::PgRow) -> Result<LeaseHolder, Error> {
+    let at = |column: usize| -> Result<SystemTime, Error> {
+        let micros: i64 = row.try_get(column)?;
+        let since_epoch = Duration::from_micros(micros.unsigned_abs());
+        Ok(if micros < 0 {
+            SystemTime::UNIX_EPOCH - since_epoch
+        } else {
+            SystemTime::UNIX_EPOCH + since_epoch
+        })
+    };
+    Ok(LeaseHolder {
+        key: row.try_get(0)?,
+        fencing_token: FencingToken::new(row.try_get(1)?),
+        since: at(2)?,
+        renewed: at(3)?,
+        expires: at(4)?,
+    })
+}

@@ -1,0 +1,179 @@
+//! A lock inside the caller's own transaction: [`try_lock_xact`] and
+//! [`lock_xact`], for code that already has a `sqlx::Transaction` and wants
+//! the lock to end exactly when that transaction does.
+
+use std::time::{Duration, Instant};
+
+use sqlx::{Connection, PgConnection};
+
+use crate::postgres::request::fragments::millis_setting;
+use crate::postgres::request::key::Bound;
+use crate::postgres::request::lock_request::Request;
+use crate::postgres::request::{Lock, sql, unlimited};
+use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::{Error, LockKey};
+
+/// Takes the transaction-scoped advisory lock `key` inside the transaction
+/// open on `conn`, without waiting: `Ok(true)` if taken, `Ok(false)` if
+/// another session holds it. The lock lives until that transaction commits
+/// or rolls back.
+///
+/// Called on a `sqlx::Transaction` as `try_lock_xact(&mut *tx, "k")`; nested
+/// transactions (savepoints) work too. A connection that is not in a
+/// transaction begun through sqlx is refused with
+/// [`Error::NotInTransaction`]: the lock would end with the statement that
+/// took it. (A transaction opened by sending `BEGIN` as SQL is not seen by
+/// sqlx and is refused as well; use `conn.begin()`.)
+///
+/// Costs 1 round trip; it takes the same server lock as hand-written
+/// `SELECT pg_try_advisory_xact_lock(hashtext('k'))`. Changes none of the
+/// transaction's settings. Writes nothing.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
+/// let mut tx = pool.begin().await?;
+/// if distlock::try_lock_xact(&mut *tx, "invoice:42").await? {
+///     sqlx::query("UPDATE invoices SET sent = true WHERE id = 42")
+///         .execute(&mut *tx)
+///         .await?;
+/// }
+/// tx.commit().await?; // releases the lock
+/// # Ok(()) }
+/// ```
+///
+/// # Cancel safety
+///
+/// As cancel safe as the caller's transaction: dropped mid-statement, sqlx
+/// rolls the transaction back when it is dropped, which releases whatever
+/// the statement took.
+pub async fn try_lock_xact(
+    conn: &mut PgConnection,
+    key: impl Into<LockKey>,
+) -> Result<bool, Error> {
+    let key = key.into();
+    let args = key.args()?;
+    in_transaction(conn)?;
+    // On a standby the check fails the statement, and with it the caller's
+    // transaction, which then holds nothing.
+    let row = Bound::from(args)
+        .bind(sqlx::query(sql::CALLER_XACT_TRY))
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|err| locking_error(err, &key))?;
+    let locked: bool = sqlx::Row::try_get(&row, 0)?;
+    if locked {
+        crate::metrics::acquired("postgres", &key, Duration::ZERO);
+    } else {
+        crate::metrics::busy("postgres", &key);
+    }
+    Ok(locked)
+}
+
+/// Takes the transaction-scoped advisory lock `key` inside the transaction
+/// open on `conn`, waiting up to `timeout` on the server; the lock lives
+/// until that transaction ends.
+///
+/// One statement, 1 round trip: it remembers the transaction's own
+/// `lock_timeout`, waits under one of `timeout`, and puts the caller's back,
+/// so the transaction's settings are as they were afterwards. On a session
+/// with a `statement_timeout` (which would end the wait at its limit), the
+/// statement only tries; a busy key then costs a second statement, which
+/// waits with the limit lifted and puts it back. A `timeout`
+/// longer than `lock_timeout` can express (about 24.8 days) means "as long
+/// as the server allows". Refuses a connection outside a transaction as
+/// [`try_lock_xact`] does.
+///
+/// **A timeout aborts the caller's transaction**: PostgreSQL fails the
+/// statement with `lock_not_available`, and a failed statement inside a
+/// transaction block aborts the block, so the caller must roll back (this
+/// returns [`Error::Timeout`]). To keep the transaction usable, take the
+/// lock inside a savepoint, which costs 2 round trips more (`SAVEPOINT`,
+/// `RELEASE`): on success release the savepoint (the lock then belongs to
+/// the enclosing transaction), on a timeout roll the savepoint back.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
+/// use std::time::Duration;
+/// use sqlx::Connection;
+/// let mut tx = pool.begin().await?;
+/// let mut savepoint = tx.begin().await?;
+/// match distlock::lock_xact(&mut *savepoint, "ledger", Duration::from_secs(2)).await {
+///     Ok(()) => savepoint.commit().await?, // the lock stays with `tx`
+///     Err(distlock::Error::Timeout { .. }) => savepoint.rollback().await?, // `tx` goes on
+///     Err(other) => return Err(other),
+/// }
+/// tx.commit().await?;
+/// # Ok(()) }
+/// ```
+///
+/// # Cancel safety
+///
+/// As for [`try_lock_xact`]: the caller's transaction, rolled back when
+/// dropped, ends whatever the statement was doing.
+pub async fn lock_xact(
+    conn: &mut PgConnection,
+    key: impl Into<LockKey>,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let key = key.into();
+    let args = key.args()?;
+    in_transaction(conn)?;
+    let started = Instant::now();
+    match wait_in_xact(conn, args.into(), timeout).await {
+        Ok(()) => {
+            crate::metrics::acquired("postgres", &key, started.elapsed());
+            Ok(())
+        }
+        // The timeout aborted the caller's transaction, the one connection
+        // there is: nothing can look for the holder.
+        Err(err) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+            Err(crate::postgres::timeout::timed_out(&key, started))
+        }
+        Err(err) => Err(locking_error(err, &key)),
+    }
+}
+
+/// The lock would end with the statement outside a transaction block.
+fn in_transaction(conn: &PgConnection) -> Result<(), Error> {
+    if conn.is_in_transaction() {
+        Ok(())
+    } else {
+        Err(Error::NotInTransaction)
+    }
+}
+
+/// Waits for the lock under our `lock_timeout`, putting the caller's back.
+/// A session without `statement_timeout` waits in the first statement; one
+/// with it only tries there (the timer is armed when a statement starts,
+/// so a wait under it would end at the session's limit), lifts the limit
+/// for a second statement that waits and puts it back, so the caller's own
+/// statements keep it. A failed wait aborts the caller's transaction (or
+/// savepoint), which puts both settings back as well.
+async fn wait_in_xact(
+    conn: &mut PgConnection,
+    key: Bound<'_>,
+    timeout: Duration,
+) -> Result<(), sqlx::Error> {
+    let started = tokio::time::Instant::now();
+    let row = key
+        .bind(sqlx::query(sql::CALLER_XACT_FIRST))
+        .bind(millis_setting(timeout))
+        .fetch_one(&mut *conn)
+        .await?;
+    if sqlx::Row::try_get::<bool, _>(&row, 0)? {
+        return Ok(());
+    }
+    let limit: Option<String> = sqlx::Row::try_get(&row, 1)?;
+    let restore = limit.filter(|limit| unlimited::limited(Some(limit)));
+    let remaining = timeout.saturating_sub(started.elapsed());
+    let request = Request {
+        key,
+        lock: Lock::Exclusive,
+        fencing: false,
+    };
+    request
+        .xact_wait(remaining, restore)
+        .execute(conn)
+        .await
+        .map(|_| ())
+}

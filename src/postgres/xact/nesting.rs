@@ -1,0 +1,57 @@
+//! Which transaction-scoped locks each Tokio task of this process holds, so
+//! that a nested call on the same key is named ([`Error::NestedLock`])
+//! instead of reported as another holder.
+//!
+//! An inner `with_advisory_lock("k")` inside an outer one on `"k"` runs on
+//! a second connection: the server sees two sessions, and the inner one
+//! can never get the lock, because the outer one ends only after the inner
+//! one returns. The server cannot tell that apart from real contention; the
+//! process can, as far as it sees its own holds. A hold is recorded in a
+//! task-local scope around the closure's future only, keyed by the database
+//! (host, port, name), since the same key on another database is another
+//! lock. Futures polled beside the closure (`tokio::join!`, `select!`) are
+//! outside that scope, so two independent calls in one task are not taken
+//! for nesting; a call made from a task the closure spawned is not seen.
+
+use std::future::Future;
+
+use sqlx::PgPool;
+
+use crate::{Error, LockKey};
+
+tokio::task_local! {
+    /// The (database, key) pairs held by the enclosing closures of the
+    /// future being polled.
+    static HELD: Vec<(String, LockKey)>;
+}
+
+/// The database `pool` connects to, as far as its options show.
+pub(crate) fn database_of(pool: &PgPool) -> String {
+    let options = pool.connect_options();
+    format!(
+        "{}:{}/{}",
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or_default()
+    )
+}
+
+/// `Err(NestedLock)` when an enclosing call already holds `key` on
+/// `database`.
+pub(crate) fn refuse_nested(database: &str, key: &LockKey) -> Result<(), Error> {
+    let nested = HELD
+        .try_with(|held| held.iter().any(|(d, k)| d == database && k == key))
+        .unwrap_or(false);
+    if nested {
+        return Err(Error::NestedLock { key: key.clone() });
+    }
+    Ok(())
+}
+
+/// Runs `f` with `key` on `database` recorded as held by it (and by what it
+/// awaits).
+pub(crate) async fn holding<F: Future>(database: String, key: &LockKey, f: F) -> F::Output {
+    let mut held = HELD.try_with(Clone::clone).unwrap_or_default();
+    held.push((database, key.clone()));
+    HELD.scope(held, f).await
+}

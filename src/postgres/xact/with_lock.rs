@@ -1,0 +1,499 @@
+//! Transaction-scoped locks: `pg_try_advisory_xact_lock` inside a transaction
+//! that runs the caller's closure.
+
+use std::time::{Duration, Instant};
+
+use sqlx::Connection;
+use sqlx::postgres::PgConnection;
+use tracing::Instrument;
+
+use crate::postgres::conn::held::HeldConn;
+use crate::postgres::conn::warm::retry_on_pool;
+use crate::postgres::conn::watched::WatchedConn;
+use crate::postgres::locker::PgLocker;
+use crate::postgres::request::Lock;
+use crate::postgres::request::key::Bound;
+use crate::postgres::request::lock_request::Request;
+use crate::postgres::sqlstate::{
+    IN_FAILED_TRANSACTION, LOCK_NOT_AVAILABLE, UNDEFINED_OBJECT, locking_error, sqlstate,
+};
+use crate::{Error, LockKey};
+
+/// How a transaction-scoped lock is taken.
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    Try,
+    TryShared,
+    Wait(Duration),
+    WaitShared(Duration),
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Try => "try",
+            Mode::TryShared => "try_shared",
+            Mode::Wait(_) => "wait",
+            Mode::WaitShared(_) => "wait_shared",
+        }
+    }
+
+    fn timeout(self) -> Option<Duration> {
+        match self {
+            Mode::Wait(timeout) | Mode::WaitShared(timeout) => Some(timeout),
+            Mode::Try | Mode::TryShared => None,
+        }
+    }
+
+    fn lock(self) -> Lock {
+        match self {
+            Mode::TryShared | Mode::WaitShared(_) => Lock::Shared,
+            Mode::Try | Mode::Wait(_) => Lock::Exclusive,
+        }
+    }
+}
+
+impl PgLocker {
+    /// Runs `f` inside a transaction that holds the exclusive
+    /// transaction-scoped advisory lock `key`, or returns `Ok(None)` at once if
+    /// another session holds it.
+    ///
+    /// Begins a transaction, tries `pg_try_advisory_xact_lock`, and on success
+    /// runs `f` on the transaction's connection: `Ok` commits, `Err` rolls back
+    /// and returns the closure's error unchanged. PostgreSQL releases the lock
+    /// at commit or rollback, also when this process dies; there is no TTL and
+    /// no heartbeat. The lock interoperates with SQL written by hand:
+    /// `LockKey::from("x")` is `pg_try_advisory_xact_lock(hashtext('x'))`.
+    ///
+    /// `Ok(Some(_))` means exactly one thing: the closure's work committed
+    /// while the lock was held. Two ways a closure can return `Ok` without
+    /// that are reported as errors instead:
+    ///
+    /// - it ignored an SQL error, so PostgreSQL aborted the transaction (and
+    ///   would answer `COMMIT` with `ROLLBACK`): [`Error::TransactionAborted`],
+    ///   nothing was committed;
+    /// - it ended the transaction itself with a raw `COMMIT` or `ROLLBACK`,
+    ///   which released the lock halfway: [`Error::TransactionEnded`].
+    ///
+    /// Nested `conn.begin()` calls in the closure are savepoints, as usual
+    /// with sqlx.
+    ///
+    /// Costs 3 round trips plus the closure's own (`BEGIN`, the lock attempt,
+    /// `COMMIT`/`ROLLBACK`); contention costs the same 3. The check above
+    /// rides in the `COMMIT` round trip. On a connection borrowed from the
+    /// pool, sqlx adds its 2 pings; a [warm connection](crate::PgLockerBuilder::keep_warm)
+    /// (the default after the first call) skips them.
+    ///
+    /// ```no_run
+    /// # async fn demo(locker: distlock::PgLocker) -> Result<(), distlock::Error> {
+    /// let sent = locker
+    ///     .with_advisory_lock("invoice:42", async |conn| {
+    ///         sqlx::query("UPDATE invoices SET reminded = true WHERE id = 42")
+    ///             .execute(conn)
+    ///             .await?;
+    ///         Ok::<_, distlock::Error>(())
+    ///     })
+    ///     .await?;
+    /// if sent.is_none() {
+    ///     println!("another instance is on it");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future at any `.await` closes its connection instead of
+    /// returning it to the pool. The lock statement sets
+    /// `client_connection_check_interval = 100ms` for the transaction, so the
+    /// server notices within 100 ms, aborts whatever statement is running
+    /// (also one of the closure's), rolls back and frees the lock.
+    pub async fn with_advisory_lock<K, F, T, E>(&self, key: K, f: F) -> Result<Option<T>, E>
+    where
+        K: Into<LockKey>,
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        E: From<Error>,
+    {
+        self.run_in_xact(key.into(), Mode::Try, f).await
+    }
+
+    /// Like [`with_advisory_lock`](Self::with_advisory_lock) with the *shared*
+    /// lock (`pg_try_advisory_xact_lock_shared`): any number of shared holders
+    /// run at once, while an exclusive holder excludes them all.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`with_advisory_lock`](Self::with_advisory_lock).
+    pub async fn with_shared_advisory_lock<K, F, T, E>(&self, key: K, f: F) -> Result<Option<T>, E>
+    where
+        K: Into<LockKey>,
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        E: From<Error>,
+    {
+        self.run_in_xact(key.into(), Mode::TryShared, f).await
+    }
+
+    /// Like [`with_advisory_lock`](Self::with_advisory_lock), but waits up to
+    /// `timeout` for the lock and fails with [`Error::Timeout`] (naming the
+    /// holder when PostgreSQL shows it) when the deadline passes.
+    ///
+    /// The wait happens on the server (`pg_advisory_xact_lock` under a
+    /// transaction-local `lock_timeout`), so the lock passes to the waiter the
+    /// moment its holder commits; nothing polls. The caller's own
+    /// `lock_timeout` is restored before `f` runs. A `timeout` longer than
+    /// `lock_timeout` can express (about 24.8 days), up to `Duration::MAX`,
+    /// means "as long as the server allows". Costs the same 3 round trips
+    /// as the try variant when the lock is free, 4 when it has to wait.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future while it waits closes the connection instead of
+    /// returning it to the pool, and the server abandons the wait within
+    /// 100 ms (`client_connection_check_interval`, set by the try that
+    /// precedes the wait); no lock is left held. Dropped later, the
+    /// connection is closed as well, which rolls back.
+    pub async fn with_advisory_lock_wait<K, F, T, E>(
+        &self,
+        key: K,
+        timeout: Duration,
+        f: F,
+    ) -> Result<T, E>
+    where
+        K: Into<LockKey>,
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        E: From<Error>,
+    {
+        self.run_waiting(key.into(), Mode::Wait(timeout), f).await
+    }
+
+    /// Like [`with_advisory_lock_wait`](Self::with_advisory_lock_wait) with
+    /// the *shared* lock (`pg_advisory_xact_lock_shared`): waits up to
+    /// `timeout` while someone holds `key` exclusively. PostgreSQL queues a
+    /// shared request behind an exclusive one that is already waiting, so
+    /// readers cannot starve a writer.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`with_advisory_lock_wait`](Self::with_advisory_lock_wait).
+    pub async fn with_shared_advisory_lock_wait<K, F, T, E>(
+        &self,
+        key: K,
+        timeout: Duration,
+        f: F,
+    ) -> Result<T, E>
+    where
+        K: Into<LockKey>,
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        E: From<Error>,
+    {
+        self.run_waiting(key.into(), Mode::WaitShared(timeout), f)
+            .await
+    }
+
+    async fn run_waiting<F, T, E>(&self, key: LockKey, mode: Mode, f: F) -> Result<T, E>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        E: From<Error>,
+    {
+        let timeout = mode.timeout().unwrap_or_default();
+        match self.run_in_xact(key.clone(), mode, f).await? {
+            Some(value) => Ok(value),
+            // `run_in_xact` in wait mode reports a missed deadline as an
+            // error, never as `None`; keep a typed answer anyway.
+            None => Err(Error::Timeout {
+                key: key.clone(),
+                waited: timeout,
+                holder_pid: None,
+                holder_application: None,
+                chain: Default::default(),
+            }
+            .into()),
+        }
+    }
+
+    async fn run_in_xact<F, T, E>(&self, key: LockKey, mode: Mode, f: F) -> Result<Option<T>, E>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        E: From<Error>,
+    {
+        let span = tracing::debug_span!(
+            "distlock.xact",
+            key = %key,
+            mode = mode.name(),
+            outcome = tracing::field::Empty,
+            wait_ms = tracing::field::Empty,
+            hold_ms = tracing::field::Empty,
+        );
+        self.run_in_xact_inner(key, mode, f).instrument(span).await
+    }
+
+    async fn run_in_xact_inner<F, T, E>(
+        &self,
+        key: LockKey,
+        mode: Mode,
+        f: F,
+    ) -> Result<Option<T>, E>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        E: From<Error>,
+    {
+        let args = key.args()?;
+        // Before any connection: a nested call could only wait for itself.
+        let database = crate::postgres::xact::nesting::database_of(self.pool());
+        crate::postgres::xact::nesting::refuse_nested(&database, &key)?;
+        let started = Instant::now();
+        let deadline = mode
+            .timeout()
+            .map(|timeout| crate::deadline::after_std(started, timeout));
+        let warm = &self.inner.warm;
+        let (mut held, kept) = match warm.checkout() {
+            Some(held) => (held, true),
+            None => (
+                warm.adopt(self.xact_pooled(&key, mode, started).await?),
+                false,
+            ),
+        };
+        // Armed until the transaction has ended: if this future is dropped,
+        // the connection is closed rather than pooled. The lock statement
+        // sets client_connection_check_interval for the transaction, so the
+        // server then aborts a statement still running (a lock wait, or the
+        // closure's own) within 100 ms and frees the lock, instead of
+        // finishing it first as a pooled connection's clean-up would.
+        let began = held.conn().begin().await.map_err(Error::from);
+        let mut tx = if retry_on_pool(kept, &began) {
+            drop(began);
+            // Replacing the armed wrapper closes the broken connection.
+            held = warm.adopt(self.xact_pooled(&key, mode, started).await?);
+            held.conn().begin().await.map_err(Error::from)?
+        } else {
+            began?
+        };
+        let attempt = lock_in_xact(&mut tx, args.into(), mode, deadline);
+        let attempt = match deadline {
+            // The server gives up at the deadline (lock_timeout); if it does
+            // not answer shortly after, the network is stalled: give up too,
+            // and let the armed connection close.
+            Some(deadline) => {
+                let grace = crate::deadline::after(
+                    deadline.max(tokio::time::Instant::now()),
+                    self.config().heartbeat_timeout,
+                );
+                match tokio::time::timeout_at(grace, attempt).await {
+                    Ok(result) => result,
+                    Err(_) => {
+                        drop(tx);
+                        held.close();
+                        return Err(self.timeout_error(&key, started, None).await.into());
+                    }
+                }
+            }
+            None => attempt.await,
+        };
+        let locked = match attempt {
+            Ok(locked) => locked,
+            Err(err) => {
+                let rolled_back = tx.rollback().await.is_ok();
+                let err = self.xact_lock_failed(err, &key, mode, started, held, rolled_back);
+                return Err(err.await.into());
+            }
+        };
+        let span = tracing::Span::current();
+        span.record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
+        if !locked {
+            tx.rollback().await.map_err(Error::from)?;
+            if deadline.is_some() {
+                return Err(self.timeout_error(&key, started, Some(held)).await.into());
+            }
+            span.record("outcome", "busy");
+            crate::metrics::busy("postgres", &key);
+            held.into_pool();
+            return Ok(None);
+        }
+        let hold = Instant::now();
+        crate::metrics::acquired("postgres", &key, started.elapsed());
+        let result = crate::postgres::xact::nesting::holding(database, &key, f(&mut tx)).await;
+        let end = match &result {
+            Ok(_) => commit_checked(tx).await,
+            Err(_) => match tx.rollback().await {
+                Ok(()) => End::RolledBack,
+                Err(err) => End::Failed(err),
+            },
+        };
+        span.record("hold_ms", hold.elapsed().as_secs_f64() * 1e3);
+        crate::metrics::released("postgres", &key, hold.elapsed());
+        span.record("outcome", end.outcome(result.is_ok()));
+        let value = match result {
+            Ok(value) => value,
+            Err(err) => {
+                if let End::Failed(rollback) = &end {
+                    tracing::warn!(%rollback, "rollback after closure error failed; connection closed");
+                } else {
+                    held.into_pool();
+                }
+                return Err(err);
+            }
+        };
+        match end {
+            End::Committed => {
+                held.into_pool();
+                Ok(Some(value))
+            }
+            End::Aborted { rolled_back } => {
+                if rolled_back {
+                    held.into_pool();
+                }
+                Err(Error::TransactionAborted { key: key.clone() }.into())
+            }
+            // The session's state is not what sqlx believes: close it.
+            End::EndedInClosure => Err(Error::TransactionEnded { key: key.clone() }.into()),
+            End::Failed(err) => Err(Error::from(err).into()),
+            End::RolledBack => Err(Error::TransactionAborted { key: key.clone() }.into()),
+        }
+    }
+
+    /// A connection from the pool for `mode`: within its timeout if it has
+    /// one (a zero timeout, a single try: within the pool's own acquire
+    /// timeout), or [`Error::NoConnection`]. The locker's warm connections
+    /// are all of one kind, one a session lock's keeper can watch.
+    async fn xact_pooled(
+        &self,
+        key: &LockKey,
+        mode: Mode,
+        started: Instant,
+    ) -> Result<WatchedConn, Error> {
+        match mode.timeout() {
+            Some(timeout) if !timeout.is_zero() => {
+                let deadline = crate::deadline::after_std(started, timeout);
+                crate::postgres::conn::pooled::watched_before(self.pool(), key, started, deadline)
+                    .await
+            }
+            _ => crate::postgres::conn::pooled::watched(self.pool(), key).await,
+        }
+    }
+
+    /// Turns a failed lock statement into the error to report: a missed
+    /// deadline becomes [`Error::Timeout`] naming the holder.
+    async fn xact_lock_failed(
+        &self,
+        err: sqlx::Error,
+        key: &LockKey,
+        mode: Mode,
+        started: Instant,
+        held: HeldConn,
+        rolled_back: bool,
+    ) -> Error {
+        if let (Some(_), Some(LOCK_NOT_AVAILABLE)) = (mode.timeout(), sqlstate(&err).as_deref()) {
+            return self
+                .timeout_error(key, started, rolled_back.then_some(held))
+                .await;
+        }
+        tracing::Span::current().record("outcome", "error");
+        locking_error(err, key)
+    }
+}
+
+/// How the lock's transaction ended after the closure.
+#[derive(Debug)]
+enum End {
+    /// The closure's work committed while the lock was held.
+    Committed,
+    /// An SQL error had aborted the transaction without the closure
+    /// returning it; nothing was committed. `rolled_back`: the connection is
+    /// clean again and may go back to the pool.
+    Aborted { rolled_back: bool },
+    /// The closure ended the transaction itself (raw `COMMIT`/`ROLLBACK`).
+    EndedInClosure,
+    /// The closure returned an error and the transaction was rolled back.
+    RolledBack,
+    /// `COMMIT` (or the rollback after a closure error) failed.
+    Failed(sqlx::Error),
+}
+
+impl End {
+    fn outcome(&self, closure_ok: bool) -> &'static str {
+        match self {
+            End::Committed => "committed",
+            End::RolledBack => "rolled_back",
+            End::Aborted { .. } => "aborted",
+            End::EndedInClosure => "ended_in_closure",
+            End::Failed(_) if closure_ok => "commit_failed",
+            End::Failed(_) => "rollback_failed",
+        }
+    }
+}
+
+/// The name of a setting that does not exist: asking for it raises SQLSTATE
+/// 42704 with this name in the message, which is how the commit statement
+/// says "the lock's transaction is not the one open now".
+const ENDED_IN_CLOSURE: &str = "distlock.lock_transaction_ended_inside_the_closure";
+
+/// Commits only the transaction that took the lock, and only if it is
+/// healthy, in the one round trip a plain `COMMIT` costs.
+///
+/// PostgreSQL answers `COMMIT` of an aborted transaction with `ROLLBACK`,
+/// which sqlx reports as success; and a closure that sent its own `COMMIT`
+/// or `ROLLBACK` has already released the lock. So the commit is one simple
+/// query of three statements: a check that fails if the transaction is
+/// aborted (every statement does, SQLSTATE 25P02) or if the lock's
+/// transaction-local marker is gone (a setting that does not exist is asked
+/// for, 42704); then `COMMIT`; then `BEGIN`, so that the connection is in a
+/// transaction again as sqlx's `Transaction` still believes. Dropping that
+/// `Transaction` queues a `ROLLBACK` of the empty transaction, which sqlx
+/// sends with its next message on the connection (the pool's check when the
+/// connection is returned), so it costs the caller no round trip. An error
+/// skips the rest of the query string, so nothing after a failed check runs.
+async fn commit_checked(mut tx: sqlx::Transaction<'_, sqlx::Postgres>) -> End {
+    // `distlock.xact_lock` is set transaction-locally by the lock
+    // statement, so it reads 'held' exactly as long as that transaction.
+    const COMMIT_CHECKED: &str = "SELECT pg_catalog.current_setting(CASE WHEN pg_catalog.current_setting('distlock.xact_lock', true) = 'held' \
+         THEN 'distlock.xact_lock' ELSE 'distlock.lock_transaction_ended_inside_the_closure' END); \
+         COMMIT; BEGIN";
+    let Err(err) = sqlx::raw_sql(COMMIT_CHECKED).execute(&mut *tx).await else {
+        drop(tx);
+        return End::Committed;
+    };
+    match sqlstate(&err).as_deref() {
+        Some(IN_FAILED_TRANSACTION) => End::Aborted {
+            rolled_back: tx.rollback().await.is_ok(),
+        },
+        Some(UNDEFINED_OBJECT) if err.to_string().contains(ENDED_IN_CLOSURE) => End::EndedInClosure,
+        _ => End::Failed(err),
+    }
+}
+
+/// Takes the lock inside the open transaction; `Ok(false)` means busy (and,
+/// when waiting, that the deadline passed). A wait after a busy try runs
+/// with the session's `statement_timeout` lifted by the try and put back by
+/// the wait (see [`unlimited`](crate::postgres::request::unlimited)), and the
+/// caller's `lock_timeout` put back too, before the closure runs.
+async fn lock_in_xact(
+    conn: &mut PgConnection,
+    key: Bound<'_>,
+    mode: Mode,
+    deadline: Option<tokio::time::Instant>,
+) -> Result<bool, sqlx::Error> {
+    let request = Request {
+        key,
+        lock: mode.lock(),
+        fencing: false,
+    };
+    let row = request
+        .xact_try(deadline.is_some())
+        .fetch_one(&mut *conn)
+        .await?;
+    let locked: bool = sqlx::Row::try_get(&row, 0)?;
+    let limit: Option<String> = sqlx::Row::try_get(&row, 1)?;
+    let Some(deadline) = deadline.filter(|_| !locked) else {
+        return Ok(locked);
+    };
+    let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+    if remaining.is_zero() {
+        // The caller rolls back, which puts a lifted statement_timeout back.
+        return Ok(false);
+    }
+    let restore = limit.filter(|limit| crate::postgres::request::unlimited::limited(Some(limit)));
+    request
+        .xact_wait(remaining, restore)
+        .execute(&mut *conn)
+        .await
+        .map(|_| true)
+}

@@ -1,0 +1,101 @@
+//! A hot standby grants advisory locks of its own, apart from its
+//! primary's. A locker pointed at one must refuse, on every lock path,
+//! rather than take a second copy of a lock the primary holds.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::cluster::Cluster;
+use distlock::{Error, PgLocker};
+
+/// Every lock path against the standby: each must fail with `HotStandby`.
+async fn attempts(
+    locker: &PgLocker,
+    pool: &sqlx::PgPool,
+) -> Vec<(&'static str, Result<(), Error>)> {
+    let t = Duration::from_millis(300);
+    let mut tx = pool.begin().await.expect("begin on the standby");
+    let in_tx = distlock::try_lock_xact(&mut tx, "k").await.map(drop);
+    drop(tx);
+    let mut tx = pool.begin().await.expect("begin on the standby");
+    let waited_in_tx = distlock::lock_xact(&mut tx, "k", t).await.map(drop);
+    drop(tx);
+    vec![
+        ("try_lock", locker.try_lock("k").await.map(drop)),
+        ("lock", locker.lock("k", t).await.map(drop)),
+        (
+            "try_lock_shared",
+            locker.try_lock_shared("k").await.map(drop),
+        ),
+        ("lock_shared", locker.lock_shared("k", t).await.map(drop)),
+        (
+            "try_lock_all",
+            locker.try_lock_all(["k", "j"]).await.map(drop),
+        ),
+        ("lock_all", locker.lock_all(["k", "j"], t).await.map(drop)),
+        (
+            "with_advisory_lock",
+            locker
+                .with_advisory_lock("k", async |_| Ok::<_, Error>(()))
+                .await
+                .map(drop),
+        ),
+        (
+            "with_advisory_lock_wait",
+            locker
+                .with_advisory_lock_wait("k", t, async |_| Ok::<_, Error>(()))
+                .await
+                .map(drop),
+        ),
+        ("try_lock_xact", in_tx),
+        ("lock_xact", waited_in_tx),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_lock_path_refuses_a_hot_standby() {
+    let primary = Cluster::primary("standby_refusal", &[]).await;
+    let standby = Cluster::standby_of(&primary, "standby_refusal_s", &[]).await;
+    let primary_pool = primary.pool().await;
+    let standby_pool = standby.pool().await;
+    // The primary holds "k": a second copy on the standby would be granted.
+    let held = PgLocker::new(primary_pool.clone())
+        .try_lock("k")
+        .await
+        .expect("try_lock on the primary")
+        .expect("free on the primary");
+    for multiplexed in [false, true] {
+        let locker = if multiplexed {
+            PgLocker::builder(standby_pool.clone())
+                .multiplex(1)
+                .build()
+                .expect("valid settings")
+        } else {
+            PgLocker::new(standby_pool.clone())
+        };
+        for (what, outcome) in attempts(&locker, &standby_pool).await {
+            let what = format!("{what} (multiplexed: {multiplexed})");
+            if multiplexed && !what.starts_with("try_lock ") && !what.starts_with("lock ") {
+                continue;
+            }
+            match outcome {
+                Err(Error::HotStandby { key }) => {
+                    assert!(
+                        key.name() == Some("k") || key.name() == Some("j"),
+                        "{what}: {key}"
+                    )
+                }
+                other => panic!("{what} on a hot standby: expected HotStandby, got {other:?}"),
+            }
+        }
+    }
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
+        .fetch_one(&standby_pool)
+        .await
+        .expect("pg_locks on the standby");
+    assert_eq!(left, 0, "advisory locks left on the standby");
+    held.release().await.expect("release on the primary");
+    standby_pool.close().await;
+    primary_pool.close().await;
+}

@@ -1,0 +1,316 @@
+//! Errors that say what happened: each of distlock's own conditions is
+//! produced on the real database, and its printed message is checked, since
+//! the message is what a user reads first in a log.
+// `f(&mut *tx)` is the documented way to pass a transaction's connection.
+#![allow(clippy::explicit_auto_deref)]
+
+use crate::common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use distlock::memory::MemoryLocker;
+use distlock::{Error, FencingToken, LockKey, Locker, PgLocker, SingletonJob};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+/// The advice every error for a missing schema gives.
+const MIGRATE_FIRST: &str = "call distlock::migrate first";
+
+fn shown(err: &Error) -> String {
+    let text = err.to_string();
+    println!("{text}");
+    assert!(
+        !text.ends_with('.') && !text.starts_with(char::is_uppercase),
+        "messages read like sqlx's: lower case, no trailing punctuation: {text:?}"
+    );
+    text
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_fenced_lock_without_migrate_says_to_call_migrate(pool: PgPool) {
+    let locker = PgLocker::builder(pool)
+        .fencing(true)
+        .build()
+        .expect("valid settings");
+    let err = locker.try_lock("fenced").await.expect_err("no schema");
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    assert!(shown(&err).contains(MIGRATE_FIRST), "{err}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn fence_check_without_migrate_says_to_call_migrate(pool: PgPool) {
+    let mut conn = pool.acquire().await.expect("conn");
+    let err = distlock::fence::check(&mut conn, "invoice:7", FencingToken::new(1))
+        .await
+        .expect_err("no schema");
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    assert!(shown(&err).contains(MIGRATE_FIRST), "{err}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn idempotency_claim_without_migrate_says_to_call_migrate(pool: PgPool) {
+    let mut conn = pool.acquire().await.expect("conn");
+    let err = distlock::idempotency::claim(&mut conn, "payments", "order-1")
+        .await
+        .expect_err("no schema");
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    assert!(shown(&err).contains(MIGRATE_FIRST), "{err}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn once_per_window_without_migrate_says_to_call_migrate(pool: PgPool) {
+    let locker: Arc<dyn Locker> = Arc::new(PgLocker::new(pool.clone()));
+    let job = SingletonJob::builder(locker, "job:daily")
+        .once_per_window(pool.clone(), Duration::from_secs(86_400))
+        .build()
+        .expect("valid settings");
+    let err = job
+        .run(async |_ctx| Ok::<_, Error>(()))
+        .await
+        .expect_err("no schema");
+    assert!(matches!(err, Error::NotMigrated { .. }), "{err:?}");
+    assert!(shown(&err).contains(MIGRATE_FIRST), "{err}");
+}
+
+/// The regression: a `try_lock` and then more work on a pool of one waited
+/// out sqlx's acquire timeout and said only "pool timed out".
+#[sqlx::test(migrations = false)]
+async fn a_try_lock_on_a_pool_its_own_locks_fill_names_the_pool(pool: PgPool) {
+    let small = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .expect("pool of one");
+    let locker = PgLocker::new(small);
+    let held = locker.try_lock("first").await.expect("try").expect("free");
+    let err = locker
+        .try_lock("second")
+        .await
+        .expect_err("no connection left");
+    assert!(matches!(err, Error::PoolExhausted { .. }), "{err:?}");
+    let text = shown(&err);
+    assert!(text.contains("\"second\""), "{text}");
+    assert!(text.contains("max_connections 1"), "{text}");
+    assert!(text.contains("held locks"), "{text}");
+    held.release().await.expect("release");
+}
+
+/// The regression: an inner `with_advisory_lock` on the key its enclosing
+/// one holds returned `Ok(None)`, as if another process held it.
+#[sqlx::test(migrations = false)]
+async fn a_nested_with_advisory_lock_on_the_same_key_says_it_is_nested(pool: PgPool) {
+    let locker = PgLocker::new(pool);
+    let inner = locker
+        .with_advisory_lock("k", async |_conn| {
+            let nested = locker
+                .with_advisory_lock("k", async |_conn| Ok::<_, Error>(()))
+                .await;
+            Ok::<_, Error>(nested)
+        })
+        .await
+        .expect("outer")
+        .expect("outer took the free key");
+    let err = inner.expect_err("nested on the same key");
+    assert!(matches!(err, Error::NestedLock { .. }), "{err:?}");
+    let text = shown(&err);
+    assert!(
+        text.contains("\"k\"") && text.contains("this task"),
+        "{text}"
+    );
+}
+
+/// The regression: the waiting variant blocked until its timeout and then
+/// named the enclosing transaction's own backend as "the holder".
+#[sqlx::test(migrations = false)]
+async fn a_nested_waiting_lock_fails_at_once_instead_of_waiting_for_itself(pool: PgPool) {
+    let locker = PgLocker::new(pool);
+    let (inner, waited) = locker
+        .with_advisory_lock("k", async |_conn| {
+            let started = Instant::now();
+            let nested = locker
+                .with_advisory_lock_wait("k", Duration::from_secs(3), async |_conn| {
+                    Ok::<_, Error>(())
+                })
+                .await;
+            Ok::<_, Error>((nested, started.elapsed()))
+        })
+        .await
+        .expect("outer")
+        .expect("outer took the free key");
+    let err = inner.expect_err("nested on the same key");
+    assert!(waited < Duration::from_secs(1), "waited {waited:?}");
+    assert!(matches!(err, Error::NestedLock { .. }), "{err:?}");
+    assert!(shown(&err).contains("this task"));
+}
+
+/// Other tasks of the process are other holders: they wait as usual.
+#[sqlx::test(migrations = false)]
+async fn the_same_key_in_another_task_is_contention_not_nesting(pool: PgPool) {
+    let locker = PgLocker::new(pool);
+    let other = locker.clone();
+    let outcome = locker
+        .with_advisory_lock("k", async |_conn| {
+            let busy = tokio::spawn(async move {
+                other
+                    .with_advisory_lock("k", async |_conn| Ok::<_, Error>(()))
+                    .await
+            })
+            .await
+            .expect("task");
+            Ok::<_, Error>(busy)
+        })
+        .await
+        .expect("outer")
+        .expect("free");
+    assert!(matches!(outcome, Ok(None)), "{outcome:?}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn multi_key_argument_problems_have_their_own_variants(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+
+    let err = locker
+        .try_lock_all(Vec::<LockKey>::new())
+        .await
+        .expect_err("no keys");
+    assert!(matches!(err, Error::NoKeys), "{err:?}");
+    assert_eq!(shown(&err), "no keys to lock");
+
+    let err = locker
+        .try_lock_all(["a", "b", "a"])
+        .await
+        .expect_err("twice");
+    assert!(matches!(err, Error::DuplicateKey { .. }), "{err:?}");
+    assert_eq!(shown(&err), "lock \"a\" is listed twice");
+
+    let mut obs = observer_for(&pool).await;
+    let hashed = i64::from(hashtext(&mut obs, "x").await);
+    let err = locker
+        .try_lock_all([LockKey::from("x"), LockKey::id(hashed)])
+        .await
+        .expect_err("two spellings of one lock");
+    assert!(matches!(err, Error::SameServerLock { .. }), "{err:?}");
+    let text = shown(&err);
+    assert!(
+        text.contains("\"x\"") && text.contains(&hashed.to_string()),
+        "{text}"
+    );
+    assert!(text.contains("same server lock"), "{text}");
+    close(obs).await;
+}
+
+/// `LockKey::id(42)` and `"42"` are different locks, so their errors must
+/// not read the same.
+#[sqlx::test(migrations = false)]
+async fn errors_tell_an_id_key_from_a_name(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    let wait = Duration::from_millis(300);
+    for (key, wanted) in [
+        (LockKey::from("42"), "lock \"42\""),
+        (LockKey::id(42), "lock 42 "),
+        (LockKey::namespaced(7, "job"), "lock \"job\" in namespace 7"),
+    ] {
+        let held = locker.try_lock(&key).await.expect("try").expect("free");
+        let other = PgLocker::new(pool.clone());
+        let err = other.lock(&key, wait).await.expect_err("held");
+        let text = shown(&err);
+        assert!(text.contains(wanted), "{text} should contain {wanted:?}");
+        match err {
+            Error::Timeout { key: in_err, .. } => assert_eq!(in_err, key),
+            other => panic!("{other:?}"),
+        }
+        held.release().await.expect("release");
+    }
+}
+
+/// A connection whose session already carries another client's lock
+/// marker is what a transaction pooler hands out: the refusal says so,
+/// instead of "backend pid changed from 4242 to 4242".
+#[sqlx::test(migrations = false)]
+async fn a_session_with_another_clients_marker_is_refused_with_that_evidence(pool: PgPool) {
+    let one = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .expect("pool of one");
+    {
+        let mut conn = one.acquire().await.expect("conn");
+        sqlx::query("SELECT pg_catalog.set_config('distlock.locks', '1', false)")
+            .execute(&mut *conn)
+            .await
+            .expect("mark the session as another client would");
+    }
+    let locker = PgLocker::new(one);
+    let err = locker.try_lock("k").await.expect_err("marked session");
+    let text = shown(&err);
+    assert!(
+        matches!(
+            err,
+            Error::PoolerDetected {
+                evidence: distlock::PoolerEvidence::MarkerSeen { .. }
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(!text.contains("changed from"), "{text}");
+    assert!(
+        text.contains("already holds another client's lock"),
+        "{text}"
+    );
+}
+
+/// A fenced grant that came without a token is distlock's own finding,
+/// not a driver fault.
+#[sqlx::test(migrations = false)]
+async fn a_grant_without_a_fencing_token_is_its_own_error(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    sqlx::query(
+        "CREATE OR REPLACE FUNCTION distlock.next_token() RETURNS bigint \
+         LANGUAGE sql AS 'SELECT NULL::bigint'",
+    )
+    .execute(&pool)
+    .await
+    .expect("a broken token function");
+    let locker = PgLocker::builder(pool)
+        .fencing(true)
+        .build()
+        .expect("valid settings");
+    let err = locker.try_lock("k").await.expect_err("no token");
+    assert!(matches!(err, Error::MissingFencingToken { .. }), "{err:?}");
+    assert!(shown(&err).contains("without a fencing token"));
+}
+
+/// DESIGN.md's re-entrancy rule: a second `try_lock` of a key this process
+/// holds is `Ok(None)`, in every mode and on every backend.
+#[sqlx::test(migrations = false)]
+async fn a_second_try_lock_of_a_held_key_is_none_in_every_mode(pool: PgPool) {
+    let plain = PgLocker::new(pool.clone());
+    let multiplexed = PgLocker::builder(pool.clone())
+        .multiplex(1)
+        .build()
+        .expect("valid settings");
+    for locker in [&plain, &multiplexed] {
+        let held = locker.try_lock("k").await.expect("try").expect("free");
+        assert!(locker.try_lock("k").await.expect("again").is_none());
+        assert!(
+            locker
+                .try_lock(&held.key().clone())
+                .await
+                .expect("again")
+                .is_none()
+        );
+        held.release().await.expect("release");
+    }
+    // Two lockers of one process are two holders as well.
+    let held = plain.try_lock("k").await.expect("try").expect("free");
+    assert!(multiplexed.try_lock("k").await.expect("other").is_none());
+    held.release().await.expect("release");
+
+    let memory = MemoryLocker::new();
+    let held = memory.try_lock("k").await.expect("try").expect("free");
+    assert!(memory.try_lock("k").await.expect("again").is_none());
+    held.release().await.expect("release");
+}

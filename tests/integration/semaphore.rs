@@ -1,0 +1,299 @@
+//! `Semaphore` on PostgreSQL (`PgLocker::semaphore`): what a try costs,
+//! what waiters hold of the pool, the order they are served in, the
+//! whole-call timeout, and the bound, checked on a history (with a broken
+//! semaphore the checker must catch).
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::proxy::Proxy;
+use distlock::{Error, PgLocker, Semaphore};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+/// The semaphore under test: the PostgreSQL path.
+fn semaphore(locker: &PgLocker, name: &str, permits: u32) -> Semaphore {
+    locker.semaphore(name, permits).expect("a valid semaphore")
+}
+
+async fn pool_of(opts: &PgConnectOptions, size: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(Duration::from_secs(2))
+        // A health check would be one more round trip per checkout.
+        .test_before_acquire(false)
+        .connect_with(opts.clone())
+        .await
+        .expect("pool")
+}
+
+/// Takes every permit of `semaphore`.
+async fn take_all(semaphore: &Semaphore) -> Vec<distlock::SemaphorePermit> {
+    let mut permits = Vec::new();
+    while let Some(permit) = semaphore.try_acquire().await.unwrap() {
+        permits.push(permit);
+    }
+    assert_eq!(permits.len(), semaphore.permits() as usize);
+    permits
+}
+
+/// How long a try of `name` (every permit held) takes through a proxy that
+/// holds back every chunk, after a warm-up.
+async fn busy_try(opts: &PgConnectOptions, name: &str, permits: u32) -> Duration {
+    let proxy = Proxy::start(opts.get_host(), opts.get_port())
+        .await
+        .expect("proxy");
+    let locker = PgLocker::new(pool_of(&proxy.options(opts), 1).await);
+    let tried = semaphore(&locker, name, permits);
+    // Warm up: the connection's statements are prepared, the pooler probe
+    // has run.
+    tried
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free")
+        .release()
+        .await
+        .unwrap();
+    let holders = PgLocker::new(pool_of(opts, permits + 1).await);
+    let permits = take_all(&semaphore(&holders, name, permits)).await;
+    assert!(tried.try_acquire().await.unwrap().is_none(), "all held");
+    proxy.delay(Duration::from_millis(60));
+    let started = Instant::now();
+    assert!(tried.try_acquire().await.unwrap().is_none(), "all held");
+    let took = started.elapsed();
+    proxy.pass();
+    for permit in permits {
+        permit.release().await.unwrap();
+    }
+    took
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_try_costs_one_round_trip_whatever_the_permits(
+    _pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    // A try of one slot is one lock attempt: the yardstick.
+    let one = busy_try(&opts, "sem:rt:1", 1).await;
+    let eight = busy_try(&opts, "sem:rt:8", 8).await;
+    println!("a busy try: of 1 permit {one:?}, of 8 permits {eight:?}");
+    assert!(
+        eight < one + one / 2,
+        "a try of 8 permits took {eight:?}, a try of 1 took {one:?}"
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn waiters_leave_the_pool_to_others(_pool_opts: PgPoolOptions, opts: PgConnectOptions) {
+    let pool = pool_of(&opts, 6).await;
+    let locker = PgLocker::new(pool.clone());
+    let sem = semaphore(&locker, "sem:pool", 2);
+    let first = sem.acquire(Duration::from_secs(5)).await.unwrap();
+    let second = sem.acquire(Duration::from_secs(5)).await.unwrap();
+    let mut waiters = tokio::task::JoinSet::new();
+    for _ in 0..3 {
+        let sem = sem.clone();
+        waiters.spawn(async move {
+            let permit = sem.acquire(Duration::from_secs(20)).await?;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            permit.release().await
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let in_use = pool.size() - u32::try_from(pool.num_idle()).unwrap();
+    sqlx::query("SELECT 1")
+        .execute(&pool)
+        .await
+        .expect("a plain statement on the pool while three waiters wait");
+    assert!(
+        in_use <= 3,
+        "two permits and three waiters hold {in_use} connections"
+    );
+    first.release().await.unwrap();
+    second.release().await.unwrap();
+    while let Some(done) = waiters.join_next().await {
+        done.unwrap().expect("every waiter got its permit");
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn waiters_are_served_in_arrival_order_across_pools(
+    _pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    const WAITERS: usize = 5;
+    let holder = PgLocker::new(pool_of(&opts, 2).await);
+    let held = semaphore(&holder, "sem:fifo", 2);
+    let a = held.acquire(Duration::from_secs(5)).await.unwrap();
+    let b = held.acquire(Duration::from_secs(5)).await.unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut waiters = tokio::task::JoinSet::new();
+    for i in 0..WAITERS {
+        // A pool and a locker each, as separate processes have.
+        let locker = PgLocker::new(pool_of(&opts, 2).await);
+        let order = Arc::clone(&order);
+        waiters.spawn(async move {
+            let sem = semaphore(&locker, "sem:fifo", 2);
+            let permit = sem.acquire(Duration::from_secs(30)).await?;
+            order.lock().unwrap().push(i);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            permit.release().await
+        });
+        // Long enough for waiter i to queue before waiter i + 1 arrives.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    a.release().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    b.release().await.unwrap();
+    while let Some(done) = waiters.join_next().await {
+        done.unwrap().expect("every waiter got its permit");
+    }
+    let order = order.lock().unwrap().clone();
+    assert_eq!(
+        order,
+        (0..WAITERS).collect::<Vec<_>>(),
+        "served out of order"
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_timeout_covers_the_whole_call(_pool_opts: PgPoolOptions, opts: PgConnectOptions) {
+    const PERMITS: u32 = 5;
+    let holders = PgLocker::new(pool_of(&opts, PERMITS + 1).await);
+    let permits = take_all(&semaphore(&holders, "sem:timeout", PERMITS)).await;
+    let proxy = Proxy::start(opts.get_host(), opts.get_port())
+        .await
+        .expect("proxy");
+    let slow = pool_of(&proxy.options(&opts), 1).await;
+    let locker = PgLocker::new(slow);
+    let sem = semaphore(&locker, "sem:timeout", PERMITS);
+    // Every round trip now takes about 200 ms.
+    proxy.delay(Duration::from_millis(100));
+    let timeout = Duration::from_secs(1);
+    let started = Instant::now();
+    let err = sem
+        .acquire(timeout)
+        .await
+        .expect_err("every permit is held");
+    let took = started.elapsed();
+    println!("acquire({timeout:?}) gave up after {took:?}: {err}");
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    assert!(
+        took < timeout + Duration::from_millis(700),
+        "acquire({timeout:?}) took {took:?}"
+    );
+    proxy.pass();
+    for permit in permits {
+        permit.release().await.unwrap();
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn available_permits_counts_the_free_slots(pool: PgPool) {
+    let locker = PgLocker::new(pool);
+    let sem = semaphore(&locker, "sem:available", 3);
+    assert_eq!(sem.available_permits().await.unwrap(), Some(3));
+    let one = sem.try_acquire().await.unwrap().expect("free");
+    let two = sem.try_acquire().await.unwrap().expect("free");
+    assert_eq!((one.slot(), two.slot()), (0, 1), "slots are tried in order");
+    assert_eq!(sem.available_permits().await.unwrap(), Some(1));
+    one.release().await.unwrap();
+    assert_eq!(sem.available_permits().await.unwrap(), Some(2));
+    two.release().await.unwrap();
+}
+
+/// One entry per permit held: which slot, from when to when (a sequence
+/// number per event, so overlap is exact).
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    slot: u32,
+    from: u64,
+    to: u64,
+}
+
+/// What must hold of a history: never more than `permits` holders at once,
+/// never one slot held twice at once. `Err` names the first violation.
+fn check(history: &[Held], permits: u32) -> Result<usize, String> {
+    let mut events: Vec<(u64, i32, u32)> = Vec::new();
+    for held in history {
+        events.push((held.from, 1, held.slot));
+        events.push((held.to, -1, held.slot));
+    }
+    events.sort_unstable();
+    let (mut inside, mut most) = (0_i32, 0_i32);
+    let mut slots: HashMap<u32, i32> = HashMap::new();
+    for (at, change, slot) in events {
+        inside += change;
+        most = most.max(inside);
+        let on_slot = slots.entry(slot).or_default();
+        *on_slot += change;
+        if inside > i32::try_from(permits).unwrap() {
+            return Err(format!(
+                "{inside} holders of {permits} permits at event {at}"
+            ));
+        }
+        if *on_slot > 1 {
+            return Err(format!("slot {slot} held twice at event {at}"));
+        }
+    }
+    Ok(usize::try_from(most).unwrap())
+}
+
+/// Many tasks on two pools take and release permits, recording a history;
+/// `broken` tasks skip the semaphore and pretend they hold slot 0.
+async fn history(opts: &PgConnectOptions, permits: u32, broken: bool) -> Vec<Held> {
+    let clock = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let history = Arc::new(Mutex::new(Vec::new()));
+    let lockers = [
+        PgLocker::new(pool_of(opts, 8).await),
+        PgLocker::new(pool_of(opts, 8).await),
+    ];
+    let mut tasks = tokio::task::JoinSet::new();
+    for task in 0..24 {
+        let sem = semaphore(&lockers[task % 2], "sem:history", permits);
+        let (clock, history) = (Arc::clone(&clock), Arc::clone(&history));
+        tasks.spawn(async move {
+            for _ in 0..5 {
+                let tick = || clock.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let permit = if broken {
+                    None
+                } else {
+                    Some(sem.acquire(Duration::from_secs(60)).await?)
+                };
+                let from = tick();
+                tokio::time::sleep(Duration::from_millis(3)).await;
+                let to = tick();
+                let slot = permit.as_ref().map_or(0, |p| p.slot());
+                history.lock().unwrap().push(Held { slot, from, to });
+                if let Some(permit) = permit {
+                    permit.release().await?;
+                }
+            }
+            Ok::<_, Error>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap().unwrap();
+    }
+    history.lock().unwrap().clone()
+}
+
+#[sqlx::test(migrations = false)]
+async fn never_more_holders_than_permits(_pool_opts: PgPoolOptions, opts: PgConnectOptions) {
+    const PERMITS: u32 = 3;
+    let history = history(&opts, PERMITS, false).await;
+    assert_eq!(history.len(), 24 * 5);
+    let most = check(&history, PERMITS).expect("the bound holds");
+    assert_eq!(most, PERMITS as usize, "every permit was used");
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_broken_semaphore_is_caught(_pool_opts: PgPoolOptions, opts: PgConnectOptions) {
+    let history = history(&opts, 3, true).await;
+    let caught = check(&history, 3).expect_err("a semaphore that takes no lock is caught");
+    println!("caught: {caught}");
+}

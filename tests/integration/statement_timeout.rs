@@ -1,0 +1,201 @@
+//! A `statement_timeout` set for the session (by the role, the database,
+//! the connect options or an `after_connect` hook) does not cut distlock's
+//! own lock waits short: a wait ends when the lock is granted or the
+//! caller's timeout passes, not with SQLSTATE 57014 at the session's limit.
+//! The caller's own statements keep their `statement_timeout`.
+
+use crate::common::*;
+
+use std::time::{Duration, Instant};
+
+use distlock::PgLocker;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio::task::JoinHandle;
+
+/// The session's `statement_timeout` in these tests: shorter than the
+/// holder's 2 s hold, so a wait that runs under it fails before the grant.
+const SESSION_LIMIT: &str = "1s";
+
+/// How long the outside holder keeps the key.
+const HOLD: Duration = Duration::from_secs(2);
+
+/// The caller's timeout: longer than the hold, so every wait is granted.
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A pool whose every connection starts with `statement_timeout = 1s`, as a
+/// role setting would give it (a startup parameter, so the multiplexed
+/// connection, opened from the pool's options, has it too).
+async fn limited_pool(pool: &PgPool) -> PgPool {
+    let options = (*pool.connect_options())
+        .clone()
+        .options([("statement_timeout", SESSION_LIMIT)]);
+    PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("pool with a statement_timeout")
+}
+
+/// Holds `key` (an advisory lock call's argument list, such as
+/// `hashtext('k')`) exclusively from an outside session, and lets it go
+/// after [`HOLD`].
+async fn hold_then_release(pool: &PgPool, key: &str) -> JoinHandle<()> {
+    let mut holder = observer_for(pool).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_advisory_lock({key})"
+    )))
+    .execute(&mut holder)
+    .await
+    .expect("hold the key");
+    tokio::spawn(async move {
+        tokio::time::sleep(HOLD).await;
+        close(holder).await;
+    })
+}
+
+/// The wait must have lasted until the holder let go: granted, not failed.
+fn assert_granted_after_hold<T: std::fmt::Debug, E: std::fmt::Debug>(
+    what: &str,
+    started: Instant,
+    outcome: Result<T, E>,
+) -> T {
+    let waited = started.elapsed();
+    let value = match outcome {
+        Ok(value) => value,
+        Err(err) => panic!(
+            "{what} under statement_timeout = {SESSION_LIMIT}: expected the lock \
+             after the {HOLD:?} hold, got {err:?} after {waited:?}"
+        ),
+    };
+    assert!(
+        waited >= HOLD - Duration::from_millis(200),
+        "{what}: granted after {waited:?}, before the holder let go"
+    );
+    value
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_session_statement_timeout_does_not_cut_lock_short(pool: PgPool) {
+    let limited = limited_pool(&pool).await;
+    let locker = PgLocker::new(limited.clone());
+    let holder = hold_then_release(&pool, "hashtext('k')").await;
+    let started = Instant::now();
+    let lock = assert_granted_after_hold("lock", started, locker.lock("k", TIMEOUT).await);
+    lock.release().await.expect("release");
+    holder.await.expect("holder");
+    limited.close().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_session_statement_timeout_does_not_cut_lock_shared_short(pool: PgPool) {
+    let limited = limited_pool(&pool).await;
+    let locker = PgLocker::new(limited.clone());
+    let holder = hold_then_release(&pool, "hashtext('k')").await;
+    let started = Instant::now();
+    let outcome = locker.lock_shared("k", TIMEOUT).await;
+    let lock = assert_granted_after_hold("lock_shared", started, outcome);
+    lock.release().await.expect("release");
+    holder.await.expect("holder");
+    limited.close().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_session_statement_timeout_does_not_cut_lock_all_short(pool: PgPool) {
+    let limited = limited_pool(&pool).await;
+    let locker = PgLocker::new(limited.clone());
+    let holder = hold_then_release(&pool, "hashtext('k')").await;
+    let started = Instant::now();
+    let outcome = locker.lock_all(["j", "k"], TIMEOUT).await;
+    let both = assert_granted_after_hold("lock_all", started, outcome);
+    both.release().await.expect("release");
+    holder.await.expect("holder");
+    limited.close().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_session_statement_timeout_does_not_cut_the_transaction_wait_short(pool: PgPool) {
+    let limited = limited_pool(&pool).await;
+    let locker = PgLocker::new(limited.clone());
+    let holder = hold_then_release(&pool, "hashtext('k')").await;
+    let started = Instant::now();
+    let outcome = locker
+        .with_advisory_lock_wait("k", TIMEOUT, async |conn| {
+            // The closure's own statements run under the session's limit.
+            sqlx::query_scalar::<_, String>("SHOW statement_timeout")
+                .fetch_one(conn)
+                .await
+                .map_err(distlock::Error::from)
+        })
+        .await;
+    let inside = assert_granted_after_hold("with_advisory_lock_wait", started, outcome);
+    assert_eq!(inside, SESSION_LIMIT, "the closure's statement_timeout");
+    holder.await.expect("holder");
+    limited.close().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_session_statement_timeout_does_not_cut_lock_xact_short(pool: PgPool) {
+    let limited = limited_pool(&pool).await;
+    let holder = hold_then_release(&pool, "hashtext('k')").await;
+    let mut tx = limited.begin().await.expect("begin");
+    let started = Instant::now();
+    let outcome = distlock::lock_xact(&mut tx, "k", TIMEOUT).await;
+    assert_granted_after_hold("lock_xact", started, outcome);
+    // The caller's transaction keeps its own limit after the wait.
+    let after: String = sqlx::query_scalar("SHOW statement_timeout")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("statement_timeout after the wait");
+    assert_eq!(after, SESSION_LIMIT, "the caller's statement_timeout");
+    tx.commit().await.expect("commit");
+    holder.await.expect("holder");
+    limited.close().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_session_statement_timeout_does_not_cut_a_multiplexed_lock_short(pool: PgPool) {
+    let limited = limited_pool(&pool).await;
+    let locker = PgLocker::builder(limited.clone())
+        .multiplex(1)
+        .build()
+        .expect("valid settings");
+    let holder = hold_then_release(&pool, "hashtext('k')").await;
+    let started = Instant::now();
+    let outcome = locker.lock("k", TIMEOUT).await;
+    let lock = assert_granted_after_hold("multiplexed lock", started, outcome);
+    lock.release().await.expect("release");
+    holder.await.expect("holder");
+    drop(locker);
+    limited.close().await;
+}
+
+/// With a session limit, a free key costs what it costs without one, and the
+/// session's limit is untouched by the lock (the extra statements run only
+/// around a wait).
+#[sqlx::test(migrations = false)]
+async fn a_session_statement_timeout_survives_a_lock_and_its_wait(pool: PgPool) {
+    let limited = limited_pool(&pool).await;
+    let locker = PgLocker::new(limited.clone());
+    let holder = hold_then_release(&pool, "hashtext('k')").await;
+    let lock = locker
+        .lock("k", TIMEOUT)
+        .await
+        .expect("lock after the hold");
+    holder.await.expect("holder");
+    let pid = lock.backend_pid();
+    lock.release().await.expect("release");
+    // The released connection is back in the pool with the session's limit.
+    let mut conn = limited.acquire().await.expect("pooled connection");
+    let same = backend_pid(&mut conn).await == pid;
+    let limit: String = sqlx::query_scalar("SHOW statement_timeout")
+        .fetch_one(&mut *conn)
+        .await
+        .expect("statement_timeout");
+    assert_eq!(
+        limit, SESSION_LIMIT,
+        "statement_timeout after a wait (same backend: {same})"
+    );
+    drop(conn);
+    limited.close().await;
+}

@@ -122,7 +122,9 @@ impl SemaphorePermit {
     }
 
     /// Releases the permit: what releasing the slot's lock costs (on
-    /// PostgreSQL 1 round trip, then the connection returns to the pool).
+    /// PostgreSQL 1 round trip, whose unlock statement also announces the
+    /// freed slot to waiting processes with a `NOTIFY`, no durable write;
+    /// then the connection returns to the pool).
     /// Fails as the underlying guard's release does, for example with
     /// [`Error::LockLost`] when the permit had been lost.
     ///

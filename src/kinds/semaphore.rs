@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Mutex;
 
 use super::permit::SemaphorePermit;
+use crate::postgres::locker::PgLocker;
 use crate::postgres::semaphore::PgSlots;
 use crate::{Error, LockKey, Locker};
 
@@ -32,10 +33,12 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 /// - [`PgLocker::semaphore`](crate::PgLocker::semaphore), on PostgreSQL: a
 ///   try is **one statement** whatever the number of permits (it tries every
 ///   slot in order and stops at the first granted); a waiting
-///   [`acquire`](Self::acquire) is served **in arrival order across
-///   processes**, and the waiters of one `Semaphore` (and its clones)
-///   **hold one pooled connection between them** however many they are,
-///   plus one connection per held permit. See "Waiting on PostgreSQL".
+///   [`acquire`](Self::acquire) is **woken by the release** of a permit
+///   (`NOTIFY`), not by a poll; waiters are served **in arrival order
+///   within the process, and processes take turns** on the server; the
+///   waiters of one `Semaphore` (and its clones) **hold one pooled
+///   connection between them** however many they are, plus one connection
+///   per held permit. See "Waiting on PostgreSQL".
 /// - [`Semaphore::new`] over any [`Locker`] (Redis, the in-memory backend,
 ///   or a `PgLocker` seen as a `Locker`): a try is one `try_lock` per slot,
 ///   in order, up to `permits` of them; a waiter polls every slot, pausing
@@ -45,28 +48,31 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 ///
 /// Both kinds of users of one semaphore on one PostgreSQL database see each
 /// other's permits (the slots are the same locks), but only the first takes
-/// part in the cross-process queue.
+/// part in the cross-process queue and announces its releases.
 ///
 /// # Waiting on PostgreSQL
 ///
 /// The waiters of a `Semaphore` line up in the process, first come first
 /// served (a `tokio` mutex). Only the first of them, the head, talks to the
-/// server: it tries (1 round trip) and, if every permit is held, runs one
-/// waiting statement that queues on the semaphore's queue lock (one more
-/// lock in [`SLOT_NAMESPACE`](Self::SLOT_NAMESPACE), `"{name}#queue"`), so
-/// that the heads of every process wait in PostgreSQL's own lock queue,
-/// first come first served. At the front of that queue the statement tries
-/// every slot on the server about every 2 ms (no round trip, no write),
-/// takes the first freed one and lets go of the queue in the same statement:
-/// a freed permit waits about 2 ms at most, and the server spends about 500
-/// tries of `permits` advisory locks a second on a queue's head. The
-/// connection that took the slot becomes the permit's, and the next waiter
-/// in the process becomes the head on a connection of its own. A try
-/// ([`try_acquire`](Self::try_acquire)) takes no permit while some process's
-/// head is queued or at the front: freed permits go to waiters first.
+/// server, on one pooled connection: it tries (1 round trip) and, if every
+/// permit is held, `LISTEN`s on the channel `distlock_semaphore` (1 round
+/// trip) and takes the semaphore's queue lock (one more lock in
+/// [`SLOT_NAMESPACE`](Self::SLOT_NAMESPACE), `"{name}#queue"`) exclusively,
+/// waiting in PostgreSQL's own lock queue behind the other processes'
+/// heads, and tries the slots again in the same statement (1 round trip).
+/// While a head holds the queue, a [`try_acquire`](Self::try_acquire) of any
+/// process takes no permit: freed permits go to waiters first. A permit's
+/// release announces its slot on the channel in the unlock statement (no
+/// extra round trip), and the head tries the slots again (1 round trip);
+/// it also tries every 200 ms unannounced, for a holder whose session ended
+/// without an unlock. The statement that takes a slot lets go of the queue,
+/// so the next process's head takes its turn, and the head's connection
+/// becomes the permit's; the process's next waiter becomes the head on a
+/// connection of its own.
 ///
-/// So "arrival order" is the order in which heads reach the server: a
-/// process's second waiter queues on the server once its first is served.
+/// So a freed permit reaches a waiting head in about one round trip and a
+/// notification's delivery, and "arrival order" is the order of heads on
+/// the server: the processes with waiters take turns.
 ///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
@@ -123,10 +129,6 @@ impl Semaphore {
     /// whose tries and waits cost less (see above).
     pub fn new(locker: Arc<dyn Locker>, name: &str, permits: u32) -> Result<Self, Error> {
         Self::build(Backend::Any(locker), name, permits)
-    }
-
-    pub(crate) fn on_postgres(slots: PgSlots, name: &str, permits: u32) -> Result<Self, Error> {
-        Self::build(Backend::Postgres(slots), name, permits)
     }
 
     fn build(backend: Backend, name: &str, permits: u32) -> Result<Self, Error> {
@@ -219,7 +221,8 @@ impl Semaphore {
     /// waited for, its connection is closed instead.
     ///
     /// On PostgreSQL ([`PgLocker::semaphore`](crate::PgLocker::semaphore)):
-    /// 1 round trip when a permit is free, 2 when it waits on the server,
+    /// 1 round trip when a permit is free, 3 when it waits on the server (the
+    /// try, `LISTEN`, the line-up) and 1 more per announced release,
     /// and in arrival order (see "Waiting on PostgreSQL"). Elsewhere: tries
     /// every slot and polls (see the type's documentation).
     ///
@@ -238,15 +241,18 @@ impl Semaphore {
                 .ok_or_else(|| self.timed_out(started));
         }
         let deadline = crate::deadline::after_std(started, timeout);
-        let Ok(_head) = tokio::time::timeout_at(deadline, self.queue.lock()).await else {
-            return Err(self.timed_out(started));
-        };
         match &self.backend {
+            // It keeps its own line, with its waiting connection.
             Backend::Postgres(slots) => slots
                 .acquire(&self.name, started, deadline)
                 .await
                 .map(|(slot, lock)| SemaphorePermit::on_session(slot, lock)),
-            Backend::Any(locker) => self.poll_any(locker, started, deadline).await,
+            Backend::Any(locker) => {
+                let Ok(_head) = tokio::time::timeout_at(deadline, self.queue.lock()).await else {
+                    return Err(self.timed_out(started));
+                };
+                self.poll_any(locker, started, deadline).await
+            }
         }
     }
 
@@ -276,5 +282,36 @@ impl Semaphore {
 
     fn timed_out(&self, started: Instant) -> Error {
         crate::postgres::semaphore::timeout(&self.name, started)
+    }
+}
+
+impl PgLocker {
+    /// A [`Semaphore`] of `permits` permits named `name` on this locker's
+    /// PostgreSQL database, with the PostgreSQL costs: a try is one
+    /// statement whatever the number of permits; a waiter is told of a freed
+    /// permit by its unlock (`NOTIFY`) instead of polling; the waiters of one
+    /// `Semaphore` (and its clones) hold at most two pooled connections
+    /// between them while they wait, and processes with waiters take turns
+    /// on the server. See [`Semaphore`] ("Waiting on PostgreSQL"). In the
+    /// multiplexed mode too, each held permit keeps a pooled connection of
+    /// its own (a [`SessionLock`](crate::SessionLock) of the default mode).
+    ///
+    /// Refused with [`Error::InvalidConfig`] for zero permits and with
+    /// [`Error::InvalidKey`] for a name that is not a valid key. Makes no
+    /// round trip.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
+    /// use std::time::Duration;
+    /// let locker = distlock::PgLocker::new(pool);
+    /// let exports = locker.semaphore("exports", 3)?;
+    /// let permit = exports.acquire(Duration::from_secs(30)).await?;
+    /// // ... at most three exports run at once, cluster-wide ...
+    /// permit.release().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn semaphore(&self, name: &str, permits: u32) -> Result<Semaphore, Error> {
+        let slots = PgSlots::new(self.clone(), Semaphore::SLOT_NAMESPACE, name, permits);
+        Semaphore::build(Backend::Postgres(slots), name, permits)
     }
 }

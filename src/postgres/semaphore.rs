@@ -1,91 +1,107 @@
-//! A semaphore's permits on PostgreSQL: one statement tries every slot, and
-//! one connection per process waits for a slot behind a queue lock, so that
-//! waiters of every process are served in the order they queued on the
-//! server.
+//! A semaphore's permits on PostgreSQL: one statement tries every slot, one
+//! connection per process waits behind the other processes on the server,
+//! and a freed permit is announced to it (`NOTIFY`), so that a waiter is
+//! served without a poll.
 //!
 //! The slots are the same advisory locks the generic semaphore takes
-//! (`LockKey::namespaced(SLOT_NAMESPACE, "{name}#{i}")`), so both kinds of
-//! users of one semaphore see each other's permits. The queue is one more
-//! lock in that namespace, `"{name}#queue"`: a slot's name ends in digits,
-//! so no slot of any semaphore is a queue.
+//! (`LockKey::namespaced(namespace, "{name}#{i}")`), so both kinds of users
+//! of one semaphore see each other's permits. The queue is one more lock in
+//! that namespace, `"{name}#queue"`: a slot's name ends in digits, so no slot
+//! of any semaphore is a queue.
+//!
+//! # How a process waits
+//!
+//! The waiters of a process line up in a `tokio` mutex (first come, first
+//! served); the one holding it, the head, talks to the server on one
+//! pooled connection. Its first try is the plain one: it takes the queue
+//! shared, so it takes nothing while another process waits. When every
+//! permit is held, the head `LISTEN`s on the permit channel and takes the
+//! queue lock exclusively, waiting in PostgreSQL's lock queue behind the
+//! other processes' heads, and tries the slots in the same statement. While
+//! it holds the queue, no plain try of any process takes a slot; the head
+//! tries the slots again each time a permit's unlock announces a freed slot
+//! of this semaphore, or every [`FALLBACK`] (for a holder that vanished
+//! without unlocking). The statement that takes a slot lets go of the queue,
+//! so the next process's head takes its turn, and the head's connection
+//! becomes the permit's. A process's waiters hold one connection between
+//! them, however many they are.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sqlx::Row;
 use sqlx::postgres::PgRow;
+use tokio::sync::Mutex;
 
 use crate::postgres::conn::held::HeldConn;
 use crate::postgres::conn::watched::WatchedConn;
 use crate::postgres::locker::PgLocker;
 use crate::postgres::request::fragments::{
-    PgQuery, client_check, keepalives, millis_setting, session_marker,
+    PgQuery, client_check, keepalives, millis_setting, permit_channel, session_marker,
 };
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
 use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
-use crate::{Error, FencingToken, LockKey, Semaphore};
+use crate::{Error, FencingToken, LockKey};
 
 /// How long after its deadline a waiter still waits for the server's
 /// answer before it closes the connection and times out.
-const ANSWER_GRACE: std::time::Duration = std::time::Duration::from_millis(50);
+const ANSWER_GRACE: Duration = Duration::from_millis(50);
 
-/// The PostgreSQL side of a [`Semaphore`] built by [`PgLocker::semaphore`].
+/// How often the head tries the slots without having been told of a freed
+/// one: a holder whose session ended without an unlock (a crash, a
+/// partition, `pg_terminate_backend`) frees its slot silently, and so does
+/// a slot taken through a plain lock (`Semaphore::new` over a `PgLocker`).
+pub(crate) const FALLBACK: Duration = Duration::from_millis(200);
+
+/// The PostgreSQL side of a semaphore built by `PgLocker::semaphore`.
 #[derive(Debug, Clone)]
 pub(crate) struct PgSlots {
     locker: PgLocker,
+    namespace: i32,
     /// `"{name}#{i}"` for every slot `i`, bound as one `text[]`.
     slots: Arc<[String]>,
     /// `"{name}#queue"`.
     queue: String,
+    /// The process's line, first come first served; its holder is the head.
+    line: Arc<Mutex<()>>,
 }
 
 /// What one semaphore statement found.
 enum Outcome {
     /// Slot `.0` is held by the statement's connection.
     Granted(u32, i32, Option<FencingToken>),
-    /// Every slot was held (or, for a try, a waiter queued first).
-    Busy,
+    /// Every slot was held (or, for a plain try, a waiter holds the
+    /// queue); `.0` is the statement's backend.
+    Busy(i32),
 }
 
-impl PgLocker {
-    /// A [`Semaphore`] of `permits` permits named `name` on this locker's
-    /// PostgreSQL database, with the PostgreSQL costs: a try is one
-    /// statement whatever the number of permits, and the waiters of one
-    /// `Semaphore` (and its clones) hold one pooled connection between them
-    /// while they wait, served in the order they queued on the server across
-    /// processes. See [`Semaphore`] for the layout and the costs. In the
-    /// multiplexed mode too, each held permit keeps a pooled connection of
-    /// its own (a [`SessionLock`] of the default mode).
-    ///
-    /// Refused with [`Error::InvalidConfig`] for zero permits and with
-    /// [`Error::InvalidKey`] for a name that is not a valid key. Makes no
-    /// round trip.
-    ///
-    /// ```no_run
-    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
-    /// use std::time::Duration;
-    /// let locker = distlock::PgLocker::new(pool);
-    /// let exports = locker.semaphore("exports", 3)?;
-    /// let permit = exports.acquire(Duration::from_secs(30)).await?;
-    /// // ... at most three exports run at once, cluster-wide ...
-    /// permit.release().await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn semaphore(&self, name: &str, permits: u32) -> Result<Semaphore, Error> {
-        let slots: Arc<[String]> = (0..permits).map(|i| format!("{name}#{i}")).collect();
-        let postgres = PgSlots {
-            locker: self.clone(),
-            slots,
-            queue: format!("{name}#queue"),
-        };
-        Semaphore::on_postgres(postgres, name, permits)
-    }
+/// The statements that try the slots.
+#[derive(Clone, Copy)]
+enum Try {
+    /// [`TRY`]: takes nothing while a process waits.
+    Plain,
+    /// [`LINE_UP`]: waits for the queue until the deadline, then tries.
+    LineUp(tokio::time::Instant),
+    /// [`HEAD_TRY`]: the connection holds the queue (backend `.0`).
+    Head(i32),
 }
 
 impl PgSlots {
+    /// The slots `"{name}#0"` … of `name` in `namespace`. Makes no round
+    /// trip.
+    pub(crate) fn new(locker: PgLocker, namespace: i32, name: &str, permits: u32) -> Self {
+        Self {
+            locker,
+            namespace,
+            slots: (0..permits).map(|i| format!("{name}#{i}")).collect(),
+            queue: format!("{name}#queue"),
+            line: Arc::new(Mutex::new(())),
+        }
+    }
+
     fn key(&self, slot: &str) -> LockKey {
-        LockKey::namespaced(Semaphore::SLOT_NAMESPACE, slot)
+        LockKey::namespaced(self.namespace, slot)
     }
 
     fn queue_key(&self) -> LockKey {
@@ -96,95 +112,178 @@ impl PgSlots {
         self.locker.config().fencing
     }
 
-    /// A free slot without waiting, unless a waiter is queued on the server
-    /// (it is served first: a freed permit goes to the queue's head). One statement on a pooled connection.
+    /// A free slot without waiting, unless a waiting process holds the
+    /// queue (a freed permit is theirs). One statement on a pooled
+    /// connection; the pool's own timeout is [`Error::PoolExhausted`] when
+    /// every connection is in use.
     pub(crate) async fn try_acquire(&self) -> Result<Option<(u32, SessionLock)>, Error> {
-        let mut conn = HeldConn::watched(WatchedConn::acquire(self.locker.pool()).await?, true);
-        match self.try_on(&mut conn).await? {
-            Outcome::Granted(slot, pid, token) => Ok(Some(self.start(conn, slot, pid, token)?)),
-            Outcome::Busy => {
+        let pool = self.locker.pool();
+        let acquired = WatchedConn::acquire(pool).await;
+        let conn = acquired.map_err(|err| {
+            crate::postgres::conn::pooled::pool_error(pool, &self.queue_key(), err)
+        })?;
+        let mut conn = HeldConn::watched(conn, true);
+        match self.try_on(&mut conn, Try::Plain).await? {
+            Some(Outcome::Granted(slot, pid, token)) => {
+                Ok(Some(self.start(conn, slot, pid, token)?))
+            }
+            // A plain try always answers.
+            Some(Outcome::Busy(_)) | None => {
                 conn.into_pool();
                 Ok(None)
             }
         }
     }
 
-    /// Runs the try statement on `conn`. It also asks the server to check
-    /// for a vanished client during later statements, which the wait needs.
-    async fn try_on(&self, conn: &mut HeldConn) -> Result<Outcome, Error> {
+    /// Runs a try statement on `conn`; `Ok(None)` when the deadline of a
+    /// [`Try::LineUp`] passed (with the queue held or not: the caller
+    /// closes the connection). Every other kind answers at once.
+    async fn try_on(&self, conn: &mut HeldConn, kind: Try) -> Result<Option<Outcome>, Error> {
         self.locker.inner.pooler.ensure_session(conn.conn()).await?;
-        let sql = if self.fencing() { TRY_FENCED } else { TRY };
-        let row = self
-            .bind(sqlx::query(sql))
-            .fetch_one(conn.conn())
-            .await
-            .map_err(|err| locking_error(err, &self.queue_key()))?;
-        self.outcome(&row)
-    }
-
-    /// A slot, waiting until `deadline` on `conn` (which has run the try
-    /// statement). `Ok(None)` when the deadline passed with every slot held.
-    async fn wait_on(
-        &self,
-        conn: &mut HeldConn,
-        deadline: tokio::time::Instant,
-    ) -> Result<Option<(u32, i32, Option<FencingToken>)>, Error> {
+        let fenced = self.fencing();
+        let query = self.bind(sqlx::query(match (kind, fenced) {
+            (Try::Plain, false) => TRY,
+            (Try::Plain, true) => TRY_FENCED,
+            (Try::LineUp(_), false) => LINE_UP,
+            (Try::LineUp(_), true) => LINE_UP_FENCED,
+            (Try::Head(_), false) => HEAD_TRY,
+            (Try::Head(_), true) => HEAD_TRY_FENCED,
+        }));
+        let Try::LineUp(deadline) = kind else {
+            let query = match kind {
+                Try::Head(pid) => query.bind(pid),
+                _ => query,
+            };
+            let row = query.fetch_one(conn.conn()).await;
+            let row = row.map_err(|err| locking_error(err, &self.queue_key()))?;
+            return self.outcome(&row).map(Some);
+        };
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
         if remaining.is_zero() {
             return Ok(None);
         }
-        let sql = if self.fencing() { WAIT_FENCED } else { WAIT };
-        // As `lock_timeout` can express: about 24.8 days.
-        let millis = i64::try_from(remaining.as_millis())
-            .map_or(i64::from(i32::MAX), |ms| ms.min(i64::from(i32::MAX)));
-        let row = self
-            .bind(sqlx::query(sql))
-            .bind(millis_setting(remaining))
-            .bind(millis)
-            .fetch_one(conn.conn())
-            .await
-            .map_err(|err| locking_error(err, &self.queue_key()))?;
-        match self.outcome(&row)? {
-            Outcome::Granted(slot, pid, token) => Ok(Some((slot, pid, token))),
-            Outcome::Busy => Ok(None),
+        let statement = query.bind(millis_setting(remaining)).fetch_one(conn.conn());
+        // The server gives up at the deadline (lock_timeout). An answer
+        // that has not arrived shortly after it (a slow or stalled network)
+        // is not waited for, so that the call keeps its deadline.
+        let grace = crate::deadline::after(deadline, ANSWER_GRACE);
+        match tokio::time::timeout_at(grace, statement).await {
+            Err(_) => Ok(None),
+            Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => Ok(None),
+            Ok(row) => {
+                let row = row.map_err(|err| locking_error(err, &self.queue_key()))?;
+                self.outcome(&row).map(Some)
+            }
         }
     }
 
-    /// Takes a slot, waiting until `deadline`: the caller is the head of
-    /// this process's waiters. One statement when a slot is free, two when
-    /// it waits; pool errors are retried until the deadline.
+    /// Takes a slot, waiting until `deadline` behind this process's earlier
+    /// waiters and, on the server, behind the other processes' (see the
+    /// file's documentation): 1 round trip when a permit is free and no one
+    /// waits, 3 when it waits (the try, `LISTEN`, the line-up), and 1 more
+    /// per announced freed slot. Pool errors are retried until the
+    /// deadline.
     pub(crate) async fn acquire(
         &self,
         name: &str,
         started: Instant,
         deadline: tokio::time::Instant,
     ) -> Result<(u32, SessionLock), Error> {
-        let mut conn = self.connection(started, deadline).await?;
-        if let Outcome::Granted(slot, pid, token) = self.try_on(&mut conn).await? {
-            return self.start(conn, slot, pid, token);
-        }
-        // The server gives up at the deadline (lock_timeout, then the
-        // poll's clock). An answer that has not arrived shortly after it
-        // (a slow or stalled network) is not waited for, so that the call
-        // keeps its deadline: dropping the connection closes it, and the
-        // server frees whatever the statement took.
+        let Ok(_head) = tokio::time::timeout_at(deadline, self.line.lock()).await else {
+            return Err(timeout(name, started));
+        };
+        // Every step keeps the deadline (the first use's pooler probe and
+        // the tries too): an answer later than shortly after it is not
+        // waited for. Dropped, the head's connection is closed, which frees
+        // whatever its statement took.
         let grace = crate::deadline::after(deadline, ANSWER_GRACE);
-        match tokio::time::timeout_at(grace, self.wait_on(&mut conn, deadline)).await {
-            Ok(Ok(Some((slot, pid, token)))) => self.start(conn, slot, pid, token),
-            Ok(Ok(None)) => {
-                // The statement let go of the queue and took no slot.
-                conn.into_pool();
-                Err(timeout(name, started))
-            }
-            // The queue lock may have been granted as lock_timeout fired:
-            // dropping `conn` closes it, which frees whatever it holds.
-            Ok(Err(Error::Database(err)))
-                if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) =>
-            {
-                Err(timeout(name, started))
-            }
-            Ok(Err(err)) => Err(err),
+        match tokio::time::timeout_at(grace, self.head(name, started, deadline)).await {
+            Ok(result) => result,
             Err(_) => Err(timeout(name, started)),
+        }
+    }
+
+    /// The head's part of [`acquire`](Self::acquire).
+    async fn head(
+        &self,
+        name: &str,
+        started: Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<(u32, SessionLock), Error> {
+        let mut conn = self.connection(started, deadline).await?;
+        let mut outcome = self.try_on(&mut conn, Try::Plain).await?;
+        if let Some(Outcome::Busy(_)) = outcome {
+            if let Some(watched) = conn.watched_mut() {
+                watched.listen(permit_channel!()).await?;
+            }
+            outcome = self.try_on(&mut conn, Try::LineUp(deadline)).await?;
+        }
+        loop {
+            let pid = match outcome {
+                Some(Outcome::Granted(slot, pid, token)) => {
+                    return self.start(conn, slot, pid, token);
+                }
+                // The line-up timed out: the connection may hold the queue
+                // (granted as the timeout fired), so it is closed.
+                None => return Err(timeout(name, started)),
+                Some(Outcome::Busy(pid)) => pid,
+            };
+            if !self.until_freed(&mut conn, deadline).await? {
+                self.leave(conn, pid).await;
+                return Err(timeout(name, started));
+            }
+            outcome = self.try_on(&mut conn, Try::Head(pid)).await?;
+        }
+    }
+
+    /// Waits on the head's connection for an announced freed slot of this
+    /// semaphore, at most [`FALLBACK`]: `Ok(true)` to try again, `Ok(false)`
+    /// once `deadline` has passed.
+    async fn until_freed(
+        &self,
+        conn: &mut HeldConn,
+        deadline: tokio::time::Instant,
+    ) -> Result<bool, Error> {
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            return Ok(false);
+        }
+        let wake = crate::deadline::after(now, FALLBACK).min(deadline);
+        let Some(watched) = conn.watched_mut() else {
+            tokio::time::sleep_until(wake).await;
+            return Ok(true);
+        };
+        let announced = async {
+            loop {
+                let payload = watched.notice().await?;
+                if self.slots.contains(&payload) {
+                    return Ok(());
+                }
+            }
+        };
+        match tokio::time::timeout_at(wake, announced).await {
+            Ok(Err(reason)) => Err(Error::LockLost {
+                key: self.queue_key(),
+                reason,
+            }),
+            Ok(Ok(())) | Err(_) => Ok(true),
+        }
+    }
+
+    /// Gives back the queue after a wait that timed out (1 round trip, at
+    /// most [`ANSWER_GRACE`]): a confirmed unlock by the same backend
+    /// returns the connection to the pool; anything else closes it, which
+    /// frees the queue on the server.
+    async fn leave(&self, mut conn: HeldConn, pid: i32) {
+        let unlock = sqlx::query(LEAVE)
+            .bind(self.namespace)
+            .bind(self.queue.as_str())
+            .fetch_one(conn.conn());
+        if let Ok(Ok(row)) = tokio::time::timeout(ANSWER_GRACE, unlock).await
+            && row.try_get::<bool, _>(0).ok() == Some(true)
+            && row.try_get::<i32, _>(1).ok() == Some(pid)
+        {
+            conn.into_pool();
         }
     }
 
@@ -216,7 +315,7 @@ impl PgSlots {
     /// statement on a pooled connection.
     pub(crate) async fn available(&self) -> Result<u32, Error> {
         let held: i64 = sqlx::query_scalar(AVAILABLE)
-            .bind(Semaphore::SLOT_NAMESPACE)
+            .bind(self.namespace)
             .bind(&*self.slots)
             .fetch_one(self.locker.pool())
             .await?;
@@ -226,12 +325,12 @@ impl PgSlots {
 
     fn bind<'q>(&'q self, query: PgQuery<'q>) -> PgQuery<'q> {
         query
-            .bind(Semaphore::SLOT_NAMESPACE)
+            .bind(self.namespace)
             .bind(self.queue.as_str())
             .bind(&*self.slots)
     }
 
-    /// Reads a row of [`TRY`] or [`WAIT`].
+    /// Reads a row of a try statement.
     fn outcome(&self, row: &PgRow) -> Result<Outcome, Error> {
         let pid: i32 = row.try_get(1)?;
         let Some(queued) = row.try_get::<Option<bool>, _>(0)? else {
@@ -241,7 +340,7 @@ impl PgSlots {
         };
         let slot: Option<i64> = row.try_get(2)?;
         let (true, Some(slot)) = (queued, slot) else {
-            return Ok(Outcome::Busy);
+            return Ok(Outcome::Busy(pid));
         };
         let slot = u32::try_from(slot).map_err(|_| Error::NotGranted {
             key: self.queue_key(),
@@ -261,7 +360,8 @@ impl PgSlots {
         Ok(Outcome::Granted(slot, pid, token))
     }
 
-    /// Hands the connection holding `slot` to a guard of its own.
+    /// Hands the connection holding `slot` to a guard of its own, whose
+    /// unlock announces the freed slot.
     fn start(
         &self,
         conn: HeldConn,
@@ -277,7 +377,7 @@ impl PgSlots {
             })?;
         let lock = SessionLock::start(
             conn,
-            (self.key(name), Hold::Exclusive),
+            (self.key(name), Hold::Permit),
             pid,
             token,
             (self.locker.config(), &self.locker.inner.keepers),
@@ -297,84 +397,116 @@ pub(crate) fn timeout(name: &str, started: Instant) -> Error {
     }
 }
 
-/// The slot try shared by both statements: the first slot of `$3` (in
-/// order) that `pg_try_advisory_lock` grants, as a 0-based index. `$row`
-/// is a column of the calling row, so that the try runs again for every
-/// row (a subquery that references nothing outside would run once).
+/// The slot try shared by the try statements: the first slot of `$3` (in
+/// order) that `pg_try_advisory_lock` grants, as a 0-based index. It names
+/// `q.ok` so that it runs once per row, after the row's queue step.
 macro_rules! first_free_slot {
-    ($row:literal) => {
-        concat!(
-            "(SELECT k.i - 1 FROM pg_catalog.unnest($3::pg_catalog.text[]) WITH ORDINALITY k(name, i) \
-             WHERE ", $row, " IS NOT NULL \
-             AND pg_catalog.pg_try_advisory_lock($1::pg_catalog.int4, pg_catalog.hashtext(k.name)) LIMIT 1)"
-        )
+    () => {
+        "(SELECT k.i - 1 FROM pg_catalog.unnest($3::pg_catalog.text[]) WITH ORDINALITY k(name, i) \
+         WHERE q.ok IS NOT NULL \
+         AND pg_catalog.pg_try_advisory_lock($1::pg_catalog.int4, pg_catalog.hashtext(k.name)) LIMIT 1)"
     };
 }
 
-/// The try statement (`$1` the namespace, `$2` the queue's name, `$3` the
-/// slots' names). It takes the queue lock *shared* without waiting first:
-/// tries never exclude each other, but PostgreSQL refuses a shared request
-/// while a waiter holds the queue or is queued for it, so a try takes no
-/// slot ahead of a waiter. Then it tries the slots in order and lets go of
-/// the queue. Columns: queue taken (NULL: the session marker refused),
-/// pid, slot (NULL: none), queue unlocked, marker, token. It also sets the
-/// client check and the keepalives, as every lock statement does.
-macro_rules! try_statement {
-    ($token:literal) => {
+/// A try statement (`$1` the namespace, `$2` the queue's name, `$3` the
+/// slots' names, `$4` as the kind needs): `$may` decides whether the
+/// statement may take a slot (taking the queue if it must; NULL when the
+/// session marker refuses), then the slots are tried in order, then
+/// `$leave` gives back what is no longer needed of the queue, and the
+/// session marker counts what the connection holds now (`$mark`). Columns:
+/// may (NULL: the marker refused), pid, slot (NULL: none), queue given
+/// back, marker, token. It also sets the client check and the keepalives,
+/// as every lock statement does.
+macro_rules! slot_statement {
+    ($may:expr, $leave:literal, $mark:literal, $token:literal) => {
         concat!(
-            "WITH q AS MATERIALIZED (SELECT ", session_marker!(unmarked),
-            " THEN pg_catalog.pg_try_advisory_lock_shared($1::pg_catalog.int4, pg_catalog.hashtext($2)) END AS ok, \
-             pg_catalog.pg_backend_pid() AS pid, ", client_check!(session), ", ", keepalives!(session), "), \
-             t AS MATERIALIZED (SELECT q.ok, q.pid, CASE WHEN q.ok THEN ", first_free_slot!("q.ok"),
+            "WITH q AS MATERIALIZED (SELECT ",
+            $may,
+            " AS ok, \
+             pg_catalog.pg_backend_pid() AS pid, ",
+            client_check!(session),
+            ", ",
+            keepalives!(session),
+            " OFFSET 0), \
+             t AS MATERIALIZED (SELECT q.ok, q.pid, CASE WHEN q.ok THEN ",
+            first_free_slot!(),
             " END AS slot FROM q) \
-             SELECT t.ok, t.pid, t.slot, \
-             CASE WHEN t.ok THEN pg_catalog.pg_advisory_unlock_shared($1::pg_catalog.int4, pg_catalog.hashtext($2)) END, \
-             CASE WHEN t.slot IS NOT NULL THEN pg_catalog.set_config('distlock.locks', '1', false) END, ",
-            $token, " FROM t"
+             SELECT t.ok, t.pid, t.slot, ",
+            $leave,
+            ", \
+             CASE WHEN ",
+            $mark,
+            " THEN pg_catalog.set_config('distlock.locks', '1', false) END, ",
+            $token,
+            " FROM t"
         )
     };
 }
 
-/// The wait statement (`$1`–`$3` as the try's, `$4` the `lock_timeout`,
-/// `$5` the milliseconds left): waits on the server for the queue lock, so
-/// that the heads of every process's waiters line up in PostgreSQL's lock
-/// queue, first come first served; then, at the head, tries every slot
-/// every millisecond (`pg_sleep(0.001)`, about 2 ms an iteration with the
-/// server's timer slack: a freed permit waits that long at most, and the
-/// head costs the server about 500 tries of `permits` advisory locks a
-/// second, no round trip, no write) until one is granted or the time is
-/// up; lets go of the queue in the same statement. The sleep's argument
-/// names the row so that it runs again on every row. Columns as the try's.
-macro_rules! wait_statement {
+/// The plain try takes the queue lock *shared* without waiting: tries
+/// never exclude each other, but PostgreSQL refuses a shared request while
+/// a process's head holds the queue or is queued for it, so a plain try
+/// takes no slot ahead of a waiter. It gives the queue back at once.
+macro_rules! plain_try {
     ($token:literal) => {
-        concat!(
-            "WITH RECURSIVE w(n, ok, slot) AS (\
-             SELECT 0, q.ok, CASE WHEN q.ok THEN ", first_free_slot!("q.ok"), " END \
-             FROM (SELECT CASE WHEN pg_catalog.set_config('lock_timeout', $4, true) IS NULL THEN NULL \
-             WHEN NOT ", session_marker!(free), " THEN NULL \
-             ELSE (SELECT true FROM pg_catalog.pg_advisory_lock($1::pg_catalog.int4, pg_catalog.hashtext($2))) \
-             END AS ok OFFSET 0) q \
-             UNION ALL \
-             SELECT w.n + 1, w.ok, ", first_free_slot!("w.n"), " FROM w \
-             WHERE w.ok AND w.slot IS NULL \
-             AND pg_catalog.clock_timestamp() < pg_catalog.statement_timestamp() + $5::pg_catalog.int8 * interval '1 millisecond' \
-             AND (SELECT true FROM pg_catalog.pg_sleep(0.001 + w.n * 0))), \
-             t AS MATERIALIZED (SELECT pg_catalog.bool_or(w.ok) AS ok, pg_catalog.max(w.slot) AS slot, \
-             pg_catalog.pg_backend_pid() AS pid FROM w) \
-             SELECT t.ok, t.pid, t.slot, \
-             CASE WHEN t.ok THEN pg_catalog.pg_advisory_unlock($1::pg_catalog.int4, pg_catalog.hashtext($2)) END, \
-             CASE WHEN t.slot IS NOT NULL THEN pg_catalog.set_config('distlock.locks', '1', false) END, ",
-            $token, " FROM t"
+        slot_statement!(
+            concat!(session_marker!(unmarked),
+                " THEN pg_catalog.pg_try_advisory_lock_shared($1::pg_catalog.int4, pg_catalog.hashtext($2)) END"),
+            "CASE WHEN t.ok THEN pg_catalog.pg_advisory_unlock_shared($1::pg_catalog.int4, pg_catalog.hashtext($2)) END",
+            "t.slot IS NOT NULL",
+            $token
         )
     };
 }
 
-const TRY: &str = try_statement!("NULL::pg_catalog.int8");
-const TRY_FENCED: &str =
-    try_statement!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
-const WAIT: &str = wait_statement!("NULL::pg_catalog.int8");
-const WAIT_FENCED: &str =
-    wait_statement!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
+/// The head lines up (`$4` the `lock_timeout`): it waits for the queue
+/// exclusively, in PostgreSQL's lock queue behind the other processes'
+/// heads, first come first served; then it tries the slots. A taken slot
+/// lets go of the queue; otherwise the connection keeps it (and the marker
+/// counts it) until a later head try takes a slot.
+macro_rules! line_up {
+    ($token:literal) => {
+        slot_statement!(
+            concat!(session_marker!(unmarked),
+                " AND pg_catalog.set_config('lock_timeout', $4, true) IS NOT NULL \
+                 THEN (SELECT true FROM pg_catalog.pg_advisory_lock($1::pg_catalog.int4, pg_catalog.hashtext($2))) END"),
+            "CASE WHEN t.slot IS NOT NULL THEN pg_catalog.pg_advisory_unlock($1::pg_catalog.int4, pg_catalog.hashtext($2)) END",
+            "t.ok",
+            $token
+        )
+    };
+}
+
+/// The head tries again on its connection, which holds the queue (`$4` its
+/// backend, which the marker check confirms); a taken slot lets go of the
+/// queue.
+macro_rules! head_try {
+    ($token:literal) => {
+        slot_statement!(
+            concat!(session_marker!(held, "$4"), " THEN true END"),
+            "CASE WHEN t.slot IS NOT NULL THEN pg_catalog.pg_advisory_unlock($1::pg_catalog.int4, pg_catalog.hashtext($2)) END",
+            "t.slot IS NOT NULL",
+            $token
+        )
+    };
+}
+
+const TRY: &str = plain_try!("NULL::pg_catalog.int8");
+const TRY_FENCED: &str = plain_try!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
+const LINE_UP: &str = line_up!("NULL::pg_catalog.int8");
+const LINE_UP_FENCED: &str =
+    line_up!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
+const HEAD_TRY: &str = head_try!("NULL::pg_catalog.int8");
+const HEAD_TRY_FENCED: &str =
+    head_try!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
+
+/// The head gives back the queue and its marker after a wait that timed
+/// out. Columns: unlocked, pid.
+const LEAVE: &str = concat!(
+    "SELECT pg_catalog.pg_advisory_unlock($1::pg_catalog.int4, pg_catalog.hashtext($2)), \
+     pg_catalog.pg_backend_pid(), ",
+    session_marker!(unmark)
+);
 
 /// How many of the slots `$2` (in namespace `$1`) some session of this
 /// database holds. A two-`int4` advisory lock shows in `pg_locks` as
@@ -389,14 +521,26 @@ const AVAILABLE: &str = "SELECT pg_catalog.count(DISTINCT l.objid) FROM pg_catal
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     #[test]
-    fn only_the_wait_sleeps() {
-        assert!(WAIT.contains("pg_sleep(0.001 + w.n * 0)"));
-        assert!(!TRY.contains("pg_sleep"));
+    fn no_statement_polls_on_the_server() {
+        for sql in [
+            TRY,
+            TRY_FENCED,
+            HEAD_TRY,
+            HEAD_TRY_FENCED,
+            LINE_UP,
+            LINE_UP_FENCED,
+        ] {
+            assert!(!sql.contains("pg_sleep"), "{sql}");
+        }
+    }
+
+    #[test]
+    fn only_the_plain_try_takes_the_queue() {
+        assert!(TRY.contains("pg_try_advisory_lock_shared"));
+        assert!(!HEAD_TRY.contains("pg_try_advisory_lock_shared"));
     }
 
     #[test]

@@ -137,21 +137,48 @@ async fn next_term(a: &Campaign, b: &Campaign, after: u64) -> u64 {
     number
 }
 
-/// Three times, the leader's backend is terminated; returns how many
-/// samples found two leaders.
+/// How long the leader's goodbye (the server's notice that it ended the
+/// session) takes to reach it in [`terminations`]: a slow network. Less
+/// than the default grace (a heartbeat and its deadline), more than the
+/// successor needs to take over without a grace.
+const GOODBYE_DELAY: Duration = Duration::from_millis(150);
+
+/// Three times, the leader's backend is terminated while its network is
+/// slow ([`GOODBYE_DELAY`] each way), so that the deposed leader learns of
+/// it late; returns how many samples found two leaders.
 async fn terminations(pool: &PgPool, grace: Option<Duration>) -> usize {
     distlock::migrate(pool).await.expect("migrate");
     let opts = pool.connect_options().as_ref().clone();
-    let a = campaign(locker(opts.clone(), HEARTBEAT).await, "a", grace);
-    let b = campaign(locker(opts, HEARTBEAT).await, "b", grace);
+    let proxies = [
+        Proxy::start(opts.get_host(), opts.get_port())
+            .await
+            .expect("proxy"),
+        Proxy::start(opts.get_host(), opts.get_port())
+            .await
+            .expect("proxy"),
+    ];
+    let a = campaign(
+        locker(proxies[0].options(&opts), HEARTBEAT).await,
+        "a",
+        grace,
+    );
+    let b = campaign(
+        locker(proxies[1].options(&opts), HEARTBEAT).await,
+        "b",
+        grace,
+    );
     let mut term = next_term(&a, &b, 0).await;
     let sampler = Sampler::start(&a, &b);
     for _ in 0..3 {
         let pid = leader_pid(pool).await;
+        let leaders = &proxies[usize::from(!a.is_leader())];
+        leaders.delay(GOODBYE_DELAY);
         let mut obs = observer_for(pool).await;
         terminate(&mut obs, pid).await;
         close(obs).await;
         term = next_term(&a, &b, term).await;
+        tokio::time::sleep(GOODBYE_DELAY * 2).await;
+        leaders.pass();
         // Let the deposed leader notice, if it has not yet.
         tokio::time::sleep(HEARTBEAT * 3).await;
     }
@@ -291,9 +318,9 @@ async fn last_query_start(obs: &mut sqlx::PgConnection, pid: i32) -> Option<Stri
 
 /// The leader's session is terminated; once `pg_locks` no longer shows its
 /// lock, `leader()` must not name its term, nor an observer after one poll
-/// and one read deadline. The leader itself notices only at its next
-/// heartbeat (5 s later), so a reader that trusts the table names it
-/// meanwhile.
+/// and one read deadline. The leader's network stalls meanwhile, so it
+/// notices nothing (its next heartbeat is 5 s later), and a reader that
+/// trusts the table names it.
 /// `Err` says what named the dead leader.
 async fn named_after_its_session_ended(
     pool: &PgPool,
@@ -301,7 +328,12 @@ async fn named_after_its_session_ended(
 ) -> Result<(), String> {
     distlock::migrate(pool).await.expect("migrate");
     let opts = pool.connect_options().as_ref().clone();
-    let slow = locker(opts, SLOW_HEARTBEAT).await;
+    // The leader hears nothing of its session's end (not the server's
+    // goodbye, nor its heartbeat's failure) while its network stalls.
+    let network = Proxy::start(opts.get_host(), opts.get_port())
+        .await
+        .expect("proxy");
+    let slow = locker(network.options(&opts), SLOW_HEARTBEAT).await;
     let candidate = campaign(slow, "doomed", None);
     let term = bounded("leads", Duration::from_secs(10), candidate.elected())
         .await
@@ -331,6 +363,7 @@ async fn named_after_its_session_ended(
         last_query_start(&mut obs, pid).await != before
     })
     .await;
+    network.stall();
     terminate(&mut obs, pid).await;
     eventually(
         "the lock is gone from pg_locks",
@@ -360,6 +393,7 @@ async fn named_after_its_session_ended(
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    network.pass();
     // The release may find the session gone before the heartbeat did: an
     // error, which says the lock was not released by this call.
     let resigned = candidate.resign().await;

@@ -297,3 +297,151 @@ async fn a_broken_semaphore_is_caught(_pool_opts: PgPoolOptions, opts: PgConnect
     let caught = check(&history, 3).expect_err("a semaphore that takes no lock is caught");
     println!("caught: {caught}");
 }
+
+/// What holds the only slot while a waiter queues.
+enum Blocker {
+    /// A permit: its release announces the freed slot.
+    Permit(distlock::SemaphorePermit),
+    /// A plain lock of the slot's key: its release announces nothing.
+    Plain(distlock::SessionLock),
+}
+
+impl Blocker {
+    async fn release(self) {
+        match self {
+            Blocker::Permit(permit) => permit.release().await.unwrap(),
+            Blocker::Plain(lock) => lock.release().await.unwrap(),
+        }
+    }
+}
+
+/// How long a queued waiter takes to get the slot that a [`Blocker`] frees,
+/// over `rounds` rounds: the waiter queues behind the only permit, and the
+/// blocker lets go of it once the waiter has waited a while, at a point
+/// that moves across the waiter's fallback period from round to round.
+async fn hand_off_times(pool: &PgPool, name: &str, rounds: u64, announced: bool) -> Vec<Duration> {
+    let locker = PgLocker::new(pool.clone());
+    let sem = semaphore(&locker, name, 1);
+    let mut times = Vec::new();
+    for round in 0..rounds {
+        let blocker = if announced {
+            Blocker::Permit(sem.try_acquire().await.unwrap().expect("free"))
+        } else {
+            let slot =
+                distlock::LockKey::namespaced(Semaphore::SLOT_NAMESPACE, &format!("{name}#0"));
+            Blocker::Plain(locker.try_lock(slot).await.unwrap().expect("free"))
+        };
+        let waiter = tokio::spawn({
+            let sem = sem.clone();
+            async move {
+                let permit = sem.acquire(Duration::from_secs(10)).await?;
+                let at = Instant::now();
+                permit.release().await?;
+                Ok::<_, Error>(at)
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(300 + 37 * round)).await;
+        let freed = Instant::now();
+        blocker.release().await;
+        let granted = waiter.await.unwrap().expect("the waiter gets the permit");
+        times.push(granted.saturating_duration_since(freed));
+    }
+    times
+}
+
+/// A permit's release announces the freed slot, so a waiter queued on the
+/// server is served at once, not at its next fallback try (every 200 ms).
+/// The broken variant below frees the slot without the announcement.
+#[sqlx::test(migrations = false)]
+async fn a_released_permit_wakes_the_waiter_without_a_poll(pool: PgPool) {
+    let times = hand_off_times(&pool, "sem:wake", 6, true).await;
+    println!("release -> grant: {times:?}");
+    assert!(
+        times.iter().all(|t| *t < Duration::from_millis(100)),
+        "a waiter waited for its fallback try: {times:?}"
+    );
+}
+
+/// The broken variant of the test above: the slot is held through a plain
+/// lock of its key, whose release announces nothing, so the waiter only
+/// finds it at a fallback try, up to 200 ms later. Over eight rounds
+/// spread across the fallback period, some hand-off takes 100 ms or more.
+#[sqlx::test(migrations = false)]
+async fn a_slot_freed_without_the_announcement_waits_for_the_fallback(pool: PgPool) {
+    let times = hand_off_times(&pool, "sem:silent", 8, false).await;
+    println!("release -> grant without the announcement: {times:?}");
+    assert!(
+        times.iter().any(|t| *t >= Duration::from_millis(100)),
+        "the waiter was woken without an announcement: {times:?}"
+    );
+    assert!(
+        times.iter().all(|t| *t < Duration::from_secs(1)),
+        "the fallback try found the freed slot: {times:?}"
+    );
+}
+
+/// The scale of the issue: 200 waiters, 10 permits, one pool of 20. No
+/// pool error, never more than 10 holders (checked on the history), every
+/// waiter served, and in arrival order within a bounded displacement.
+#[sqlx::test(migrations = false)]
+async fn two_hundred_waiters_share_ten_permits_on_a_pool_of_twenty(
+    _pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    const WAITERS: usize = 200;
+    const PERMITS: u32 = 10;
+    let pool = PgPoolOptions::new()
+        .max_connections(20)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(opts.clone())
+        .await
+        .expect("pool");
+    let sem = semaphore(&PgLocker::new(pool.clone()), "sem:scale", PERMITS);
+    let clock = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let history = Arc::new(Mutex::new(Vec::new()));
+    let served = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..WAITERS {
+        let (sem, clock) = (sem.clone(), Arc::clone(&clock));
+        let (history, served) = (Arc::clone(&history), Arc::clone(&served));
+        tasks.spawn(async move {
+            let permit = sem.acquire(Duration::from_secs(60)).await?;
+            let from = clock.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            served.lock().unwrap().push(i);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let to = clock.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            history.lock().unwrap().push(Held {
+                slot: permit.slot(),
+                from,
+                to,
+            });
+            permit.release().await
+        });
+        // Arrival order is the order of the first polls.
+        tokio::task::yield_now().await;
+    }
+    // Meanwhile the pool serves others.
+    sqlx::query("SELECT 1")
+        .execute(&pool)
+        .await
+        .expect("a plain statement on the pool while 200 waiters wait");
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap().expect("no waiter fails (no pool timeout)");
+    }
+    let history = history.lock().unwrap().clone();
+    assert_eq!(history.len(), WAITERS);
+    let most = check(&history, PERMITS).expect("never more than 10 holders");
+    assert_eq!(most, PERMITS as usize, "all ten permits were used at once");
+    let served = served.lock().unwrap().clone();
+    let displaced = served
+        .iter()
+        .enumerate()
+        .map(|(at, i)| at.abs_diff(*i))
+        .max()
+        .unwrap();
+    println!("the furthest a waiter was served from its arrival: {displaced} places");
+    assert!(
+        displaced <= 2 * PERMITS as usize,
+        "served out of order: {served:?}"
+    );
+}

@@ -101,6 +101,15 @@ impl HeldConn {
         }
     }
 
+    /// The [`watched`](Self::watched) connection, for what only it can do
+    /// (`LISTEN`, notifications); `None` for any other.
+    pub(crate) fn watched_mut(&mut self) -> Option<&mut WatchedConn> {
+        match self.conn.as_mut() {
+            Some(Link::Watched(conn)) => Some(conn),
+            Some(Link::Plain(_)) | None => None,
+        }
+    }
+
     /// Returns the connection to the pool, or to its warm home (it must hold
     /// no lock).
     pub(crate) fn into_pool(mut self) {

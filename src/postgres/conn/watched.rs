@@ -110,6 +110,45 @@ impl WatchedConn {
         }
     }
 
+    /// Subscribes the connection to `channel` (`LISTEN`): 1 round trip. Its
+    /// notifications are then read by [`notice`](Self::notice); going back
+    /// to the pool unsubscribes it (`UNLISTEN *`).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: the caller closes the connection if it is dropped.
+    pub(crate) async fn listen(&mut self, channel: &str) -> Result<(), sqlx::Error> {
+        match self.listener.as_mut() {
+            Some(listener) => listener.listen(channel).await,
+            None => Err(sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "the server ended the session",
+            ))),
+        }
+    }
+
+    /// The payload of the next notification on a channel the connection
+    /// [`listen`](Self::listen)s to, waiting for it while no statement runs;
+    /// `Err` with why the session is over once the server has ended it.
+    /// Reads nothing from the server that was not sent to it.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a notification is consumed only once it is read whole.
+    pub(crate) async fn notice(&mut self) -> Result<String, LossReason> {
+        let Some(listener) = self.listener.as_mut() else {
+            return Err(closed());
+        };
+        match listener.try_recv().await {
+            Ok(Some(notification)) => Ok(notification.payload().to_owned()),
+            Ok(None) => {
+                self.listener = None;
+                Err(closed())
+            }
+            Err(err) => Err(crate::postgres::pooler::loss_reason(&err)),
+        }
+    }
+
     /// Closes the connection by dropping its socket, never returning it to
     /// the pool: what a connection that may hold a lock needs. The server
     /// ends the session and frees its locks. Never blocks; needs no runtime.

@@ -141,6 +141,16 @@ macro_rules! session_marker {
 }
 pub(crate) use session_marker;
 
+/// The channel on which a semaphore permit's unlock announces the freed
+/// slot (payload: the slot's name), and to which a process's waiting
+/// connection for that semaphore listens.
+macro_rules! permit_channel {
+    () => {
+        "distlock_semaphore"
+    };
+}
+pub(crate) use permit_channel;
+
 /// A condition that fails the statement on a hot standby, before any lock
 /// call that follows it in a `CASE`: a standby grants advisory locks of its
 /// own, apart from its primary's, so a locker pointed at one (a read-only

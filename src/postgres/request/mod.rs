@@ -57,7 +57,8 @@ impl From<crate::postgres::session::hold::Hold> for Lock {
             crate::postgres::session::hold::Hold::Shared
             | crate::postgres::session::hold::Hold::Upgradeable => Lock::Shared,
             crate::postgres::session::hold::Hold::Exclusive
-            | crate::postgres::session::hold::Hold::All => Lock::Exclusive,
+            | crate::postgres::session::hold::Hold::All
+            | crate::postgres::session::hold::Hold::Permit => Lock::Exclusive,
         }
     }
 }

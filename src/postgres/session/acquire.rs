@@ -380,6 +380,6 @@ fn statement<'q>(
     let timeout = timeout.unwrap_or_default();
     match hold {
         Hold::Upgradeable => request.upgradeable(step, timeout),
-        Hold::Exclusive | Hold::Shared | Hold::All => request.session(step, timeout),
+        Hold::Exclusive | Hold::Shared | Hold::All | Hold::Permit => request.session(step, timeout),
     }
 }

@@ -16,4 +16,9 @@ pub(crate) enum Hold {
     /// [`All`](Self::All), which frees whatever of these the session holds
     /// at that moment, upgraded or not.
     Upgradeable,
+    /// A semaphore's slot (a permit of `PgLocker::semaphore`), exclusively
+    /// like [`Exclusive`](Self::Exclusive); its unlock also tells the
+    /// semaphore's waiting processes (`NOTIFY`), so that a freed permit
+    /// reaches a waiter without a poll.
+    Permit,
 }

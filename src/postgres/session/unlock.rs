@@ -7,7 +7,7 @@ use sqlx::Row;
 use tokio::time::{Instant, timeout_at};
 
 use crate::postgres::conn::held::HeldConn;
-use crate::postgres::request::fragments::{bind_key, keyed, session_marker};
+use crate::postgres::request::fragments::{bind_key, keyed, permit_channel, session_marker};
 use crate::postgres::session::hold::Hold;
 use crate::{Error, LockKey, LossReason};
 
@@ -31,6 +31,14 @@ pub(crate) async fn unlock(
         Hold::Shared => bind_key(
             sqlx::query(keyed!(args; "SELECT pg_catalog.pg_advisory_unlock_shared(",
                 concat!("), pg_catalog.pg_backend_pid(), ", session_marker!(unmark)); "$1", "$2")),
+            args,
+        ),
+        // The payload is the slot's name (`$2`: slots are namespaced keys),
+        // which the semaphore's waiters recognise.
+        Hold::Permit => bind_key(
+            sqlx::query(keyed!(args; "SELECT pg_catalog.pg_advisory_unlock(",
+                concat!("), pg_catalog.pg_backend_pid(), ", session_marker!(unmark),
+                    ", pg_catalog.pg_notify('", permit_channel!(), "', $2::pg_catalog.text)"); "$1", "$2")),
             args,
         ),
         Hold::All | Hold::Upgradeable => sqlx::query(concat!(

@@ -139,3 +139,4 @@ impl SemaphorePermit {
         }
     }
 }
+crate::lease::lease_from_inherent!(SemaphorePermit);

@@ -61,6 +61,17 @@ trait Backend: Send + Sync {
     async fn break_lease(&self, key: &LockKey);
     /// Whether every exclusive lease carries a fencing token.
     fn tokens(&self) -> bool;
+    /// Two semaphores of `permits` permits named `name`, one per locker:
+    /// by default [`Semaphore::new`](distlock::Semaphore::new) over
+    /// [`lockers`](Self::lockers); PostgreSQL's backends give
+    /// `PgLocker::semaphore`'s (see [`Postgres::semaphores`]).
+    fn semaphores(&self, name: &str, permits: u32) -> (distlock::Semaphore, distlock::Semaphore) {
+        let (a, b) = self.lockers();
+        (
+            distlock::Semaphore::new(a, name, permits).expect("a valid semaphore"),
+            distlock::Semaphore::new(b, name, permits).expect("a valid semaphore"),
+        )
+    }
 }
 
 /// A backend with shared leases.
@@ -366,6 +377,24 @@ impl Backend for Postgres {
 
     fn tokens(&self) -> bool {
         self.fencing
+    }
+
+    /// `PgLocker::semaphore`, the path PostgreSQL users take; `pg_fenced`
+    /// (fencing, not multiplexed) keeps the generic `Semaphore::new` over a
+    /// `PgLocker` in the matrix.
+    fn semaphores(&self, name: &str, permits: u32) -> (distlock::Semaphore, distlock::Semaphore) {
+        let generic = self.fencing && self.connections == 0;
+        if generic {
+            let (a, b) = self.lockers();
+            return (
+                distlock::Semaphore::new(a, name, permits).expect("a valid semaphore"),
+                distlock::Semaphore::new(b, name, permits).expect("a valid semaphore"),
+            );
+        }
+        (
+            self.a.semaphore(name, permits).expect("a valid semaphore"),
+            self.b.semaphore(name, permits).expect("a valid semaphore"),
+        )
     }
 }
 

@@ -13,12 +13,7 @@ use distlock::Semaphore;
 const PERMITS: u32 = 2;
 
 fn semaphores(backend: &impl Backend, name: &str, permits: u32) -> (Semaphore, Semaphore) {
-    let (a, b) = backend.lockers();
-    let name = format!("conformance:{name}");
-    (
-        Semaphore::new(a, &name, permits).expect("a valid semaphore"),
-        Semaphore::new(b, &name, permits).expect("a valid semaphore"),
-    )
+    backend.semaphores(&format!("conformance:{name}"), permits)
 }
 
 /// Waits until every permit of `sem` can be taken at once (and lets them go).

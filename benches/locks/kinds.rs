@@ -101,6 +101,8 @@ async fn acquire_now(semaphore: &Semaphore) -> anyhow::Result<distlock::Semaphor
 /// waiting campaign's flag turning true.
 pub async fn leader_takeover(opts: &PgConnectOptions, trials: usize) -> anyhow::Result<Latencies> {
     let admin = pool(opts, 1).await?;
+    // Elections on PostgreSQL record their leaders in the crate's schema.
+    distlock::migrate(&admin).await?;
     let mut samples = Vec::with_capacity(trials);
     for trial in 0..trials {
         let key = format!("bench-leader-{trial}");
@@ -150,6 +152,163 @@ pub async fn leader_takeover(opts: &PgConnectOptions, trials: usize) -> anyhow::
         "pg_terminate_backend(leader) returned",
         samples,
     ))
+}
+
+/// What the semaphore at scale did: 200 waiters, 10 permits, one pool.
+pub struct SemaphoreScale {
+    pub waiters: usize,
+    pub permits: u32,
+    pub pool: u32,
+    pub hold: Duration,
+    /// Release of a permit to the grant it made room for, while waiters
+    /// queued: the k-th release to the (k + permits)-th grant.
+    pub handoff: Latencies,
+    pub most_holders: usize,
+    /// Permit-time held over permits × the time waiters queued.
+    pub utilisation: f64,
+    /// The furthest a waiter was served from its place of arrival.
+    pub displaced: usize,
+    pub errors: usize,
+    pub first_error: Option<String>,
+    pub took: Duration,
+}
+
+/// `waiters` tasks of one process call `acquire` on one semaphore of
+/// `permits` permits over one pool of `pool` connections, each keeping its
+/// permit for `hold`; every acquisition and release is time-stamped.
+pub async fn semaphore_scale(
+    opts: &PgConnectOptions,
+    (waiters, permits, pool_size): (usize, u32, u32),
+    hold: Duration,
+) -> anyhow::Result<SemaphoreScale> {
+    let pool = pool(opts, pool_size).await?;
+    // Steady state: every connection of the pool is open before the run
+    // (opening one takes tens of ms, and would be counted as a hand-off).
+    let mut open = Vec::new();
+    for _ in 0..pool_size {
+        open.push(pool.acquire().await?);
+    }
+    drop(open);
+    let semaphore = PgLocker::new(pool.clone()).semaphore("bench-semaphore-scale", permits)?;
+    let started = Instant::now();
+    let tickets = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..waiters {
+        let (semaphore, tickets) = (semaphore.clone(), Arc::clone(&tickets));
+        tasks.spawn(async move {
+            // The place in line: taken just before joining it.
+            let ticket = tickets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let permit = semaphore.acquire(Duration::from_secs(120)).await?;
+            let granted = Instant::now();
+            tokio::time::sleep(hold).await;
+            // Stops using it: held from `granted` to here, at most.
+            let done = Instant::now();
+            permit.release().await?;
+            Ok::<_, distlock::Error>((ticket, granted, done, Instant::now()))
+        });
+        // Arrival order is the order of the first polls.
+        tokio::task::yield_now().await;
+    }
+    let (mut spans, mut errors, mut first_error) = (Vec::new(), 0, None);
+    while let Some(done) = tasks.join_next().await {
+        match done? {
+            Ok(span) => spans.push(span),
+            Err(err) => {
+                errors += 1;
+                first_error.get_or_insert_with(|| err.to_string());
+            }
+        }
+    }
+    let took = started.elapsed();
+    pool.close().await;
+    let mut grants: Vec<Instant> = spans.iter().map(|s| s.1).collect();
+    let mut releases: Vec<Instant> = spans.iter().map(|s| s.3).collect();
+    grants.sort();
+    releases.sort();
+    let permits_n = permits as usize;
+    let handoffs = releases
+        .iter()
+        .zip(grants.iter().skip(permits_n))
+        .map(|(freed, granted)| granted.saturating_duration_since(*freed))
+        .collect();
+    // Most holders at once, from the time-stamps.
+    let mut events: Vec<(Instant, i32)> =
+        spans.iter().flat_map(|s| [(s.1, 1), (s.2, -1)]).collect();
+    events.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)));
+    let (mut inside, mut most) = (0, 0);
+    for (_, change) in events {
+        inside += change;
+        most = most.max(inside);
+    }
+    // While waiters queued: from the first grant to the last grant.
+    let queued = match (grants.first(), grants.last()) {
+        (Some(first), Some(last)) => last.saturating_duration_since(*first),
+        _ => Duration::ZERO,
+    };
+    let held: Duration = spans
+        .iter()
+        .map(|s| {
+            s.2.min(*grants.last().unwrap_or(&s.2))
+                .saturating_duration_since(s.1)
+        })
+        .sum();
+    let utilisation = held.as_secs_f64() / (queued.as_secs_f64() * f64::from(permits)).max(1e-9);
+    let mut order: Vec<(Instant, usize)> = spans.iter().map(|s| (s.1, s.0)).collect();
+    order.sort();
+    let displaced = order
+        .iter()
+        .enumerate()
+        .map(|(at, (_, i))| at.abs_diff(*i))
+        .max()
+        .unwrap_or(0);
+    Ok(SemaphoreScale {
+        waiters,
+        permits,
+        pool: pool_size,
+        hold,
+        handoff: Latencies::new(
+            "Semaphore(10) at scale: a release to the grant it made room for",
+            "the holder's release() returned",
+            handoffs,
+        ),
+        most_holders: usize::try_from(most).unwrap_or(0),
+        utilisation,
+        displaced,
+        errors,
+        first_error,
+        took,
+    })
+}
+
+/// The report's table of [`semaphore_scale`].
+pub fn scale_table(runs: &[SemaphoreScale]) -> String {
+    let mut out = String::from(
+        "\n### Semaphore at scale: many waiters on one pool\n\n\
+         | waiters | permits | pool | hold | errors | most holders | permits in use while waiters queued | furthest from arrival order | hand-off p50 µs | p99 µs | max µs | took |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for run in runs {
+        out.push_str(&format!(
+            "| {} | {} | {} | {} ms | {}{} | {} | {:.0}% | {} places | {:.0} | {:.0} | {:.0} | {:.2} s |\n",
+            run.waiters,
+            run.permits,
+            run.pool,
+            run.hold.as_millis(),
+            run.errors,
+            run.first_error
+                .as_ref()
+                .map(|e| format!(" (first: {e})"))
+                .unwrap_or_default(),
+            run.most_holders,
+            run.utilisation * 100.0,
+            run.displaced,
+            run.handoff.at(0.5),
+            run.handoff.at(0.99),
+            run.handoff.at(1.0),
+            run.took.as_secs_f64(),
+        ));
+    }
+    out
 }
 
 /// The report's table.

@@ -227,6 +227,14 @@ async fn main() -> anyhow::Result<()> {
             kinds::permit_handoff(&opts, trials).await?,
             kinds::leader_takeover(&opts, trials / 2).await?,
         ]));
+        // The semaphore target's scale: 200 waiters, 10 permits, a pool of
+        // 20, each holder keeping its permit 10 ms.
+        let mut runs = Vec::new();
+        for _ in 0..if settings.quick { 1 } else { 3 } {
+            let scale = (200, 10, 20);
+            runs.push(kinds::semaphore_scale(&opts, scale, Duration::from_millis(10)).await?);
+        }
+        report.push_str(&kinds::scale_table(&runs));
     }
 
     if filter.section("many") {

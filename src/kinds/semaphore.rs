@@ -36,8 +36,8 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 ///   [`acquire`](Self::acquire) is **woken by the release** of a permit
 ///   (`NOTIFY`), not by a poll; waiters are served **in arrival order
 ///   within the process, and processes take turns** on the server; the
-///   waiters of one `Semaphore` (and its clones) **hold one pooled
-///   connection between them** however many they are, plus one connection
+///   waiters of one `Semaphore` (and its clones) **hold two pooled
+///   connections between them** however many they are, plus one connection
 ///   per held permit. See "Waiting on PostgreSQL".
 /// - [`Semaphore::new`] over any [`Locker`] (Redis, the in-memory backend,
 ///   or a `PgLocker` seen as a `Locker`): a try is one `try_lock` per slot,
@@ -53,8 +53,10 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 /// # Waiting on PostgreSQL
 ///
 /// The waiters of a `Semaphore` line up in the process, first come first
-/// served (a `tokio` mutex). Only the first of them, the head, talks to the
-/// server, on one pooled connection: it tries (1 round trip) and, if every
+/// served (a `tokio` semaphore). Only the first two of them, the heads,
+/// talk to the server, each on one pooled connection (the second waits
+/// right behind the first on the server, so that it is at the front as
+/// soon as the first is served). A head tries (1 round trip) and, if every
 /// permit is held, `LISTEN`s on the channel `distlock_semaphore` (1 round
 /// trip) and takes the semaphore's queue lock (one more lock in
 /// [`SLOT_NAMESPACE`](Self::SLOT_NAMESPACE), `"{name}#queue"`) exclusively,
@@ -66,13 +68,13 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 /// extra round trip), and the head tries the slots again (1 round trip);
 /// it also tries every 200 ms unannounced, for a holder whose session ended
 /// without an unlock. The statement that takes a slot lets go of the queue,
-/// so the next process's head takes its turn, and the head's connection
-/// becomes the permit's; the process's next waiter becomes the head on a
-/// connection of its own.
+/// so the next head in PostgreSQL's queue takes its turn, and the head's
+/// connection becomes the permit's; the process's next waiter becomes a
+/// head on a connection of its own.
 ///
 /// So a freed permit reaches a waiting head in about one round trip and a
 /// notification's delivery, and "arrival order" is the order of heads on
-/// the server: the processes with waiters take turns.
+/// the server: the processes with waiters take turns, two heads each.
 ///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {

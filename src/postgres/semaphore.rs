@@ -11,27 +11,30 @@
 //!
 //! # How a process waits
 //!
-//! The waiters of a process line up in a `tokio` mutex (first come, first
-//! served); the one holding it, the head, talks to the server on one
-//! pooled connection. Its first try is the plain one: it takes the queue
-//! shared, so it takes nothing while another process waits. When every
+//! The waiters of a process line up in a `tokio` semaphore (first come,
+//! first served); its first two, the heads, talk to the server, each on
+//! one pooled connection. A head's first try is the plain one: it takes the
+//! queue shared, so it takes nothing while another head waits. When every
 //! permit is held, the head `LISTEN`s on the permit channel and takes the
 //! queue lock exclusively, waiting in PostgreSQL's lock queue behind the
-//! other processes' heads, and tries the slots in the same statement. While
+//! other heads (of every process), and tries the slots in the same
+//! statement. While
 //! it holds the queue, no plain try of any process takes a slot; the head
 //! tries the slots again each time a permit's unlock announces a freed slot
 //! of this semaphore, or every [`FALLBACK`] (for a holder that vanished
 //! without unlocking). The statement that takes a slot lets go of the queue,
-//! so the next process's head takes its turn, and the head's connection
-//! becomes the permit's. A process's waiters hold one connection between
-//! them, however many they are.
+//! so the next head in PostgreSQL's queue takes its turn, and the head's connection
+//! becomes the permit's. A process's waiters hold two connections between
+//! them, however many they are (see [`HEADS`]).
 
+use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use sqlx::Row;
 use sqlx::postgres::PgRow;
-use tokio::sync::Mutex;
+use tokio::sync::Semaphore as Line;
 
 use crate::postgres::conn::held::HeldConn;
 use crate::postgres::conn::watched::WatchedConn;
@@ -54,6 +57,13 @@ const ANSWER_GRACE: Duration = Duration::from_millis(50);
 /// a slot taken through a plain lock (`Semaphore::new` over a `PgLocker`).
 pub(crate) const FALLBACK: Duration = Duration::from_millis(200);
 
+/// How many of a process's waiters talk to the server at once. The second
+/// waits in PostgreSQL's lock queue right behind the first, so that when
+/// the first takes a slot (and lets go of the queue) the second is at the
+/// front at once, instead of a connection, a try, a `LISTEN` and a line-up
+/// later: hand-offs then follow each other as fast as permits are freed.
+const HEADS: usize = 2;
+
 /// The PostgreSQL side of a semaphore built by `PgLocker::semaphore`.
 #[derive(Debug, Clone)]
 pub(crate) struct PgSlots {
@@ -63,8 +73,14 @@ pub(crate) struct PgSlots {
     slots: Arc<[String]>,
     /// `"{name}#queue"`.
     queue: String,
-    /// The process's line, first come first served; its holder is the head.
-    line: Arc<Mutex<()>>,
+    /// The process's line, first come first served: its [`HEADS`] first
+    /// waiters are heads.
+    line: Arc<Line>,
+    /// Passed from head to head in the order of the line: a head holds it
+    /// until its line-up is on its way to the server, so that a head that
+    /// waits longer for its connection (one the pool must open) is not
+    /// overtaken on the server by the next.
+    baton: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// What one semaphore statement found.
@@ -96,7 +112,8 @@ impl PgSlots {
             namespace,
             slots: (0..permits).map(|i| format!("{name}#{i}")).collect(),
             queue: format!("{name}#queue"),
-            line: Arc::new(Mutex::new(())),
+            line: Arc::new(Line::new(HEADS)),
+            baton: Arc::new(tokio::sync::Mutex::new(())),
         }
     }
 
@@ -189,7 +206,7 @@ impl PgSlots {
         started: Instant,
         deadline: tokio::time::Instant,
     ) -> Result<(u32, SessionLock), Error> {
-        let Ok(_head) = tokio::time::timeout_at(deadline, self.line.lock()).await else {
+        let Ok(Ok(_head)) = tokio::time::timeout_at(deadline, self.line.acquire()).await else {
             return Err(timeout(name, started));
         };
         // Every step keeps the deadline (the first use's pooler probe and
@@ -210,13 +227,33 @@ impl PgSlots {
         started: Instant,
         deadline: tokio::time::Instant,
     ) -> Result<(u32, SessionLock), Error> {
+        // The other head, if there is one, came first: a plain try could
+        // take a slot freed while it lines up, ahead of it. This one then
+        // lines up at once, behind it on the server.
+        let alone = self.line.available_permits() + 1 >= HEADS;
+        let baton = self.baton.lock().await;
         let mut conn = self.connection(started, deadline).await?;
-        let mut outcome = self.try_on(&mut conn, Try::Plain).await?;
+        let mut outcome = match alone {
+            true => self.try_on(&mut conn, Try::Plain).await?,
+            false => Some(Outcome::Busy(0)),
+        };
         if let Some(Outcome::Busy(_)) = outcome {
             if let Some(watched) = conn.watched_mut() {
                 watched.listen(permit_channel!()).await?;
             }
-            outcome = self.try_on(&mut conn, Try::LineUp(deadline)).await?;
+            let line_up = self.try_on(&mut conn, Try::LineUp(deadline));
+            let mut line_up = std::pin::pin!(line_up);
+            // Polled once, the statement is written to the socket (the
+            // pooler probe has run at the plain try or an earlier use): the
+            // next head may go.
+            let first = std::future::poll_fn(|cx| Poll::Ready(line_up.as_mut().poll(cx))).await;
+            drop(baton);
+            outcome = match first {
+                Poll::Ready(outcome) => outcome?,
+                Poll::Pending => line_up.await?,
+            };
+        } else {
+            drop(baton);
         }
         loop {
             let pid = match outcome {

@@ -109,8 +109,10 @@ async fn waiters_leave_the_pool_to_others(_pool_opts: PgPoolOptions, opts: PgCon
         .execute(&pool)
         .await
         .expect("a plain statement on the pool while three waiters wait");
+    // Two permits, and two connections for the process's waiters (its two
+    // heads), however many they are.
     assert!(
-        in_use <= 3,
+        in_use <= 4,
         "two permits and three waiters hold {in_use} connections"
     );
     first.release().await.unwrap();

@@ -195,9 +195,20 @@ async fn without_grace_a_lost_job_is_stopped_at_once(pool: PgPool) {
 async fn a_loss_found_only_at_release_reports_lost_not_ran(pool: PgPool) {
     init_tracing();
     // A heartbeat too slow (the longest, 10 s) to notice the loss while the
-    // job runs: only the release finds the lock's session gone.
+    // job runs, and a network that stalls while the session ends, so that
+    // the server's goodbye does not reach the lock either: only the release
+    // finds the lock's session gone.
+    let opts = pool.connect_options().as_ref().clone();
+    let network = common::proxy::Proxy::start(opts.get_host(), opts.get_port())
+        .await
+        .expect("proxy");
+    let through = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(network.options(&opts))
+        .await
+        .expect("pool through the proxy");
     let slow: Arc<dyn Locker> = Arc::new(
-        PgLocker::builder(pool.clone())
+        PgLocker::builder(through)
             .heartbeat(Duration::from_secs(10))
             .build()
             .expect("valid settings"),
@@ -219,6 +230,7 @@ async fn a_loss_found_only_at_release_reports_lost_not_ran(pool: PgPool) {
         .await
         .expect("lock held");
     let mut obs = observer_for(&pool).await;
+    network.stall();
     let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
         .bind(pid)
         .fetch_one(&mut obs)
@@ -230,6 +242,10 @@ async fn a_loss_found_only_at_release_reports_lost_not_ran(pool: PgPool) {
     })
     .await;
     finish_tx.send(()).expect("job waits");
+    // The job has checked its lease and returned; its release now waits on
+    // the stalled network, which then delivers the goodbye.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    network.pass();
 
     let outcome = bounded("job ends", Duration::from_secs(10), run)
         .await

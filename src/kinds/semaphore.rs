@@ -72,6 +72,13 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 /// connection becomes the permit's; the process's next waiter becomes a
 /// head on a connection of its own.
 ///
+/// A head that holds the queue runs a statement at least every 200 ms. Its
+/// session carries `idle_session_timeout = 2s` meanwhile (given back when
+/// its connection becomes a permit's), so that a head whose process is
+/// paused or cut off does not keep the queue, and every freed permit, from
+/// the others: the server ends its session after 2 s of silence, and the
+/// head lines up again when it runs again.
+///
 /// So a freed permit reaches a waiting head in about one round trip and a
 /// notification's delivery, and "arrival order" is the order of heads on
 /// the server: the processes with waiters take turns, two heads each.

@@ -88,19 +88,37 @@ enum Outcome {
     /// Slot `.0` is held by the statement's connection.
     Granted(u32, i32, Option<FencingToken>),
     /// Every slot was held (or, for a plain try, a waiter holds the
-    /// queue); `.0` is the statement's backend.
-    Busy(i32),
+    /// queue).
+    Busy(Waiting),
 }
+
+/// A head's connection while it holds the queue: its backend, and the
+/// session's `idle_session_timeout` from before the guard (see [`GUARD`]),
+/// given back when the connection becomes a permit's.
+#[derive(Debug, Clone, Default)]
+struct Waiting {
+    pid: i32,
+    idle_timeout: String,
+}
+
+/// The `idle_session_timeout` of a head's connection while it holds the
+/// queue. A live head runs a statement at least every [`FALLBACK`]; a head
+/// whose process is paused (SIGSTOP, a debugger, a stalled VM) or cut off
+/// runs none, and without the guard it would keep every other head, and
+/// every try, away from the freed permits for as long as its session lasts.
+/// With it, the server ends that session after 2 s idle, which frees the
+/// queue. A head whose session was ended so lines up again.
+const GUARD: &str = "2s";
 
 /// The statements that try the slots.
 #[derive(Clone, Copy)]
-enum Try {
+enum Try<'a> {
     /// [`TRY`]: takes nothing while a process waits.
     Plain,
     /// [`LINE_UP`]: waits for the queue until the deadline, then tries.
     LineUp(tokio::time::Instant),
-    /// [`HEAD_TRY`]: the connection holds the queue (backend `.0`).
-    Head(i32),
+    /// [`HEAD_TRY`]: the connection holds the queue.
+    Head(&'a Waiting),
 }
 
 impl PgSlots {
@@ -155,7 +173,7 @@ impl PgSlots {
     /// Runs a try statement on `conn`; `Ok(None)` when the deadline of a
     /// [`Try::LineUp`] passed (with the queue held or not: the caller
     /// closes the connection). Every other kind answers at once.
-    async fn try_on(&self, conn: &mut HeldConn, kind: Try) -> Result<Option<Outcome>, Error> {
+    async fn try_on(&self, conn: &mut HeldConn, kind: Try<'_>) -> Result<Option<Outcome>, Error> {
         self.locker.inner.pooler.ensure_session(conn.conn()).await?;
         let fenced = self.fencing();
         let query = self.bind(sqlx::query(match (kind, fenced) {
@@ -168,7 +186,7 @@ impl PgSlots {
         }));
         let Try::LineUp(deadline) = kind else {
             let query = match kind {
-                Try::Head(pid) => query.bind(pid),
+                Try::Head(waiting) => query.bind(waiting.pid).bind(waiting.idle_timeout.as_str()),
                 _ => query,
             };
             let row = query.fetch_one(conn.conn()).await;
@@ -179,7 +197,10 @@ impl PgSlots {
         if remaining.is_zero() {
             return Ok(None);
         }
-        let statement = query.bind(millis_setting(remaining)).fetch_one(conn.conn());
+        let statement = query
+            .bind(millis_setting(remaining))
+            .bind(GUARD)
+            .fetch_one(conn.conn());
         // The server gives up at the deadline (lock_timeout). An answer
         // that has not arrived shortly after it (a slow or stalled network)
         // is not waited for, so that the call keeps its deadline.
@@ -235,12 +256,10 @@ impl PgSlots {
         let mut conn = self.connection(started, deadline).await?;
         let mut outcome = match alone {
             true => self.try_on(&mut conn, Try::Plain).await?,
-            false => Some(Outcome::Busy(0)),
+            false => Some(Outcome::Busy(Waiting::default())),
         };
         if let Some(Outcome::Busy(_)) = outcome {
-            if let Some(watched) = conn.watched_mut() {
-                watched.listen(permit_channel!()).await?;
-            }
+            self.listen(&mut conn).await?;
             let line_up = self.try_on(&mut conn, Try::LineUp(deadline));
             let mut line_up = std::pin::pin!(line_up);
             // Polled once, the statement is written to the socket (the
@@ -256,21 +275,44 @@ impl PgSlots {
             drop(baton);
         }
         loop {
-            let pid = match outcome {
+            let waiting = match outcome {
                 Some(Outcome::Granted(slot, pid, token)) => {
                     return self.start(conn, slot, pid, token);
                 }
                 // The line-up timed out: the connection may hold the queue
                 // (granted as the timeout fired), so it is closed.
                 None => return Err(timeout(name, started)),
-                Some(Outcome::Busy(pid)) => pid,
+                Some(Outcome::Busy(waiting)) => waiting,
             };
-            if !self.until_freed(&mut conn, deadline).await? {
-                self.leave(conn, pid).await;
-                return Err(timeout(name, started));
-            }
-            outcome = self.try_on(&mut conn, Try::Head(pid)).await?;
+            let tried = match self.until_freed(&mut conn, deadline).await {
+                Ok(false) => {
+                    self.leave(conn, &waiting).await;
+                    return Err(timeout(name, started));
+                }
+                Ok(true) => self.try_on(&mut conn, Try::Head(&waiting)).await,
+                Err(err) => Err(err),
+            };
+            outcome = match tried {
+                Ok(outcome) => outcome,
+                // The session ended while it held the queue (the guard, an
+                // operator, a failover), which freed the queue: this head
+                // lines up again on another connection.
+                Err(err) if ended(&err) => {
+                    conn = self.connection(started, deadline).await?;
+                    self.listen(&mut conn).await?;
+                    self.try_on(&mut conn, Try::LineUp(deadline)).await?
+                }
+                Err(err) => return Err(err),
+            };
         }
+    }
+
+    /// Subscribes the head's connection to the permit channel: 1 round trip.
+    async fn listen(&self, conn: &mut HeldConn) -> Result<(), Error> {
+        if let Some(watched) = conn.watched_mut() {
+            watched.listen(permit_channel!()).await?;
+        }
+        Ok(())
     }
 
     /// Waits on the head's connection for an announced freed slot of this
@@ -311,14 +353,15 @@ impl PgSlots {
     /// most [`ANSWER_GRACE`]): a confirmed unlock by the same backend
     /// returns the connection to the pool; anything else closes it, which
     /// frees the queue on the server.
-    async fn leave(&self, mut conn: HeldConn, pid: i32) {
+    async fn leave(&self, mut conn: HeldConn, waiting: &Waiting) {
         let unlock = sqlx::query(LEAVE)
             .bind(self.namespace)
             .bind(self.queue.as_str())
+            .bind(waiting.idle_timeout.as_str())
             .fetch_one(conn.conn());
         if let Ok(Ok(row)) = tokio::time::timeout(ANSWER_GRACE, unlock).await
             && row.try_get::<bool, _>(0).ok() == Some(true)
-            && row.try_get::<i32, _>(1).ok() == Some(pid)
+            && row.try_get::<i32, _>(1).ok() == Some(waiting.pid)
         {
             conn.into_pool();
         }
@@ -377,7 +420,8 @@ impl PgSlots {
         };
         let slot: Option<i64> = row.try_get(2)?;
         let (true, Some(slot)) = (queued, slot) else {
-            return Ok(Outcome::Busy(pid));
+            let idle_timeout = row.try_get::<Option<String>, _>(6)?.unwrap_or_default();
+            return Ok(Outcome::Busy(Waiting { pid, idle_timeout }));
         };
         let slot = u32::try_from(slot).map_err(|_| Error::NotGranted {
             key: self.queue_key(),
@@ -423,6 +467,15 @@ impl PgSlots {
     }
 }
 
+/// Whether `err` says the head's session is over (its queue freed).
+fn ended(err: &Error) -> bool {
+    match err {
+        Error::LockLost { .. } => true,
+        Error::Database(err) => crate::postgres::conn::warm::is_broken(err),
+        _ => false,
+    }
+}
+
 /// [`Error::Timeout`] for the semaphore `name`.
 pub(crate) fn timeout(name: &str, started: Instant) -> Error {
     Error::Timeout {
@@ -455,17 +508,18 @@ macro_rules! first_free_slot {
 /// back, marker, token. It also sets the client check and the keepalives,
 /// as every lock statement does.
 macro_rules! slot_statement {
-    ($may:expr, $leave:literal, $mark:literal, $token:literal) => {
+    ($may:expr, $leave:literal, $mark:literal, $token:literal, $guard:literal) => {
         concat!(
             "WITH q AS MATERIALIZED (SELECT ",
             $may,
             " AS ok, \
-             pg_catalog.pg_backend_pid() AS pid, ",
+             pg_catalog.pg_backend_pid() AS pid, \
+             pg_catalog.current_setting('idle_session_timeout') AS idle, ",
             client_check!(session),
             ", ",
             keepalives!(session),
             " OFFSET 0), \
-             t AS MATERIALIZED (SELECT q.ok, q.pid, CASE WHEN q.ok THEN ",
+             t AS MATERIALIZED (SELECT q.ok, q.pid, q.idle, CASE WHEN q.ok THEN ",
             first_free_slot!(),
             " END AS slot FROM q) \
              SELECT t.ok, t.pid, t.slot, ",
@@ -475,6 +529,8 @@ macro_rules! slot_statement {
             $mark,
             " THEN pg_catalog.set_config('distlock.locks', '1', false) END, ",
             $token,
+            ", t.idle, ",
+            $guard,
             " FROM t"
         )
     };
@@ -491,7 +547,8 @@ macro_rules! plain_try {
                 " THEN pg_catalog.pg_try_advisory_lock_shared($1::pg_catalog.int4, pg_catalog.hashtext($2)) END"),
             "CASE WHEN t.ok THEN pg_catalog.pg_advisory_unlock_shared($1::pg_catalog.int4, pg_catalog.hashtext($2)) END",
             "t.slot IS NOT NULL",
-            $token
+            $token,
+            "NULL::pg_catalog.text"
         )
     };
 }
@@ -509,7 +566,9 @@ macro_rules! line_up {
                  THEN (SELECT true FROM pg_catalog.pg_advisory_lock($1::pg_catalog.int4, pg_catalog.hashtext($2))) END"),
             "CASE WHEN t.slot IS NOT NULL THEN pg_catalog.pg_advisory_unlock($1::pg_catalog.int4, pg_catalog.hashtext($2)) END",
             "t.ok",
-            $token
+            $token,
+            // Still waiting: the guard (`$5`) against a paused head.
+            "CASE WHEN t.ok AND t.slot IS NULL THEN pg_catalog.set_config('idle_session_timeout', $5, false) END"
         )
     };
 }
@@ -523,7 +582,9 @@ macro_rules! head_try {
             concat!(session_marker!(held, "$4"), " THEN true END"),
             "CASE WHEN t.slot IS NOT NULL THEN pg_catalog.pg_advisory_unlock($1::pg_catalog.int4, pg_catalog.hashtext($2)) END",
             "t.slot IS NOT NULL",
-            $token
+            $token,
+            // A permit's connection: the session's own idle timeout again.
+            "CASE WHEN t.slot IS NOT NULL THEN pg_catalog.set_config('idle_session_timeout', $5, false) END"
         )
     };
 }
@@ -537,12 +598,13 @@ const HEAD_TRY: &str = head_try!("NULL::pg_catalog.int8");
 const HEAD_TRY_FENCED: &str =
     head_try!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
 
-/// The head gives back the queue and its marker after a wait that timed
-/// out. Columns: unlocked, pid.
+/// The head gives back the queue, its marker and the session's idle
+/// timeout (`$3`) after a wait that timed out. Columns: unlocked, pid.
 const LEAVE: &str = concat!(
     "SELECT pg_catalog.pg_advisory_unlock($1::pg_catalog.int4, pg_catalog.hashtext($2)), \
      pg_catalog.pg_backend_pid(), ",
-    session_marker!(unmark)
+    session_marker!(unmark),
+    ", pg_catalog.set_config('idle_session_timeout', $3, false)"
 );
 
 /// How many of the slots `$2` (in namespace `$1`) some session of this

@@ -52,6 +52,19 @@ async fn work(kind: &str, url: &str, out: &str) {
         .await
         .expect("pool");
     let locker = PgLocker::new(pool);
+    if kind == "head" {
+        // One waiter, which becomes its process's head (see
+        // `a_stopped_head_does_not_keep_the_queue`).
+        let semaphore = locker.semaphore(HEAD_SEMAPHORE, 1).expect("semaphore");
+        let permit = semaphore.acquire(Duration::from_secs(60)).await;
+        std::fs::write(out, format!("{:?}", permit.as_ref().map(|_| ()))).expect("write");
+        permit
+            .expect("the stopped head is served once it runs again")
+            .release()
+            .await
+            .expect("release");
+        return;
+    }
     let file = Arc::new(std::sync::Mutex::new(
         std::fs::File::create(out).expect("history file"),
     ));
@@ -165,6 +178,68 @@ fn spans(lines: &[Vec<String>]) -> Vec<(u64, u64)> {
         .iter()
         .map(|l| (l[1].parse().expect("enter"), l[2].parse().expect("exit")))
         .collect()
+}
+
+/// The semaphore of the stopped-head case.
+const HEAD_SEMAPHORE: &str = "procs-head";
+
+/// A waiting process (a worker) holds the semaphore's queue as its head and
+/// is stopped with SIGSTOP; its permit is freed. Its session goes quiet, the
+/// server ends it after the head's idle guard (2 s), and this process's
+/// waiter gets the permit. Resumed, the worker lines up again and is served.
+/// (`a_head_without_the_guard_keeps_the_queue` in the integration suite is
+/// the broken variant: a head without the guard keeps every waiter out.)
+#[sqlx::test(migrations = false)]
+async fn a_stopped_head_does_not_keep_the_queue(pool: PgPool) {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let locker = PgLocker::new(pool.clone());
+    let semaphore = locker.semaphore(HEAD_SEMAPHORE, 1).expect("semaphore");
+    let held = semaphore.try_acquire().await.unwrap().expect("free");
+    let out = std::env::temp_dir().join(format!("distlock-head-{}.log", std::process::id()));
+    let mut worker = std::process::Command::new(std::env::current_exe().expect("current_exe"))
+        .args(["kinds_faults::worker_entry", "--exact", "--nocapture"])
+        .env("DISTLOCK_KINDS_WORKER", "head")
+        .env("DISTLOCK_KINDS_URL", url_of(&pool))
+        .env("DISTLOCK_KINDS_OUT", &out)
+        .spawn()
+        .expect("spawn worker");
+    let pid = Pid::from_raw(i32::try_from(worker.id()).expect("pid"));
+    let mut obs = common::observer_for(&pool).await;
+    common::eventually(
+        "the worker's head holds the queue",
+        Duration::from_secs(20),
+        async || {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+             AND objsubid = 2 AND objid = (hashtext($1)::int8 & 4294967295)::oid",
+            )
+            .bind(format!("{HEAD_SEMAPHORE}#queue"))
+            .fetch_one(&mut obs)
+            .await
+            .unwrap()
+                == 1
+        },
+    )
+    .await;
+    kill(pid, Signal::SIGSTOP).expect("SIGSTOP");
+    held.release().await.unwrap();
+    let started = std::time::Instant::now();
+    let served = semaphore.acquire(Duration::from_secs(10)).await;
+    let took = started.elapsed();
+    kill(pid, Signal::SIGCONT).expect("SIGCONT");
+    println!("served past the stopped head after {took:?}");
+    served
+        .expect("served past the stopped head")
+        .release()
+        .await
+        .unwrap();
+    let status = tokio::task::spawn_blocking(move || worker.wait().expect("wait"))
+        .await
+        .expect("worker");
+    assert!(status.success(), "the resumed worker was served");
+    let _ = std::fs::remove_file(out);
+    common::close(obs).await;
 }
 
 #[test]

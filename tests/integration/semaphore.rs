@@ -447,3 +447,123 @@ async fn two_hundred_waiters_share_ten_permits_on_a_pool_of_twenty(
         "served out of order: {served:?}"
     );
 }
+
+/// The only permit of `name` is held on `holder`, `stuck` makes a head that
+/// holds the queue and then goes quiet, the permit is freed: how long
+/// another process's `acquire` takes to get it (6 s at most).
+async fn behind_a_stuck_head<F, Fut, T>(
+    holder: &PgLocker,
+    stuck: F,
+    other: &PgLocker,
+    name: &str,
+) -> (T, Result<Duration, Error>)
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    let held = semaphore(holder, name, 1)
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("free");
+    let stuck = stuck().await;
+    held.release().await.unwrap();
+    let started = Instant::now();
+    let acquired = semaphore(other, name, 1)
+        .acquire(Duration::from_secs(6))
+        .await;
+    let took = started.elapsed();
+    match acquired {
+        Ok(permit) => {
+            permit.release().await.unwrap();
+            (stuck, Ok(took))
+        }
+        Err(err) => (stuck, Err(err)),
+    }
+}
+
+/// Waits until some session holds the queue lock of the semaphore `name`.
+async fn queue_held(obs: &mut sqlx::PgConnection, name: &str) {
+    let queue = format!("{name}#queue");
+    common::eventually(
+        "a head holds the queue",
+        Duration::from_secs(5),
+        async || {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+             AND objsubid = 2 AND objid = (hashtext($1)::int8 & 4294967295)::oid",
+            )
+            .bind(&queue)
+            .fetch_one(&mut *obs)
+            .await
+            .unwrap()
+                == 1
+        },
+    )
+    .await;
+}
+
+/// A head whose network stalls (a partition, or a paused process) holds the
+/// queue; the server ends its session after the head's idle guard (2 s),
+/// which frees the queue, so another process's waiter gets the freed permit.
+/// When the network comes back, the stalled head lines up again and is
+/// served too.
+#[sqlx::test(migrations = false)]
+async fn a_stalled_head_does_not_keep_the_queue(pool: PgPool) {
+    let opts = pool.connect_options().as_ref().clone();
+    let network = Proxy::start(opts.get_host(), opts.get_port())
+        .await
+        .expect("proxy");
+    let through = PgLocker::new(pool_of(&network.options(&opts), 2).await);
+    let mut obs = common::observer_for(&pool).await;
+    let (obs, through, net) = (&mut obs, &through, &network);
+    let stuck = move || async move {
+        let stalled = semaphore(through, "sem:stalled", 1);
+        let waiter = tokio::spawn(async move { stalled.acquire(Duration::from_secs(30)).await });
+        queue_held(obs, "sem:stalled").await;
+        net.stall();
+        // A tuple: the closure's future yields the handle, not its result.
+        (waiter,)
+    };
+    let other = PgLocker::new(pool_of(&opts, 2).await);
+    let holder = PgLocker::new(pool.clone());
+    let ((waiter,), took) = behind_a_stuck_head(&holder, stuck, &other, "sem:stalled").await;
+    let took = took.expect("served past the stalled head");
+    println!("another process's waiter was served after {took:?}");
+    network.pass();
+    let permit = common::bounded(
+        "the stalled head is served",
+        Duration::from_secs(30),
+        waiter,
+    )
+    .await
+    .unwrap()
+    .expect("the stalled head lines up again");
+    permit.release().await.unwrap();
+}
+
+/// The broken variant: a head without the idle guard (a raw session that
+/// listens and holds the queue, as a head does, and then goes quiet) keeps
+/// every other waiter from the freed permit.
+#[sqlx::test(migrations = false)]
+async fn a_head_without_the_guard_keeps_the_queue(pool: PgPool) {
+    let opts = pool.connect_options().as_ref().clone();
+    let mut raw = common::observer_for(&pool).await;
+    let raw = &mut raw;
+    let stuck = move || async move {
+        sqlx::query("LISTEN distlock_semaphore")
+            .execute(&mut *raw)
+            .await
+            .unwrap();
+        sqlx::query("SELECT pg_advisory_lock($1, hashtext('sem:unguarded#queue'))")
+            .bind(Semaphore::SLOT_NAMESPACE)
+            .execute(&mut *raw)
+            .await
+            .unwrap();
+    };
+    let other = PgLocker::new(pool_of(&opts, 2).await);
+    let holder = PgLocker::new(pool.clone());
+    let ((), took) = behind_a_stuck_head(&holder, stuck, &other, "sem:unguarded").await;
+    let err = took.expect_err("an unguarded head keeps the queue");
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+}

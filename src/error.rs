@@ -453,10 +453,6 @@ pub enum Error {
         task: &'static str,
     },
 
-    /// A configuration value is out of range.
-    #[error("invalid configuration: {0}")]
-    InvalidConfig(&'static str),
-
     /// A builder was given a setting outside its documented range (or one
     /// that contradicts another setting); `build()` refuses it rather than
     /// change it. Nothing was sent to a server.

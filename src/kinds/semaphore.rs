@@ -132,7 +132,7 @@ impl Semaphore {
     /// A semaphore of `permits` permits named `name` on any `locker`. Makes
     /// no round trip.
     ///
-    /// Refused with [`Error::InvalidConfig`] for zero permits and with
+    /// Refused with [`Error::InvalidArgument`] for zero permits and with
     /// [`Error::InvalidKey`] for a name that is not a valid key. On
     /// PostgreSQL prefer [`PgLocker::semaphore`](crate::PgLocker::semaphore),
     /// whose tries and waits cost less (see above).
@@ -141,9 +141,10 @@ impl Semaphore {
     }
 
     fn build(backend: Backend, name: &str, permits: u32) -> Result<Self, Error> {
-        let permits = NonZeroU32::new(permits).ok_or(Error::InvalidConfig(
-            "a semaphore needs at least one permit",
-        ))?;
+        let permits = NonZeroU32::new(permits).ok_or_else(|| Error::InvalidArgument {
+            argument: "permits",
+            reason: "a semaphore needs at least one permit".to_owned(),
+        })?;
         LockKey::from(name).validate()?;
         Ok(Self {
             name: name.into(),
@@ -305,7 +306,7 @@ impl PgLocker {
     /// multiplexed mode too, each held permit keeps a pooled connection of
     /// its own (a [`SessionLock`](crate::SessionLock) of the default mode).
     ///
-    /// Refused with [`Error::InvalidConfig`] for zero permits and with
+    /// Refused with [`Error::InvalidArgument`] for zero permits and with
     /// [`Error::InvalidKey`] for a name that is not a valid key. Makes no
     /// round trip.
     ///

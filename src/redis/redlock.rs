@@ -161,14 +161,20 @@ impl Redlock {
     /// Sets up the nodes with settings its builder has checked.
     pub(super) async fn open(clients: Vec<redis::Client>, config: Config) -> Result<Self, Error> {
         if clients.is_empty() {
-            return Err(Error::InvalidConfig("Redlock needs at least one node URL"));
+            return Err(Error::InvalidArgument {
+                argument: "urls",
+                reason: "Redlock needs at least one node".to_owned(),
+            });
         }
         let nodes = clients
             .into_iter()
             .map(Node::lazy)
             .collect::<Result<Vec<_>, _>>()?;
         if nodes.iter().map(Node::label).collect::<HashSet<_>>().len() != nodes.len() {
-            return Err(Error::InvalidConfig("a Redlock node URL is listed twice"));
+            return Err(Error::InvalidArgument {
+                argument: "urls",
+                reason: "a Redlock node is listed twice (one host, port and database)".to_owned(),
+            });
         }
         let needed = nodes.len() / 2 + 1;
         let redlock = Self {

@@ -199,7 +199,7 @@ pub(crate) async fn bad_name_and_zero_permits_are_refused(backend: &impl Backend
     let err = Semaphore::new(a, "conformance:no-permits", 0)
         .map(|_| ())
         .unwrap_err();
-    assert!(matches!(err, Error::InvalidConfig(_)), "{err:?}");
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
 }
 
 /// One permit, taken through the pooler; a second through it is refused,

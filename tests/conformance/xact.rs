@@ -101,12 +101,15 @@ pub(crate) async fn rollback_frees(backend: &impl XactBackend) {
     let err = a
         .try_with_xact_lock(k.clone(), async |conn: &mut PgConnection| {
             sqlx::query("SELECT 1").execute(&mut *conn).await?;
-            Err::<(), _>(Error::InvalidConfig("the closure's own error"))
+            Err::<(), _>(Error::InvalidArgument {
+                argument: "closure",
+                reason: "the closure's own error".into(),
+            })
         })
         .await
         .unwrap_err();
     assert!(
-        matches!(err, Error::InvalidConfig("the closure's own error")),
+        matches!(&err, Error::InvalidArgument { reason, .. } if reason == "the closure's own error"),
         "{err:?}"
     );
     assert!(

@@ -145,7 +145,10 @@ async fn a_freed_permit_reaches_a_waiter_within_milliseconds(pool: PgPool) {
 async fn bad_semaphores_are_refused() {
     let memory: Arc<dyn Locker> = Arc::new(MemoryLocker::new());
     let none = Semaphore::new(Arc::clone(&memory), "kinds:none", 0);
-    assert!(matches!(none, Err(Error::InvalidConfig(_))), "{none:?}");
+    assert!(
+        matches!(none, Err(Error::InvalidArgument { .. })),
+        "{none:?}"
+    );
     let bad = Semaphore::new(Arc::clone(&memory), "bad\0name", 2);
     assert!(matches!(bad, Err(Error::InvalidKey { .. })), "{bad:?}");
     let one = Semaphore::new(memory, "kinds:one", 1).unwrap();
@@ -159,7 +162,10 @@ async fn bad_semaphores_are_refused() {
 async fn bad_postgres_semaphores_are_refused(pool: PgPool) {
     let locker = PgLocker::new(pool);
     let none = locker.semaphore("kinds:none", 0);
-    assert!(matches!(none, Err(Error::InvalidConfig(_))), "{none:?}");
+    assert!(
+        matches!(none, Err(Error::InvalidArgument { .. })),
+        "{none:?}"
+    );
     let bad = locker.semaphore("bad\0name", 2);
     assert!(matches!(bad, Err(Error::InvalidKey { .. })), "{bad:?}");
 }

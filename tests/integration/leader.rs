@@ -334,7 +334,10 @@ async fn permanent_errors_end_the_campaign_and_reach_the_caller() {
         ("PoolerDetected", || Error::PoolerDetected {
             evidence: distlock::PoolerEvidence::BackendChanged { from: 1, to: 2 },
         }),
-        ("InvalidConfig", || Error::InvalidConfig("refused")),
+        ("InvalidArgument", || Error::InvalidArgument {
+            argument: "urls",
+            reason: "refused".into(),
+        }),
     ];
     for (name, make) in cases {
         let campaign = LeaderElection::builder(Arc::new(Failing(make)), "leader:fails")

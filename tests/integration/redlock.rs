@@ -379,12 +379,12 @@ async fn redlock_of(servers: &[RedisServer]) -> Redlock {
 async fn connect_rejects_a_bad_configuration() {
     assert!(matches!(
         Redlock::connect(&[]).await,
-        Err(Error::InvalidConfig(_))
+        Err(Error::InvalidArgument { .. })
     ));
     let url = "redis://127.0.0.1:1";
     assert!(matches!(
         Redlock::connect(&[url, url]).await,
-        Err(Error::InvalidConfig(_))
+        Err(Error::InvalidArgument { .. })
     ));
     assert!(matches!(
         Redlock::connect(&["not a url"]).await,

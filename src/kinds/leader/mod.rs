@@ -156,7 +156,7 @@ impl LeaderElection {
     /// ([`Error::NoRuntime`]: the task needs one to run on), and at the
     /// first attempt for what the backend refuses for good: a key it cannot
     /// lock (Redis refuses namespaced keys), a configuration
-    /// ([`Error::InvalidConfig`], [`Error::InvalidSetting`]), a database
+    /// ([`Error::InvalidArgument`], [`Error::InvalidSetting`]), a database
     /// that was not migrated ([`Error::NotMigrated`], fencing tokens and the
     /// leader record need it), a schema it does not trust
     /// ([`Error::UntrustedSchema`]), a transaction pooler in front

@@ -14,7 +14,10 @@ pub(super) fn permanent(err: &Error) -> Option<Error> {
             key: key.clone(),
             reason,
         },
-        Error::InvalidConfig(what) => Error::InvalidConfig(what),
+        Error::InvalidArgument { argument, reason } => Error::InvalidArgument {
+            argument,
+            reason: reason.clone(),
+        },
         Error::InvalidSetting {
             setting,
             value,
@@ -57,7 +60,10 @@ mod tests {
                 key: "".into(),
                 reason: "empty",
             },
-            Error::InvalidConfig("x"),
+            Error::InvalidArgument {
+                argument: "x",
+                reason: "out of range".into(),
+            },
             Error::InvalidSetting {
                 setting: "wait",
                 value: "0ns".into(),

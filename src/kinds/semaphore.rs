@@ -203,10 +203,14 @@ impl Semaphore {
     /// out, so the server frees whatever it took).
     pub async fn try_acquire(&self) -> Result<Option<SemaphorePermit>, Error> {
         match &self.backend {
-            Backend::Postgres(slots) => Ok(slots
-                .try_acquire()
-                .await?
-                .map(|(slot, lock)| SemaphorePermit::on_session(slot, lock))),
+            Backend::Postgres(slots) => {
+                let key = LockKey::from(&*self.name);
+                let tried = async {
+                    let taken = slots.try_acquire().await?;
+                    Ok(taken.map(|(slot, lock)| SemaphorePermit::on_session(slot, lock)))
+                };
+                crate::span::traced(&key, "postgres", "semaphore_try", Option::is_some, tried).await
+            }
             Backend::Any(locker) => self.try_any(locker).await,
         }
     }
@@ -253,10 +257,14 @@ impl Semaphore {
         let deadline = crate::deadline::after_std(started, timeout);
         match &self.backend {
             // It keeps its own line, with its waiting connection.
-            Backend::Postgres(slots) => slots
-                .acquire(&self.name, started, deadline)
-                .await
-                .map(|(slot, lock)| SemaphorePermit::on_session(slot, lock)),
+            Backend::Postgres(slots) => {
+                let key = LockKey::from(&*self.name);
+                let waited = async {
+                    let (slot, lock) = slots.acquire(&self.name, started, deadline).await?;
+                    Ok(SemaphorePermit::on_session(slot, lock))
+                };
+                crate::span::traced(&key, "postgres", "semaphore_wait", |_| true, waited).await
+            }
             Backend::Any(locker) => {
                 let Ok(_head) = tokio::time::timeout_at(deadline, self.queue.lock()).await else {
                     return Err(self.timed_out(started));

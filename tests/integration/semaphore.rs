@@ -567,3 +567,28 @@ async fn a_head_without_the_guard_keeps_the_queue(pool: PgPool) {
     let err = took.expect_err("an unguarded head keeps the queue");
     assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
 }
+
+/// `PgLocker::semaphore` counts in the lock metrics under the semaphore's
+/// name: permits taken, tries that found none, waits that timed out. The
+/// prefix `metricssem` is used by no other test in this binary.
+#[cfg(feature = "metrics")]
+#[sqlx::test(migrations = false)]
+async fn semaphore_calls_count_in_the_lock_metrics(pool: PgPool) {
+    let captured = crate::job::recorder::Captured::global();
+    let series = |name: &str| format!("{name}{{backend=postgres,key=metricssem}}");
+    let sem = semaphore(&PgLocker::new(pool.clone()), "metricssem:exports", 1);
+    let held = sem.try_acquire().await.unwrap().expect("free");
+    assert_eq!(captured.get(&series("distlock_acquired_total")), 1.0);
+    assert!(sem.try_acquire().await.unwrap().is_none(), "held");
+    assert_eq!(captured.get(&series("distlock_busy_total")), 1.0);
+    let timed_out = sem.acquire(Duration::from_millis(200)).await;
+    assert!(
+        matches!(timed_out, Err(Error::Timeout { .. })),
+        "{timed_out:?}"
+    );
+    assert_eq!(captured.get(&series("distlock_timeout_total")), 1.0);
+    held.release().await.unwrap();
+    let waited = sem.acquire(Duration::from_secs(2)).await.expect("free");
+    assert_eq!(captured.get(&series("distlock_acquired_total")), 2.0);
+    waited.release().await.unwrap();
+}

@@ -490,8 +490,12 @@ async fn queue_held(obs: &mut sqlx::PgConnection, name: &str) {
         Duration::from_secs(5),
         async || {
             sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
-             AND objsubid = 2 AND objid = (hashtext($1)::int8 & 4294967295)::oid",
+                // Held exclusively by an idle session: the head's line-up has
+                // answered (it found every permit held), not a try in flight.
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+             WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock' \
+             AND l.objsubid = 2 AND l.objid = (hashtext($1)::int8 & 4294967295)::oid \
+             AND a.state = 'idle'",
             )
             .bind(&queue)
             .fetch_one(&mut *obs)

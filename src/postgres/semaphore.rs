@@ -55,7 +55,7 @@ const ANSWER_GRACE: Duration = Duration::from_millis(50);
 /// one: a holder whose session ended without an unlock (a crash, a
 /// partition, `pg_terminate_backend`) frees its slot silently, and so does
 /// a slot taken through a plain lock (`Semaphore::new` over a `PgLocker`).
-pub(crate) const FALLBACK: Duration = Duration::from_millis(200);
+const FALLBACK: Duration = Duration::from_millis(200);
 
 /// How many of a process's waiters talk to the server at once. The second
 /// waits in PostgreSQL's lock queue right behind the first, so that when

@@ -319,3 +319,28 @@ pub async fn block_fencing_counters(pool: &PgPool) -> PgConnection {
         .expect("block the fencing counters");
     conn
 }
+
+/// Waits until a session holds the queue lock of the `PgLocker::semaphore`
+/// named `name` exclusively and is idle: a head whose line-up has answered
+/// (it found every permit held), not a try in flight.
+pub async fn semaphore_head_idle_with_queue(obs: &mut PgConnection, name: &str) {
+    let queue = format!("{name}#queue");
+    eventually(
+        "a head holds the queue, idle",
+        Duration::from_secs(20),
+        async || {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+             WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock' \
+             AND l.objsubid = 2 AND l.objid = (hashtext($1)::int8 & 4294967295)::oid \
+             AND a.state = 'idle'",
+            )
+            .bind(&queue)
+            .fetch_one(&mut *obs)
+            .await
+            .expect("pg_locks")
+                == 1
+        },
+    )
+    .await;
+}

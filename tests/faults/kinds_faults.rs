@@ -183,30 +183,6 @@ fn spans(lines: &[Vec<String>]) -> Vec<(u64, u64)> {
 /// The semaphore of the stopped-head case.
 const HEAD_SEMAPHORE: &str = "procs-head";
 
-/// Waits until a session holds the queue of [`HEAD_SEMAPHORE`] exclusively
-/// and is idle: a head whose line-up has answered (it found every permit
-/// held), not a try in flight.
-async fn queue_held_by_an_idle_head(obs: &mut sqlx::PgConnection) {
-    common::eventually(
-        "a head holds the queue, idle",
-        Duration::from_secs(20),
-        async || {
-            sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
-             WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock' \
-             AND l.objsubid = 2 AND l.objid = (hashtext($1)::int8 & 4294967295)::oid \
-             AND a.state = 'idle'",
-            )
-            .bind(format!("{HEAD_SEMAPHORE}#queue"))
-            .fetch_one(&mut *obs)
-            .await
-            .unwrap()
-                == 1
-        },
-    )
-    .await;
-}
-
 /// A waiting process (a worker) holds the semaphore's queue as its head and
 /// is stopped with SIGSTOP; its permit is freed. Its session goes quiet, the
 /// server ends it after the head's idle guard (2 s), and this process's
@@ -230,11 +206,11 @@ async fn a_stopped_head_does_not_keep_the_queue(pool: PgPool) {
         .expect("spawn worker");
     let pid = Pid::from_raw(i32::try_from(worker.id()).expect("pid"));
     let mut obs = common::observer_for(&pool).await;
-    queue_held_by_an_idle_head(&mut obs).await;
+    common::semaphore_head_idle_with_queue(&mut obs, HEAD_SEMAPHORE).await;
     kill(pid, Signal::SIGSTOP).expect("SIGSTOP");
     // A try it sent just before the stop has answered: it is idle, and
     // still holds the queue (it took no slot).
-    queue_held_by_an_idle_head(&mut obs).await;
+    common::semaphore_head_idle_with_queue(&mut obs, HEAD_SEMAPHORE).await;
     held.release().await.unwrap();
     let started = std::time::Instant::now();
     let served = semaphore.acquire(Duration::from_secs(10)).await;

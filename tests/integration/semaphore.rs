@@ -482,31 +482,6 @@ where
     }
 }
 
-/// Waits until some session holds the queue lock of the semaphore `name`.
-async fn queue_held(obs: &mut sqlx::PgConnection, name: &str) {
-    let queue = format!("{name}#queue");
-    common::eventually(
-        "a head holds the queue",
-        Duration::from_secs(5),
-        async || {
-            sqlx::query_scalar::<_, i64>(
-                // Held exclusively by an idle session: the head's line-up has
-                // answered (it found every permit held), not a try in flight.
-                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
-             WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock' \
-             AND l.objsubid = 2 AND l.objid = (hashtext($1)::int8 & 4294967295)::oid \
-             AND a.state = 'idle'",
-            )
-            .bind(&queue)
-            .fetch_one(&mut *obs)
-            .await
-            .unwrap()
-                == 1
-        },
-    )
-    .await;
-}
-
 /// A head whose network stalls (a partition, or a paused process) holds the
 /// queue; the server ends its session after the head's idle guard (2 s),
 /// which frees the queue, so another process's waiter gets the freed permit.
@@ -524,7 +499,7 @@ async fn a_stalled_head_does_not_keep_the_queue(pool: PgPool) {
     let stuck = move || async move {
         let stalled = semaphore(through, "sem:stalled", 1);
         let waiter = tokio::spawn(async move { stalled.acquire(Duration::from_secs(30)).await });
-        queue_held(obs, "sem:stalled").await;
+        common::semaphore_head_idle_with_queue(obs, "sem:stalled").await;
         net.stall();
         // A tuple: the closure's future yields the handle, not its result.
         (waiter,)

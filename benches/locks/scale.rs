@@ -1,15 +1,17 @@
 //! How cost grows: each row one run at one scale, on a private cluster (see
 //! `server.rs`) whose lock table holds about 150,000 locks
 //! (`max_locks_per_transaction = 1000` × `max_connections = 150`), so the
-//! shared server's lock table is never filled. One more row goes past that
-//! limit on purpose, to record what a user sees when it is reached.
+//! shared server's lock table is never filled. Two more rows go past that
+//! limit on purpose (raw `pg_advisory_lock`, then distlock's `lock_all`), to
+//! record what a user sees when it is reached; the server is let settle
+//! after each. A row that fails is recorded as failed and the rest still run.
 
 use std::fmt::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use distlock::{LockKey, PgLocker, SessionLock};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgDatabaseError, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
 use crate::counting::CountingProxy;
@@ -19,6 +21,13 @@ use crate::stats::median_f64;
 
 const MAX_LOCKS_PER_TRANSACTION: usize = 1000;
 const MAX_CONNECTIONS: usize = 150;
+/// The keys the past-the-limit rows ask for: twice what the table holds.
+const PAST_THE_LIMIT: usize = MAX_LOCKS_PER_TRANSACTION * MAX_CONNECTIONS * 2;
+/// How long [`settle`] waits for the server before it gives up.
+const SETTLE_LIMIT: Duration = Duration::from_secs(60);
+/// How long a session still holding advisory locks may take to end by
+/// itself before [`settle`] terminates it.
+const SETTLE_GRACE: Duration = Duration::from_secs(5);
 
 /// One row of the table: what was measured, at what scale, the figures
 /// (or why there are none).
@@ -98,13 +107,18 @@ async fn rows_on(
             rows.push(skipped("holders()", n, "not run with --quick"));
             continue;
         }
-        rows.push(holders(opts, &pool, n).await?);
+        let row = holders(opts, &pool, n).await;
+        rows.push(or_failed(opts, ("holders()", n), row).await);
     }
     if filter.scale_row("past the limit") {
-        rows.push(past_the_limit(opts).await);
-        // The session that filled the lock table ends asynchronously; the
-        // next rows need its slots back.
-        settle(opts).await?;
+        let row = past_the_limit(opts).await;
+        rows.push(or_failed(opts, (RAW_PAST, PAST_THE_LIMIT), row).await);
+        // The sessions that filled the lock table end asynchronously; the
+        // next rows need their slots back.
+        rows.extend(settled(opts).await);
+        let row = lock_all_past_the_limit(&pool).await;
+        rows.push(or_failed(opts, (DISTLOCK_PAST, PAST_THE_LIMIT), row).await);
+        rows.extend(settled(opts).await);
     }
 
     for n in [1usize, 16, 256, 4_096] {
@@ -115,7 +129,8 @@ async fn rows_on(
             rows.push(skipped("lock_all + release", n, "not run with --quick"));
             continue;
         }
-        rows.push(lock_all(&pool, n).await?);
+        let row = lock_all(&pool, n).await;
+        rows.push(or_failed(opts, ("lock_all + release", n), row).await);
     }
 
     for n in [1_000usize, 10_000, 100_000] {
@@ -130,7 +145,8 @@ async fn rows_on(
             ));
             continue;
         }
-        rows.push(multiplexed(opts, server, n, quick).await?);
+        let row = multiplexed(opts, server, n, quick).await;
+        rows.push(or_failed(opts, ("multiplex(4) holding keys", n), row).await);
     }
 
     for waiters in [10usize, 100, 1_000] {
@@ -145,7 +161,8 @@ async fn rows_on(
             ));
             continue;
         }
-        rows.push(semaphore(opts, waiters, quick).await?);
+        let row = semaphore(opts, waiters, quick).await;
+        rows.push(or_failed(opts, ("Semaphore(10), waiters", waiters), row).await);
     }
 
     for n in [1_000usize, 100_000] {
@@ -160,7 +177,8 @@ async fn rows_on(
             ));
             continue;
         }
-        rows.push(table_leases(&pool, n).await?);
+        let row = table_leases(&pool, n).await;
+        rows.push(or_failed(opts, ("TableLocker, live leases", n), row).await);
     }
     pool.close().await;
     Ok(())
@@ -172,6 +190,36 @@ fn skipped(what: &'static str, n: usize, why: &str) -> Row {
         scale: thousands(n),
         figures: why.to_owned(),
     }
+}
+
+/// The row, or why it failed: one failing row does not hide the rows after
+/// it. A failed row may have left locks behind, so the server is let settle
+/// before the next one.
+async fn or_failed(
+    opts: &PgConnectOptions,
+    (what, n): (&'static str, usize),
+    row: anyhow::Result<Row>,
+) -> Row {
+    let err = match row {
+        Ok(row) => return row,
+        Err(err) => err,
+    };
+    let mut why = format!("failed: {}", one_line(&format!("{err:#}")));
+    if let Err(err) = settle(opts).await {
+        let _ = write!(why, "; then {}", one_line(&format!("{err:#}")));
+    }
+    skipped(what, n, &why)
+}
+
+/// [`settle`] as a row when it fails, so the rows after it are read with
+/// that in mind.
+async fn settled(opts: &PgConnectOptions) -> Option<Row> {
+    let err = settle(opts).await.err()?;
+    Some(Row {
+        what: "(waiting for the lock table to empty)",
+        scale: "–".to_owned(),
+        figures: format!("failed: {}", one_line(&format!("{err:#}"))),
+    })
 }
 
 fn thousands(n: usize) -> String {
@@ -190,34 +238,89 @@ fn one_line(s: &str) -> String {
     s.replace(['\n', '|'], " ")
 }
 
-/// Waits (up to 30 s) until the server holds no advisory lock.
+/// Waits (up to [`SETTLE_LIMIT`]) until the server holds no advisory lock.
+/// While the lock table is full even a new connection fails to start (it
+/// takes locks too), so failures are retried; a session still holding
+/// advisory locks after [`SETTLE_GRACE`] (a dropped connection whose end the
+/// server has not noticed) is terminated.
 async fn settle(opts: &PgConnectOptions) -> anyhow::Result<()> {
-    let mut conn = opts.connect().await?;
-    for _ in 0..300 {
-        let held: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
-                .fetch_one(&mut conn)
-                .await?;
-        if held == 0 {
-            break;
-        }
+    let started = Instant::now();
+    loop {
+        let terminate = started.elapsed() > SETTLE_GRACE;
+        let last = match advisory_held(opts, terminate).await {
+            Ok(0) => return Ok(()),
+            Ok(held) => format!("{held} advisory locks still held"),
+            Err(err) => one_line(&format!("{err:#}")),
+        };
+        anyhow::ensure!(
+            started.elapsed() < SETTLE_LIMIT,
+            "the server did not settle in {} s: {last}",
+            SETTLE_LIMIT.as_secs()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    conn.close().await?;
-    Ok(())
+}
+
+/// The advisory locks other sessions hold, on a connection of its own;
+/// with `terminate`, the sessions holding them are ended first.
+async fn advisory_held(opts: &PgConnectOptions, terminate: bool) -> anyhow::Result<i64> {
+    let mut conn = opts.connect().await?;
+    let held = advisory_held_on(&mut conn, terminate).await;
+    // Closed whatever the query gave: a dropped connection lingers.
+    let _ = conn.close().await;
+    held
+}
+
+async fn advisory_held_on(conn: &mut PgConnection, terminate: bool) -> anyhow::Result<i64> {
+    if terminate {
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM (SELECT DISTINCT pid FROM pg_locks \
+             WHERE locktype = 'advisory' AND pid <> pg_backend_pid()) p",
+        )
+        .execute(&mut *conn)
+        .await?;
+    }
+    let held = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(held)
 }
 
 /// Takes `n` session advisory locks on one raw connection, in one statement.
+/// On failure the connection is closed, which frees what it took.
 async fn hold_raw(opts: &PgConnectOptions, base: i64, n: usize) -> anyhow::Result<PgConnection> {
     let mut conn = opts.connect().await?;
+    match take_raw(&mut conn, base, n).await {
+        Ok(()) => Ok(conn),
+        Err(err) => {
+            let _ = conn.close().await;
+            Err(err)
+        }
+    }
+}
+
+/// Locks `base..base + n` on `conn` in one statement. Locks taken before an
+/// error stay held: session advisory locks ignore the rollback.
+async fn take_raw(conn: &mut PgConnection, base: i64, n: usize) -> anyhow::Result<()> {
+    let last = base + i64::try_from(n)? - 1;
     let _: i64 = sqlx::query_scalar(
         "SELECT count(pg_advisory_lock(k)) FROM generate_series($1::bigint, $2::bigint) k",
     )
     .bind(base)
-    .bind(base + i64::try_from(n)? - 1)
-    .fetch_one(&mut conn)
+    .bind(last)
+    .fetch_one(conn)
     .await?;
-    Ok(conn)
+    Ok(())
+}
+
+/// PostgreSQL's HINT of `err`, if it has one ("You might need to increase
+/// max_locks_per_transaction." is what tells a user which setting to raise).
+fn pg_hint(err: &anyhow::Error) -> Option<String> {
+    let db = err.downcast_ref::<sqlx::Error>()?.as_database_error()?;
+    let hint = db.try_downcast_ref::<PgDatabaseError>()?.hint()?;
+    Some(one_line(hint))
 }
 
 /// `holders()` while `n` advisory locks are held on the server: the cost is
@@ -259,25 +362,70 @@ async fn holders(opts: &PgConnectOptions, pool: &PgPool, n: usize) -> anyhow::Re
     })
 }
 
+const RAW_PAST: &str = "past the lock table's limit (raw pg_advisory_lock)";
+const DISTLOCK_PAST: &str = "past the lock table's limit (distlock lock_all)";
+
 /// More locks than the lock table holds: the error a user gets.
-async fn past_the_limit(opts: &PgConnectOptions) -> Row {
-    let n = MAX_LOCKS_PER_TRANSACTION * MAX_CONNECTIONS * 2;
-    let figures = match hold_raw(opts, 10_000_000, n).await {
-        Ok(conn) => {
-            let _ = conn.close().await;
+async fn past_the_limit(opts: &PgConnectOptions) -> anyhow::Result<Row> {
+    let mut conn = opts.connect().await?;
+    let taken = take_raw(&mut conn, 10_000_000, PAST_THE_LIMIT).await;
+    // The locks go back on the session that took them, and the session is
+    // closed rather than dropped: a dropped connection's backend keeps the
+    // table full until the server notices, and the next connection then
+    // fails to start with the same error.
+    let _ = sqlx::query("SELECT pg_advisory_unlock_all()")
+        .execute(&mut conn)
+        .await;
+    let _ = conn.close().await;
+    let figures = match taken {
+        Ok(()) => {
             "the server took them all (its lock table has slack beyond the formula)".to_owned()
         }
         Err(err) => format!(
-            "refused: `{}`; the session keeps the locks it took before the error until it \
-             releases them or ends (here it ends)",
-            one_line(&err.to_string())
+            "refused: `{}`{}; the session keeps the locks it took before the error until it \
+             releases them or ends (here it releases them)",
+            one_line(&err.to_string()),
+            pg_hint(&err).map_or(String::new(), |hint| format!(", hint: `{hint}`"))
         ),
     };
-    Row {
-        what: "past the lock table's limit (raw pg_advisory_lock)",
-        scale: thousands(n),
+    Ok(Row {
+        what: RAW_PAST,
+        scale: thousands(PAST_THE_LIMIT),
         figures,
-    }
+    })
+}
+
+/// The same limit through distlock: the error its user gets from
+/// `lock_all` over more keys than the table holds.
+async fn lock_all_past_the_limit(pool: &PgPool) -> anyhow::Result<Row> {
+    let locker = PgLocker::new(pool.clone());
+    let keys = (0..i64::try_from(PAST_THE_LIMIT)?).map(|k| LockKey::id(60_000_000 + k));
+    let t = Instant::now();
+    let figures = match locker.lock_all(keys, Duration::from_secs(10)).await {
+        Ok(all) => {
+            all.release().await?;
+            "took them all (the lock table has slack beyond the formula)".to_owned()
+        }
+        Err(err) => {
+            let variant = format!("{err:?}");
+            format!(
+                "refused after {:.0} ms: `{}`{}",
+                t.elapsed().as_secs_f64() * 1e3,
+                one_line(&err.to_string()),
+                // The variant only when it is short enough to read in a cell.
+                if variant.len() <= 100 {
+                    format!(" (`{}`)", one_line(&variant))
+                } else {
+                    String::new()
+                }
+            )
+        }
+    };
+    Ok(Row {
+        what: DISTLOCK_PAST,
+        scale: thousands(PAST_THE_LIMIT),
+        figures,
+    })
 }
 
 /// `lock_all` over `n` free keys, then release: median of 5.

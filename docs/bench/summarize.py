@@ -53,6 +53,9 @@ for r in runs:
     res[r]=m
 def rng(vals,fmt='{:.2f}'):
     vals=[v for v in vals if v is not None]
+    # No figure in any run (the Redis hand-off rows have no pgbench ratio, '–'):
+    # say so rather than stop the summary there.
+    if not vals: return '–'
     vals.sort()
     med=vals[len(vals)//2]
     return (fmt+'–'+fmt+' (med '+fmt+')').format(vals[0],vals[-1],med)
@@ -61,8 +64,10 @@ for key in ['loop','ct','net']:
     for f in res[runs[0]][key]:
         print(f, rng([res[r][key][f] for r in runs], '{:.2f}' if 'us' not in f and f not in ('table','lease') else '{:.0f}'))
 print('== handoff (vs pgbench, p99)')
+# A row missing from a run counts as no figure there.
+ho=lambda r,k,i: res[r]['ho'].get(k,(None,None))[i]
 for k in res[runs[0]]['ho']:
-    print(k, rng([res[r]['ho'][k][0] for r in runs]), 'p99', rng([res[r]['ho'][k][1] for r in runs],'{:.0f}'))
+    print(k, rng([ho(r,k,0) for r in runs]), 'p99', rng([ho(r,k,1) for r in runs],'{:.0f}'))
 print('== kinds')
 for r in runs: print(r, res[r]['kinds'])
 print('== many')

@@ -23,18 +23,18 @@ use crate::{
 /// `hashtext`, 1 a bigint, 2 a namespaced name), number (`$2`) and name
 /// (`$3`), as the advisory lock functions see the key.
 const KEY: &str = "WITH k AS (SELECT \
-     CASE WHEN $1::pg_catalog.int2 = 2 THEN 2 ELSE 1 END::pg_catalog.int2 AS space, \
-     CASE $1::pg_catalog.int2 \
-       WHEN 0 THEN pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8 \
-       WHEN 1 THEN $2::pg_catalog.int8 \
-       ELSE ($2::pg_catalog.int8 << 32) \
-            | (pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8 & 4294967295) \
+     CASE WHEN $1::pg_catalog.int2 OPERATOR(pg_catalog.=) 2 THEN 2 ELSE 1 END::pg_catalog.int2 AS space, \
+     CASE WHEN $1::pg_catalog.int2 OPERATOR(pg_catalog.=) 0 \
+         THEN pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8 \
+       WHEN $1::pg_catalog.int2 OPERATOR(pg_catalog.=) 1 THEN $2::pg_catalog.int8 \
+       ELSE ($2::pg_catalog.int8 OPERATOR(pg_catalog.<<) 32) \
+            OPERATOR(pg_catalog.|) (pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295) \
      END AS lock_id) ";
 
 // Via 1: records of session advisory locks.
 
 const PROCLAIM: &str = "SELECT p.term, \
-     (extract(epoch FROM p.since) * 1000000)::pg_catalog.int8, p.after_loss \
+     (extract(epoch FROM p.since) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, p.after_loss \
      FROM k, distlock.leader_proclaim(1::pg_catalog.int2, k.space, k.lock_id, $4, $5, NULL, \
      $6, $7, $8, $9) AS p";
 
@@ -42,7 +42,7 @@ const WITHDRAW: &str =
     "SELECT distlock.leader_withdraw(1::pg_catalog.int2, k.space, k.lock_id, $4, NULL, $5) FROM k";
 
 const LEADER: &str = "SELECT l.identity, l.value, l.term, \
-     (extract(epoch FROM l.since) * 1000000)::pg_catalog.int8, l.fencing_token \
+     (extract(epoch FROM l.since) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, l.fencing_token \
      FROM k, distlock.leader_of(1::pg_catalog.int2, k.space, k.lock_id) AS l";
 
 /// `sql` after [`KEY`], with the key's three parameters bound.

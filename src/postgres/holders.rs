@@ -16,19 +16,20 @@ use crate::{Error, LockKey};
 /// (`objsubid`, the key space), `pid`, `mode`, `granted`, `waitstart`.
 const LOCK_ROWS: &str = "h AS MATERIALIZED (SELECT l.classid::pg_catalog.int8 AS c, \
      l.objid::pg_catalog.int8 AS o, l.objsubid::pg_catalog.int4 AS s, l.pid, l.mode, l.granted, \
-     l.waitstart FROM pg_catalog.pg_locks l WHERE l.locktype = 'advisory' \
-     AND l.database = (SELECT oid FROM pg_catalog.pg_database \
-       WHERE datname = pg_catalog.current_database()))";
+     l.waitstart FROM pg_catalog.pg_locks l WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory' \
+     AND l.database OPERATOR(pg_catalog.=) (SELECT oid FROM pg_catalog.pg_database \
+       WHERE datname OPERATOR(pg_catalog.=) pg_catalog.current_database()))";
 
 /// The columns [`decode`] reads, of the rows `x` (the columns of [`LOCK_ROWS`]
 /// and `blocked`, the `pg_blocking_pids` of a waiting row) joined with
 /// their sessions: `SELECT` this, then `FROM x` and [`ACTIVITY`].
 const SHOWN: &str = "SELECT x.c, x.o, x.s, x.pid, x.mode, x.granted, a.application_name, \
      pg_catalog.host(a.client_addr), \
-     (extract(epoch FROM COALESCE(x.waitstart, a.xact_start, a.backend_start)) * 1000000)::pg_catalog.int8, \
+     (extract(epoch FROM COALESCE(x.waitstart, a.xact_start, a.backend_start)) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, \
      x.blocked";
 
-const ACTIVITY: &str = " LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = x.pid";
+const ACTIVITY: &str =
+    " LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid OPERATOR(pg_catalog.=) x.pid";
 
 /// The rows of `h` as `x`, each waiting row with its blockers, and `tail`
 /// after `FROM h` (a join or a filter).
@@ -63,7 +64,7 @@ pub(crate) async fn holders_of(
 ) -> Result<Vec<Holder>, Error> {
     let mut keys = BoundAll::default();
     keys.push(key.args()?.into());
-    let on_key = " JOIN w ON h.s = w.s AND h.c = w.c AND h.o = w.o";
+    let on_key = " JOIN w ON h.s OPERATOR(pg_catalog.=) w.s AND h.c OPERATOR(pg_catalog.=) w.c AND h.o OPERATOR(pg_catalog.=) w.o";
     let sql: String = ["WITH ", KEYS_AS_LOCKED, ", ", LOCK_ROWS, &every_row(on_key)].concat();
     let query = keys.bind(sqlx::query::<Postgres>(sqlx::AssertSqlSafe(sql)));
     let rows = query.fetch_all(conn).await?;
@@ -93,21 +94,21 @@ pub(crate) struct Snapshot {
 /// to compute) and its place `i`. `pg_blocking_pids` runs only for the
 /// sessions reached, so the cost follows the chain, not the lock table.
 const AROUND: &str = ", reach(pid) AS (\
-       SELECT h.pid FROM h JOIN w ON h.s = w.s AND h.c = w.c AND h.o = w.o WHERE h.granted \
-       UNION SELECT b.pid FROM reach r JOIN h ON h.pid = r.pid AND NOT h.granted, \
+       SELECT h.pid FROM h JOIN w ON h.s OPERATOR(pg_catalog.=) w.s AND h.c OPERATOR(pg_catalog.=) w.c AND h.o OPERATOR(pg_catalog.=) w.o WHERE h.granted \
+       UNION SELECT b.pid FROM reach r JOIN h ON h.pid OPERATOR(pg_catalog.=) r.pid AND NOT h.granted, \
          pg_catalog.unnest(pg_catalog.pg_blocking_pids(r.pid)) AS b(pid)), \
      wt AS MATERIALIZED (SELECT h.c, h.o, h.s, h.pid, h.mode, h.granted, h.waitstart, \
        pg_catalog.pg_blocking_pids(h.pid) AS blocked FROM h \
-       WHERE NOT h.granted AND h.pid IN (SELECT pid FROM reach)), \
+       WHERE NOT h.granted AND h.pid OPERATOR(pg_catalog.=) ANY (SELECT pid FROM reach)), \
      xs AS (SELECT * FROM wt UNION ALL \
        SELECT h.c, h.o, h.s, h.pid, h.mode, h.granted, h.waitstart, NULL::pg_catalog.int4[] FROM h \
-       WHERE EXISTS (SELECT FROM w WHERE w.s = h.s AND w.c = h.c AND w.o = h.o) \
-         AND (h.granted OR h.pid NOT IN (SELECT pid FROM reach)) \
-       OR h.granted AND h.pid IN (SELECT pid FROM reach) \
-         AND EXISTS (SELECT FROM wt WHERE wt.s = h.s AND wt.c = h.c AND wt.o = h.o)), \
+       WHERE EXISTS (SELECT FROM w WHERE w.s OPERATOR(pg_catalog.=) h.s AND w.c OPERATOR(pg_catalog.=) h.c AND w.o OPERATOR(pg_catalog.=) h.o) \
+         AND (h.granted OR NOT h.pid OPERATOR(pg_catalog.=) ANY (SELECT pid FROM reach)) \
+       OR h.granted AND h.pid OPERATOR(pg_catalog.=) ANY (SELECT pid FROM reach) \
+         AND EXISTS (SELECT FROM wt WHERE wt.s OPERATOR(pg_catalog.=) h.s AND wt.c OPERATOR(pg_catalog.=) h.c AND wt.o OPERATOR(pg_catalog.=) h.o)), \
      x AS (SELECT coalesce(xs.c, w.c) AS c, coalesce(xs.o, w.o) AS o, coalesce(xs.s, w.s) AS s, \
        xs.pid, xs.mode, xs.granted, xs.waitstart, xs.blocked, w.i \
-       FROM xs FULL JOIN w ON xs.s = w.s AND xs.c = w.c AND xs.o = w.o) ";
+       FROM xs FULL JOIN w ON xs.s OPERATOR(pg_catalog.=) w.s AND xs.c OPERATOR(pg_catalog.=) w.c AND xs.o OPERATOR(pg_catalog.=) w.o) ";
 
 /// A [`Snapshot`] around `keys`, on `conn`: 1 round trip.
 pub(crate) async fn around(

@@ -492,7 +492,7 @@ pub(crate) fn timeout(name: &str, started: Instant) -> Error {
 /// `q.ok` so that it runs once per row, after the row's queue step.
 macro_rules! first_free_slot {
     () => {
-        "(SELECT k.i - 1 FROM pg_catalog.unnest($3::pg_catalog.text[]) WITH ORDINALITY k(name, i) \
+        "(SELECT k.i OPERATOR(pg_catalog.-) 1 FROM pg_catalog.unnest($3::pg_catalog.text[]) WITH ORDINALITY k(name, i) \
          WHERE q.ok IS NOT NULL \
          AND pg_catalog.pg_try_advisory_lock($1::pg_catalog.int4, pg_catalog.hashtext(k.name)) LIMIT 1)"
     };
@@ -612,10 +612,10 @@ const LEAVE: &str = concat!(
 /// `classid` and `objid` (the unsigned views of the two keys) with
 /// `objsubid = 2`.
 const AVAILABLE: &str = "SELECT pg_catalog.count(DISTINCT l.objid) FROM pg_catalog.pg_locks l \
-     WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 \
-     AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()) \
-     AND l.classid = ($1::pg_catalog.int8 & 4294967295)::pg_catalog.oid \
-     AND l.objid IN (SELECT (pg_catalog.hashtext(s)::pg_catalog.int8 & 4294967295)::pg_catalog.oid \
+     WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory' AND l.granted AND l.objsubid OPERATOR(pg_catalog.=) 2 \
+     AND l.database OPERATOR(pg_catalog.=) (SELECT oid FROM pg_catalog.pg_database WHERE datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) \
+     AND l.classid OPERATOR(pg_catalog.=) ($1::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295)::pg_catalog.oid \
+     AND l.objid OPERATOR(pg_catalog.=) ANY (SELECT (pg_catalog.hashtext(s)::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295)::pg_catalog.oid \
      FROM pg_catalog.unnest($2::pg_catalog.text[]) s)";
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! A `search_path` that puts another schema before `pg_catalog` cannot
-//! replace the functions, types or settings the lock statements use: every
-//! statement names them by their `pg_catalog` names.
+//! replace the functions, types, operators or settings the lock statements
+//! use: every statement names them by their `pg_catalog` names.
 
 use crate::common::*;
 
@@ -40,12 +40,57 @@ CREATE FUNCTION evil.make_interval(years int4 DEFAULT 0, months int4 DEFAULT 0,
   secs float8 DEFAULT 0) RETURNS interval LANGUAGE sql AS $$SELECT interval '0'$$;
 "#;
 
+/// Look-alike operators in schema `evil`: every comparison of the types
+/// the statements compare answers its opposite (`=` is `<>`, `<` is `>=`,
+/// and so on, taken from PostgreSQL's own negators), `||` drops its right
+/// side, and the arithmetic and bit operators do something else. An
+/// operator written without `OPERATOR(pg_catalog.…)` resolves to these
+/// under `search_path=evil,pg_catalog`: a marker check would refuse, a key
+/// would resolve to another lock, a deadline would be in the past.
+const EVIL_OPERATORS: &str = r#"
+DO $$
+DECLARE o record;
+BEGIN
+  FOR o IN SELECT op.oprname, op.oprleft::pg_catalog.regtype AS l,
+      op.oprright::pg_catalog.regtype AS r, neg.oprcode AS f
+    FROM pg_catalog.pg_operator op
+    JOIN pg_catalog.pg_operator neg ON neg.oid OPERATOR(pg_catalog.=) op.oprnegate
+    WHERE op.oprnamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace
+      AND op.oprname OPERATOR(pg_catalog.=) ANY ('{=,<>,<,<=,>,>=}')
+      AND ((op.oprleft OPERATOR(pg_catalog.=) ANY (ARRAY['text', 'int2', 'int4', 'int8',
+          'oid', 'bool', 'timestamptz', 'interval', 'numeric', 'float8']::pg_catalog.regtype[])
+        AND op.oprright OPERATOR(pg_catalog.=) op.oprleft)
+      OR (op.oprleft OPERATOR(pg_catalog.=) ANY (ARRAY['int2', 'int4', 'int8']::pg_catalog.regtype[])
+        AND op.oprright OPERATOR(pg_catalog.=) ANY (ARRAY['int2', 'int4', 'int8']::pg_catalog.regtype[])))
+  LOOP
+    EXECUTE pg_catalog.format('CREATE OPERATOR evil.%s (LEFTARG = %s, RIGHTARG = %s, FUNCTION = %s)',
+      o.oprname, o.l, o.r, o.f);
+  END LOOP;
+END $$;
+CREATE FUNCTION evil.left_only(text, text) RETURNS text LANGUAGE sql AS 'SELECT $1';
+CREATE OPERATOR evil.|| (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.left_only);
+CREATE OPERATOR evil.+ (LEFTARG = timestamptz, RIGHTARG = interval,
+  FUNCTION = pg_catalog.timestamptz_mi_interval);
+CREATE OPERATOR evil.+ (LEFTARG = int4, RIGHTARG = int4, FUNCTION = pg_catalog.int4mi);
+CREATE OPERATOR evil.- (LEFTARG = int4, RIGHTARG = int4, FUNCTION = pg_catalog.int4pl);
+CREATE OPERATOR evil.+ (LEFTARG = int8, RIGHTARG = int8, FUNCTION = pg_catalog.int8mi);
+CREATE OPERATOR evil.- (LEFTARG = int8, RIGHTARG = int8, FUNCTION = pg_catalog.int8pl);
+CREATE OPERATOR evil.* (LEFTARG = numeric, RIGHTARG = numeric, FUNCTION = pg_catalog.numeric_add);
+CREATE OPERATOR evil./ (LEFTARG = float8, RIGHTARG = float8, FUNCTION = pg_catalog.float8mul);
+CREATE OPERATOR evil.& (LEFTARG = int8, RIGHTARG = int8, FUNCTION = pg_catalog.int8or);
+CREATE OPERATOR evil.| (LEFTARG = int8, RIGHTARG = int8, FUNCTION = pg_catalog.int8and);
+CREATE OPERATOR evil.>> (LEFTARG = int8, RIGHTARG = int4, FUNCTION = pg_catalog.int8shl);
+CREATE OPERATOR evil.<< (LEFTARG = int8, RIGHTARG = int4, FUNCTION = pg_catalog.int8shr);
+"#;
+
 /// A pool whose sessions resolve names through `evil` first.
 async fn evil_pool(pool: &PgPool) -> PgPool {
-    sqlx::raw_sql(EVIL)
-        .execute(pool)
-        .await
-        .expect("plant the look-alikes");
+    for plant in [EVIL, EVIL_OPERATORS] {
+        sqlx::raw_sql(plant)
+            .execute(pool)
+            .await
+            .expect("plant the look-alikes");
+    }
     let options = (*pool.connect_options())
         .clone()
         .options([("search_path", "evil,pg_catalog")]);
@@ -210,10 +255,12 @@ const SEES: &str = "distlock-search-path";
 
 #[sqlx::test(migrations = false)]
 async fn a_hostile_search_path_does_not_change_who_holds_what(pool: PgPool) {
-    sqlx::raw_sql(EVIL_VIEWS)
-        .execute(&pool)
-        .await
-        .expect("plant the look-alike views");
+    for plant in [EVIL_VIEWS, EVIL_OPERATORS] {
+        sqlx::raw_sql(plant)
+            .execute(&pool)
+            .await
+            .expect("plant the look-alike views and operators");
+    }
     let options = (*pool.connect_options())
         .clone()
         .application_name(SEES)
@@ -256,5 +303,143 @@ async fn a_hostile_search_path_does_not_change_who_holds_what(pool: PgPool) {
         other => panic!("expected a timeout, got {other:?}"),
     }
     held.release().await.expect("release");
+    evil.close().await;
+}
+
+/// The other kinds under the look-alike functions and operators: fencing
+/// tokens, heartbeats, upgrades, the semaphore, the lease table and
+/// leadership each take the real lock (or row), keep it, and give it back.
+#[sqlx::test(migrations = false)]
+async fn a_hostile_search_path_does_not_replace_the_operators_of_any_kind(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let evil = evil_pool(&pool).await;
+    let wait = Duration::from_secs(2);
+    let locker = PgLocker::builder(evil.clone())
+        .fencing(true)
+        .heartbeat(Duration::from_millis(100))
+        .build()
+        .expect("valid settings");
+
+    let first = locker.try_lock("f").await.expect("try_lock").expect("free");
+    let first_token = first.fencing_token().expect("a token");
+    // Heartbeats run meanwhile: they must find the lock still held.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!first.is_lost(), "a heartbeat reported the lock lost");
+    assert!(!free(&pool, "f").await, "the fenced lock is real");
+    first.release().await.expect("release");
+    let second = locker.lock("f", wait).await.expect("lock");
+    assert!(
+        second.fencing_token().expect("a token") > first_token,
+        "tokens grow"
+    );
+    // Fencing checks compare the right resource's row (`=` inverted would
+    // read or advance the other one).
+    let mut conn = evil.acquire().await.expect("connection");
+    distlock::fence::check(&mut conn, "other", first_token)
+        .await
+        .expect("check other");
+    let token = second.fencing_token().expect("a token");
+    distlock::fence::check(&mut conn, "res", token)
+        .await
+        .expect("check res");
+    assert_eq!(
+        distlock::fence::current(&mut conn, "res")
+            .await
+            .expect("current"),
+        Some(token)
+    );
+    drop(conn);
+    second.release().await.expect("release");
+
+    // A window's run record: written once, found on the second run, and
+    // finished with its outcome.
+    let job = || {
+        let locker: std::sync::Arc<dyn distlock::Locker> =
+            std::sync::Arc::new(PgLocker::new(evil.clone()));
+        distlock::SingletonJob::builder(locker, "job:daily")
+            .once_per_window(evil.clone(), Duration::from_secs(86_400))
+            .build()
+            .expect("valid settings")
+    };
+    let first_run = job().run(async |_| Ok::<_, Error>(())).await.expect("run");
+    assert!(first_run.is_ran(), "{first_run:?}");
+    let again = job()
+        .run(async |_| Ok::<_, Error>(()))
+        .await
+        .expect("again");
+    assert!(!again.is_ran(), "ran twice in one window: {again:?}");
+    let finished: Vec<(String, Option<String>, bool)> =
+        sqlx::query_as("SELECT job, outcome, finished_at IS NOT NULL FROM distlock.job_runs")
+            .fetch_all(&pool)
+            .await
+            .expect("job_runs");
+    assert_eq!(
+        finished,
+        [("job:daily".to_owned(), Some("ran".to_owned()), true)]
+    );
+
+    let mut read = locker
+        .try_lock_upgradeable("u")
+        .await
+        .expect("try_lock_upgradeable")
+        .expect("free");
+    assert!(read.try_upgrade().await.expect("try_upgrade"), "upgraded");
+    assert!(!free(&pool, "u").await, "the upgraded lock is real");
+    read.release().await.expect("release");
+    assert!(
+        free(&pool, "u").await,
+        "the upgradeable lock was given back"
+    );
+
+    let semaphore = locker.semaphore("sem", 1).expect("a valid semaphore");
+    let permit = semaphore
+        .try_acquire()
+        .await
+        .expect("try_acquire")
+        .expect("free");
+    assert!(
+        semaphore.try_acquire().await.expect("second try").is_none(),
+        "one permit"
+    );
+    permit.release().await.expect("release");
+    let permit = semaphore.acquire(wait).await.expect("acquire");
+    permit.release().await.expect("release");
+
+    let table = distlock::postgres::TableLocker::builder(evil.clone())
+        .ttl(Duration::from_secs(2))
+        .build()
+        .expect("valid settings");
+    let lease = table.try_lock("t").await.expect("try_lock").expect("free");
+    assert!(table.try_lock("t").await.expect("second").is_none(), "held");
+    // Renewals run meanwhile (every third of the TTL).
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(!lease.is_lost(), "a renewal reported the lease lost");
+    lease.release().await.expect("release");
+    table
+        .lock("t", wait)
+        .await
+        .expect("lock after release")
+        .release()
+        .await
+        .expect("release");
+
+    let locker: std::sync::Arc<dyn distlock::Locker> = std::sync::Arc::new(locker);
+    let election = distlock::LeaderElection::builder(locker, "leader")
+        .identity("node-a")
+        .poll(Duration::from_millis(50))
+        .build()
+        .expect("valid settings");
+    let campaign = election.campaign();
+    bounded("leads", Duration::from_secs(5), campaign.elected())
+        .await
+        .expect("a term");
+    let seen = election
+        .leader()
+        .await
+        .expect("leader()")
+        .expect("a leader");
+    assert_eq!(seen.identity, "node-a");
+    campaign.resign().await.expect("resign");
+    assert_eq!(election.leader().await.expect("leader()"), None);
     evil.close().await;
 }

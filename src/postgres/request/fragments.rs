@@ -4,6 +4,12 @@
 //! the guard's unlock and the holders lookup still use.
 //!
 //! Keys are always bound as parameters, never formatted into SQL.
+//!
+//! Every function, type and operator is named by its `pg_catalog` name
+//! (`OPERATOR(pg_catalog.=)`, not `=`; no `IN`, `BETWEEN`, `NULLIF` or
+//! simple `CASE`, which look `=` up by name): a session whose `search_path`
+//! puts another schema first must not swap in look-alikes that take another
+//! lock or skip a check (`tests/integration/search_path.rs`).
 
 use sqlx::postgres::{PgArguments, Postgres};
 use sqlx::query::Query;
@@ -57,13 +63,13 @@ macro_rules! keepalives {
     };
     (@local $local:literal) => {
         concat!(
-            "CASE WHEN pg_catalog.current_setting('tcp_user_timeout') <> '30000' \
-             OR pg_catalog.current_setting('tcp_keepalives_idle') <> '10' \
-             OR pg_catalog.current_setting('tcp_keepalives_interval') <> '5' \
-             OR pg_catalog.current_setting('tcp_keepalives_count') <> '3' THEN \
-             pg_catalog.set_config('tcp_keepalives_idle', '10', ", $local, ") || \
-             pg_catalog.set_config('tcp_keepalives_interval', '5', ", $local, ") || \
-             pg_catalog.set_config('tcp_keepalives_count', '3', ", $local, ") || \
+            "CASE WHEN pg_catalog.current_setting('tcp_user_timeout') OPERATOR(pg_catalog.<>) '30000' \
+             OR pg_catalog.current_setting('tcp_keepalives_idle') OPERATOR(pg_catalog.<>) '10' \
+             OR pg_catalog.current_setting('tcp_keepalives_interval') OPERATOR(pg_catalog.<>) '5' \
+             OR pg_catalog.current_setting('tcp_keepalives_count') OPERATOR(pg_catalog.<>) '3' THEN \
+             pg_catalog.set_config('tcp_keepalives_idle', '10', ", $local, ") OPERATOR(pg_catalog.||) \
+             pg_catalog.set_config('tcp_keepalives_interval', '5', ", $local, ") OPERATOR(pg_catalog.||) \
+             pg_catalog.set_config('tcp_keepalives_count', '3', ", $local, ") OPERATOR(pg_catalog.||) \
              pg_catalog.set_config('tcp_user_timeout', '30000', ", $local, ") END"
         )
     };
@@ -95,7 +101,7 @@ macro_rules! session_marker {
             "CASE WHEN ",
             $crate::postgres::request::fragments::standby_check!(),
             " THEN NULL WHEN coalesce(pg_catalog.current_setting('distlock.locks', true), '') \
-             IN ('', '0')"
+             OPERATOR(pg_catalog.=) ANY ('{\"\",0}'::pg_catalog.text[])"
         )
     };
     (mark) => {
@@ -106,7 +112,7 @@ macro_rules! session_marker {
             "(CASE WHEN ",
             $crate::postgres::request::fragments::standby_check!(),
             " THEN false ELSE coalesce(pg_catalog.current_setting('distlock.locks', true), '') \
-             IN ('', '0') END)"
+             OPERATOR(pg_catalog.=) ANY ('{\"\",0}'::pg_catalog.text[]) END)"
         )
     };
     // The session of a lock this connection already holds (an upgrade, a
@@ -117,8 +123,8 @@ macro_rules! session_marker {
         concat!(
             "CASE WHEN ",
             $crate::postgres::request::fragments::standby_check!(),
-            " THEN NULL WHEN coalesce(pg_catalog.current_setting('distlock.locks', true), '') = '1' \
-             AND pg_catalog.pg_backend_pid() = ",
+            " THEN NULL WHEN coalesce(pg_catalog.current_setting('distlock.locks', true), '') OPERATOR(pg_catalog.=) '1' \
+             AND pg_catalog.pg_backend_pid() OPERATOR(pg_catalog.=) ",
             $pid
         )
     };
@@ -126,8 +132,8 @@ macro_rules! session_marker {
         concat!(
             "(CASE WHEN ",
             $crate::postgres::request::fragments::standby_check!(),
-            " THEN false ELSE coalesce(pg_catalog.current_setting('distlock.locks', true), '') = '1' \
-             AND pg_catalog.pg_backend_pid() = ",
+            " THEN false ELSE coalesce(pg_catalog.current_setting('distlock.locks', true), '') OPERATOR(pg_catalog.=) '1' \
+             AND pg_catalog.pg_backend_pid() OPERATOR(pg_catalog.=) ",
             $pid,
             " END)"
         )
@@ -212,7 +218,7 @@ macro_rules! client_check {
     };
     (@local $local:literal) => {
         concat!(
-            "CASE WHEN pg_catalog.current_setting('client_connection_check_interval') <> '100ms' THEN \
+            "CASE WHEN pg_catalog.current_setting('client_connection_check_interval') OPERATOR(pg_catalog.<>) '100ms' THEN \
              pg_catalog.set_config('client_connection_check_interval', '100ms', ", $local, ") END"
         )
     };

@@ -17,7 +17,7 @@ macro_rules! resolved {
     () => {
         "k AS (SELECT $1::pg_catalog.int4 AS space, \
            coalesce($2::pg_catalog.int8, pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8) AS a, \
-           (CASE WHEN $1::pg_catalog.int4 = 2 THEN pg_catalog.hashtext($3::pg_catalog.text) ELSE 0 END) \
+           (CASE WHEN $1::pg_catalog.int4 OPERATOR(pg_catalog.=) 2 THEN pg_catalog.hashtext($3::pg_catalog.text) ELSE 0 END) \
            ::pg_catalog.int8 AS b)"
     };
 }
@@ -29,7 +29,7 @@ macro_rules! resolved_all {
     () => {
         "given AS (SELECT x.space, \
            coalesce(x.v, pg_catalog.hashtext(x.n)::pg_catalog.int8) AS a, \
-           (CASE WHEN x.space = 2 THEN pg_catalog.hashtext(x.n) ELSE 0 END)::pg_catalog.int8 AS b, x.i \
+           (CASE WHEN x.space OPERATOR(pg_catalog.=) 2 THEN pg_catalog.hashtext(x.n) ELSE 0 END)::pg_catalog.int8 AS b, x.i \
            FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.int4[]), pg_catalog.unnest($2::pg_catalog.int8[]), \
              pg_catalog.unnest($3::pg_catalog.text[])) WITH ORDINALITY AS x(space, v, n, i)), \
          k AS (SELECT DISTINCT space, a, b FROM given), \
@@ -43,7 +43,7 @@ macro_rules! call {
         concat!(
             "CASE WHEN ",
             $k,
-            ".space = 1 THEN pg_catalog.",
+            ".space OPERATOR(pg_catalog.=) 1 THEN pg_catalog.",
             $f,
             "(",
             $k,
@@ -65,7 +65,7 @@ macro_rules! wait_call {
         concat!(
             "CASE WHEN ",
             $k,
-            ".space = 1 THEN (SELECT true FROM pg_catalog.",
+            ".space OPERATOR(pg_catalog.=) 1 THEN (SELECT true FROM pg_catalog.",
             $f,
             "(",
             $k,
@@ -101,7 +101,9 @@ macro_rules! counted {
         concat!(
             "CASE WHEN ",
             standby_check!(),
-            " THEN NULL WHEN coalesce(nullif(pg_catalog.current_setting('distlock.locks', true), ''), '0') = $4"
+            " THEN NULL WHEN (CASE WHEN coalesce(pg_catalog.current_setting('distlock.locks', true), '') \
+             OPERATOR(pg_catalog.=) '' THEN '0' ELSE pg_catalog.current_setting('distlock.locks', true) END) \
+             OPERATOR(pg_catalog.=) $4"
         )
     };
 }
@@ -118,7 +120,8 @@ macro_rules! intent {
         concat!(
             "pg_catalog.",
             $f,
-            "(-2147483647, (CASE WHEN k.space = 1 AND k.a BETWEEN -2147483648 AND 2147483647 \
+            "(-2147483647, (CASE WHEN k.space OPERATOR(pg_catalog.=) 1 AND k.a OPERATOR(pg_catalog.>=) -2147483648 \
+             AND k.a OPERATOR(pg_catalog.<=) 2147483647 \
              THEN k.a ELSE pg_catalog.hashtext(pg_catalog.concat_ws(':', k.space, k.a, k.b)) END)\
              ::pg_catalog.int4)"
         )
@@ -154,8 +157,8 @@ macro_rules! upgradeable_wait {
             "CASE WHEN (SELECT true FROM ",
             intent!("pg_advisory_lock"),
             ") THEN CASE WHEN pg_catalog.set_config('lock_timeout', greatest(1, pg_catalog.ceil( \
-             extract(epoch FROM pg_catalog.statement_timestamp() + $4::pg_catalog.interval \
-             - pg_catalog.clock_timestamp()) * 1000))::pg_catalog.int8::pg_catalog.text || 'ms', true) \
+             extract(epoch FROM pg_catalog.statement_timestamp() OPERATOR(pg_catalog.+) $4::pg_catalog.interval \
+             OPERATOR(pg_catalog.-) pg_catalog.clock_timestamp()) OPERATOR(pg_catalog.*) 1000))::pg_catalog.int8::pg_catalog.text OPERATOR(pg_catalog.||) 'ms', true) \
              IS NULL THEN NULL ELSE ",
             wait_call!("k", "pg_advisory_lock_shared"),
             " END END"
@@ -257,8 +260,8 @@ macro_rules! session_try_or_wait {
                 "CASE WHEN NOT ",
                 on_session!($on, free),
                 " THEN NULL \
-                 WHEN pg_catalog.current_setting('client_connection_check_interval') = '100ms' \
-                 AND pg_catalog.current_setting('statement_timeout') = '0' THEN ",
+                 WHEN pg_catalog.current_setting('client_connection_check_interval') OPERATOR(pg_catalog.=) '100ms' \
+                 AND pg_catalog.current_setting('statement_timeout') OPERATOR(pg_catalog.=) '0' THEN ",
                 $wait,
                 " ELSE ",
                 $try,
@@ -422,13 +425,13 @@ pub(crate) const UNDO_UPGRADE: &str = concat!(
     " SELECT ",
     session_marker!(held, "$4"),
     " THEN CASE WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_locks l \
-       WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock' \
-       AND l.pid = pg_catalog.pg_backend_pid() AND l.objsubid = k.space \
-       AND l.database = (SELECT oid FROM pg_catalog.pg_database \
-         WHERE datname = pg_catalog.current_database()) \
-       AND ((k.space = 1 AND ((l.classid::pg_catalog.int8 << 32) | l.objid::pg_catalog.int8) = k.a) \
-         OR (k.space = 2 AND l.classid::pg_catalog.int8 = (k.a & 4294967295) \
-           AND l.objid::pg_catalog.int8 = (k.b & 4294967295)))) THEN ",
+       WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory' AND l.granted AND l.mode OPERATOR(pg_catalog.=) 'ExclusiveLock' \
+       AND l.pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid() AND l.objsubid OPERATOR(pg_catalog.=) k.space \
+       AND l.database OPERATOR(pg_catalog.=) (SELECT oid FROM pg_catalog.pg_database \
+         WHERE datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) \
+       AND ((k.space OPERATOR(pg_catalog.=) 1 AND ((l.classid::pg_catalog.int8 OPERATOR(pg_catalog.<<) 32) OPERATOR(pg_catalog.|) l.objid::pg_catalog.int8) OPERATOR(pg_catalog.=) k.a) \
+         OR (k.space OPERATOR(pg_catalog.=) 2 AND l.classid::pg_catalog.int8 OPERATOR(pg_catalog.=) (k.a OPERATOR(pg_catalog.&) 4294967295) \
+           AND l.objid::pg_catalog.int8 OPERATOR(pg_catalog.=) (k.b OPERATOR(pg_catalog.&) 4294967295)))) THEN ",
     call!("k", "pg_advisory_unlock"),
     " ELSE false END END, pg_catalog.pg_backend_pid() FROM k"
 );
@@ -506,11 +509,11 @@ pub(crate) const WAIT_ALL: &str = concat!(
     ", m AS MATERIALIZED (SELECT ",
     session_marker!(free),
     " AS free, pg_catalog.clock_timestamp() \
-       + pg_catalog.make_interval(secs => $4::pg_catalog.float8 / 1000) AS deadline), \
+       OPERATOR(pg_catalog.+) pg_catalog.make_interval(secs => $4::pg_catalog.float8 OPERATOR(pg_catalog./) 1000) AS deadline), \
      t AS (SELECT CASE WHEN NOT m.free THEN NULL \
        WHEN pg_catalog.set_config('lock_timeout', greatest(1, pg_catalog.ceil( \
-         extract(epoch FROM m.deadline - pg_catalog.clock_timestamp()) * 1000))::pg_catalog.int8 \
-         ::pg_catalog.text || 'ms', true) IS NULL THEN NULL \
+         extract(epoch FROM m.deadline OPERATOR(pg_catalog.-) pg_catalog.clock_timestamp()) OPERATOR(pg_catalog.*) 1000))::pg_catalog.int8 \
+         ::pg_catalog.text OPERATOR(pg_catalog.||) 'ms', true) IS NULL THEN NULL \
        ELSE ",
     wait_call!("o", "pg_advisory_lock"),
     " END AS ok FROM o, m) \
@@ -528,8 +531,8 @@ pub(crate) const WAIT_ALL: &str = concat!(
 pub(crate) const KEYS_AS_LOCKED: &str = concat!(
     resolved_all!(),
     ", w AS (SELECT g.i, g.space AS s, \
-       CASE WHEN g.space = 1 THEN (g.a >> 32) & 4294967295 ELSE g.a & 4294967295 END AS c, \
-       CASE WHEN g.space = 1 THEN g.a & 4294967295 ELSE g.b & 4294967295 END AS o \
+       CASE WHEN g.space OPERATOR(pg_catalog.=) 1 THEN (g.a OPERATOR(pg_catalog.>>) 32) OPERATOR(pg_catalog.&) 4294967295 ELSE g.a OPERATOR(pg_catalog.&) 4294967295 END AS c, \
+       CASE WHEN g.space OPERATOR(pg_catalog.=) 1 THEN g.a OPERATOR(pg_catalog.&) 4294967295 ELSE g.b OPERATOR(pg_catalog.&) 4294967295 END AS o \
        FROM given g)"
 );
 
@@ -554,7 +557,7 @@ macro_rules! xact_try {
             ", ",
             standby_check!(),
             ", pg_catalog.current_setting('statement_timeout') AS st FROM k) \
-             SELECT l.ok, l.st, CASE WHEN NOT l.ok AND $4::pg_catalog.bool AND l.st <> '0' \
+             SELECT l.ok, l.st, CASE WHEN NOT l.ok AND $4::pg_catalog.bool AND l.st OPERATOR(pg_catalog.<>) '0' \
              THEN pg_catalog.set_config('statement_timeout', '0', true) END FROM l"
         )
     };
@@ -625,7 +628,7 @@ pub(crate) const CALLER_XACT_FIRST: &str = concat!(
        pg_catalog.current_setting('statement_timeout') AS st, \
        pg_catalog.set_config('lock_timeout', $4, true), ",
     standby_check!(),
-    ", CASE WHEN pg_catalog.current_setting('statement_timeout') = '0' THEN ",
+    ", CASE WHEN pg_catalog.current_setting('statement_timeout') OPERATOR(pg_catalog.=) '0' THEN ",
     wait_call!("k", "pg_advisory_xact_lock"),
     " ELSE ",
     call!("k", "pg_try_advisory_xact_lock"),
@@ -709,7 +712,7 @@ mod tests {
             // An upgrade never takes the intent again, and issues a token.
             assert!(!upgrade(step, true).contains("-2147483647"));
             assert!(upgrade(step, true).contains("distlock.next_token()"));
-            assert!(upgrade(step, true).contains("pg_backend_pid() = $5"));
+            assert!(upgrade(step, true).contains("pg_backend_pid() OPERATOR(pg_catalog.=) $5"));
         }
     }
 

@@ -117,10 +117,11 @@ pub async fn current(
     resource: &str,
 ) -> Result<Option<FencingToken>, Error> {
     validate_resource(resource)?;
-    let token: Option<i64> =
-        sqlx::query_scalar("SELECT token FROM distlock.fence_seen WHERE resource = $1")
-            .bind(resource)
-            .fetch_optional(conn)
-            .await?;
+    let token: Option<i64> = sqlx::query_scalar(
+        "SELECT token FROM distlock.fence_seen WHERE resource OPERATOR(pg_catalog.=) $1",
+    )
+    .bind(resource)
+    .fetch_optional(conn)
+    .await?;
     Ok(token.map(FencingToken::new))
 }

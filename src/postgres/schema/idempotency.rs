@@ -165,7 +165,7 @@ pub async fn store(
 ) -> Result<(), Error> {
     validate(scope, key)?;
     let updated = sqlx::query(
-        "UPDATE distlock.idempotency_keys SET result = $3 WHERE scope = $1 AND key = $2",
+        "UPDATE distlock.idempotency_keys SET result = $3 WHERE scope OPERATOR(pg_catalog.=) $1 AND key OPERATOR(pg_catalog.=) $2",
     )
     .bind(scope)
     .bind(key)
@@ -197,8 +197,8 @@ pub async fn stored(
 ) -> Result<Option<Once>, Error> {
     validate(scope, key)?;
     let row: Option<(Option<String>, i64)> = sqlx::query_as(
-        "SELECT result, (extract(epoch FROM claimed_at) * 1000000)::pg_catalog.int8 \
-         FROM distlock.idempotency_keys WHERE scope = $1 AND key = $2",
+        "SELECT result, (extract(epoch FROM claimed_at) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8 \
+         FROM distlock.idempotency_keys WHERE scope OPERATOR(pg_catalog.=) $1 AND key OPERATOR(pg_catalog.=) $2",
     )
     .bind(scope)
     .bind(key)

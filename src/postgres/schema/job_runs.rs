@@ -14,18 +14,19 @@ use crate::job::window::{Claim, RunRecord, WindowStart};
 /// skewed clocks still agree on it; windows are aligned to the Unix epoch
 /// (a one-day window starts at midnight UTC). One statement, one round trip.
 const CLAIM: &str = "WITH w AS ( \
-       SELECT now_us - (now_us % $2) AS start_us \
-       FROM (SELECT (extract(epoch FROM pg_catalog.clock_timestamp()) * 1000000)::pg_catalog.int8 AS now_us) n \
+       SELECT now_us OPERATOR(pg_catalog.-) (now_us OPERATOR(pg_catalog.%) $2) AS start_us \
+       FROM (SELECT (extract(epoch FROM pg_catalog.clock_timestamp()) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8 AS now_us) n \
      ), ins AS ( \
        INSERT INTO distlock.job_runs (job, window_start) \
-       SELECT $1, 'epoch'::pg_catalog.timestamptz + w.start_us * '1 microsecond'::pg_catalog.interval FROM w \
+       SELECT $1, 'epoch'::pg_catalog.timestamptz OPERATOR(pg_catalog.+) (w.start_us OPERATOR(pg_catalog.*) '1 microsecond'::pg_catalog.interval) FROM w \
        ON CONFLICT (job, window_start) DO NOTHING \
        RETURNING 1 \
      ) \
      SELECT w.start_us, EXISTS (SELECT 1 FROM ins) FROM w";
 
 const FINISH: &str = "UPDATE distlock.job_runs SET finished_at = pg_catalog.now(), outcome = $3 \
-     WHERE job = $1 AND window_start = 'epoch'::pg_catalog.timestamptz + $2 * '1 microsecond'::pg_catalog.interval";
+     WHERE job OPERATOR(pg_catalog.=) $1 AND window_start OPERATOR(pg_catalog.=) ('epoch'::pg_catalog.timestamptz \
+       OPERATOR(pg_catalog.+) ($2 OPERATOR(pg_catalog.*) '1 microsecond'::pg_catalog.interval))";
 
 /// The run record in `distlock.job_runs`, on `pool`.
 #[derive(Debug)]

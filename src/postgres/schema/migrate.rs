@@ -218,9 +218,9 @@ async fn up_to_date(conn: &mut sqlx::PgConnection) -> Result<bool, Error> {
 /// by the current role, a superuser, or an allowed role.
 async fn check_owner(conn: &mut sqlx::PgConnection, options: &Migrator) -> Result<(), Error> {
     let (owner, trusted): (String, bool) = sqlx::query_as(
-        "SELECT r.rolname::pg_catalog.text, r.rolname = current_user OR r.rolsuper \
-         FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r ON r.oid = n.nspowner \
-         WHERE n.nspname = $1",
+        "SELECT r.rolname::pg_catalog.text, r.rolname OPERATOR(pg_catalog.=) current_user OR r.rolsuper \
+         FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r ON r.oid OPERATOR(pg_catalog.=) n.nspowner \
+         WHERE n.nspname OPERATOR(pg_catalog.=) $1",
     )
     .bind(SCHEMA)
     .fetch_one(&mut *conn)
@@ -237,7 +237,7 @@ async fn check_owner(conn: &mut sqlx::PgConnection, options: &Migrator) -> Resul
 
 async fn create_and_run(conn: &mut sqlx::PgConnection, options: &Migrator) -> Result<(), Error> {
     let exists: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)",
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname OPERATOR(pg_catalog.=) $1)",
     )
     .bind(SCHEMA)
     .fetch_one(&mut *conn)

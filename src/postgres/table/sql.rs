@@ -35,10 +35,10 @@ pub(super) const CHANNEL: &str = "distlock_lease";
 /// token, and granted, renewed and expiry times in microseconds since the
 /// epoch. No value goes into the text.
 pub(super) const LIVE_LEASES: &str = "SELECT l.key_text, l.token, \
-     (extract(epoch FROM l.acquired_at) * 1000000)::pg_catalog.int8, \
-     (extract(epoch FROM l.renewed_at) * 1000000)::pg_catalog.int8, \
-     (extract(epoch FROM l.expires_at) * 1000000)::pg_catalog.int8 \
-     FROM distlock.leases AS l WHERE l.expires_at > pg_catalog.clock_timestamp() \
+     (extract(epoch FROM l.acquired_at) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, \
+     (extract(epoch FROM l.renewed_at) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, \
+     (extract(epoch FROM l.expires_at) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8 \
+     FROM distlock.leases AS l WHERE l.expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() \
      ORDER BY l.space, l.lock_id";
 
 /// A lease's owner: random, known only to its holder.
@@ -112,8 +112,8 @@ impl KeyExpr {
             Repr::Namespaced(ns, name) => Self {
                 space: 2,
                 id: format!(
-                    "(({ns})::pg_catalog.int8 << 32) | \
-                     (pg_catalog.hashtext(n.k)::pg_catalog.int8 & 4294967295)"
+                    "(({ns})::pg_catalog.int8 OPERATOR(pg_catalog.<<) 32) OPERATOR(pg_catalog.|) \
+                     (pg_catalog.hashtext(n.k)::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295)"
                 ),
                 name: text(name),
             },
@@ -220,7 +220,7 @@ pub(super) fn proclaim(
         .fencing_token
         .map_or_else(|| "NULL".to_owned(), |t| int8(t.value()));
     format!(
-        "SELECT p.term, (extract(epoch FROM p.since) * 1000000)::pg_catalog.int8, p.after_loss \
+        "SELECT p.term, (extract(epoch FROM p.since) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, p.after_loss \
          FROM (SELECT {name} AS k) AS n \
          CROSS JOIN LATERAL distlock.leader_proclaim(2::pg_catalog.int2, \
          {space}::pg_catalog.int2, {id}, {key_text}, NULL, {owner}, {identity}, {value}, \
@@ -255,7 +255,7 @@ pub(super) fn withdraw(key: &KeyExpr, owner: Owner, term: Option<i64>) -> String
 pub(super) fn leader_of(key: &KeyExpr) -> String {
     format!(
         "SELECT l.identity, l.value, l.term, \
-         (extract(epoch FROM l.since) * 1000000)::pg_catalog.int8, l.fencing_token \
+         (extract(epoch FROM l.since) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, l.fencing_token \
          FROM (SELECT {name} AS k) AS n \
          CROSS JOIN LATERAL distlock.leader_of(2::pg_catalog.int2, {space}::pg_catalog.int2, \
          {id}) AS l",

@@ -444,7 +444,7 @@ const ENDED_IN_CLOSURE: &str = "distlock.lock_transaction_ended_inside_the_closu
 async fn commit_checked(mut tx: sqlx::Transaction<'_, sqlx::Postgres>) -> End {
     // `distlock.xact_lock` is set transaction-locally by the lock
     // statement, so it reads 'held' exactly as long as that transaction.
-    const COMMIT_CHECKED: &str = "SELECT pg_catalog.current_setting(CASE WHEN pg_catalog.current_setting('distlock.xact_lock', true) = 'held' \
+    const COMMIT_CHECKED: &str = "SELECT pg_catalog.current_setting(CASE WHEN pg_catalog.current_setting('distlock.xact_lock', true) OPERATOR(pg_catalog.=) 'held' \
          THEN 'distlock.xact_lock' ELSE 'distlock.lock_transaction_ended_inside_the_closure' END); \
          COMMIT; BEGIN";
     let Err(err) = sqlx::raw_sql(COMMIT_CHECKED).execute(&mut *tx).await else {

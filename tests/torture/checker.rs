@@ -16,8 +16,12 @@
 //!   after the lock was granted;
 //! - **unknown**: no outcome recorded; treated like clean (possibly holding).
 //! - **killed**: no outcome recorded, and its process was killed (`kill -9`,
-//!   a recorded fault) after it entered: its section ended at the kill, the
-//!   moment the `kill` call returned (the process runs no code after it).
+//!   a recorded fault) after it entered: its section ended at the kill, no
+//!   earlier than the moment the `kill` call was made. Its lock is freed
+//!   only once the process has died, which is after that moment; when the
+//!   call *returned* is no bound, since the caller may be descheduled
+//!   between the call and reading the clock (CI once saw a successor enter
+//!   3.6 ms before that reading).
 //!
 //! Two sections of one key that overlap are a **violation** unless one of
 //! them, `Z`, was lost, invoked before the other (`W`) was granted, and a
@@ -173,8 +177,9 @@ pub struct Fault {
     pub target: Option<i64>,
     /// The key the targeted backend held, when known.
     pub key: Option<i64>,
-    /// For a kill: when the `kill` call returned (the process ran no code
-    /// after it); the event's time is when it was reaped.
+    /// For a kill: when the `kill` call returned, as read afterwards (`t`
+    /// is when it was made, the end of the victim's sections); the event's
+    /// time is when it was reaped.
     pub dead: Option<u64>,
     /// An operation that knew its backend pid was on the targeted backend
     /// when the fault began: the fault was aimed at it, not at a holder
@@ -295,8 +300,8 @@ impl History {
                 .faults
                 .iter()
                 .filter(|f| f.kind == "kill" && f.target == Some(acq.op.0))
-                .map(|f| f.dead.unwrap_or(f.end))
-                .filter(|&dead| dead >= entered)
+                .map(|f| f.t)
+                .filter(|&killed| killed >= entered)
                 .min();
         }
         for fault in &mut h.faults {

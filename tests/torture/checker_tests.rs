@@ -321,7 +321,30 @@ fn checker_ends_a_killed_processes_section_at_the_kill() {
     assert_eq!((verdict.killed, verdict.unknown), (1, 0));
     assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
     // ... one that entered before it is a violation.
-    let h = history(vec![open, kill, section(1, 1, 7, 30, 70, "released", 101)]);
+    let h = history(vec![
+        open.clone(),
+        kill,
+        section(1, 1, 7, 30, 70, "released", 101),
+    ]);
+    assert_eq!(check_exclusion(&h).violations.len(), 1);
+    // The kill is timed from its call (`start`), not from the reading after
+    // it returned (`dead`), which a descheduled caller takes late: a
+    // successor granted between the two is no violation; one granted before
+    // the call is.
+    let timed = vec![ev(
+        80,
+        CONTROL,
+        "fault",
+        json!({"kind": "kill", "target": 0, "start": 40 * MS, "dead": 55 * MS}),
+    )];
+    let h = history(vec![
+        open.clone(),
+        timed.clone(),
+        section(1, 1, 7, 45, 70, "released", 101),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+    let h = history(vec![open, timed, section(1, 1, 7, 38, 70, "released", 101)]);
     assert_eq!(check_exclusion(&h).violations.len(), 1);
 }
 

@@ -77,9 +77,9 @@ async fn kill9(broken: Broken) {
         }
         let start = now_ns();
         let sent = fleet.kill9(victim);
-        // Its open sections end when `kill` returned (`dead`): it runs no
-        // code of its own after that, though its sockets (and locks) may
-        // stay open until the process is reaped.
+        // Its open sections end at `start`, when `kill` was called: its
+        // locks are freed only after it died, later than that. `dead` is
+        // when the call returned, as read afterwards (for the record).
         control.emit(
             "fault",
             json!({"kind": "kill", "target": victim, "start": start, "dead": sent}),

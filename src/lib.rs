@@ -101,6 +101,7 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+mod setting;
 mod span;
 mod token;
 

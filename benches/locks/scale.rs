@@ -147,6 +147,10 @@ async fn rows_on(
         }
         let row = multiplexed(opts, server, n, quick).await;
         rows.push(or_failed(opts, ("multiplex(4) holding keys", n), row).await);
+        // What each of its 4 sessions does, without distlock: the cost of
+        // one more lock grows with the locks the session already holds.
+        let row = raw_one_by_one(opts, n / 4).await;
+        rows.push(or_failed(opts, (RAW_ONE_BY_ONE, n / 4), row).await);
     }
 
     for waiters in [10usize, 100, 1_000] {
@@ -487,6 +491,45 @@ fn cpu_seconds() -> f64 {
             Some((utime + stime) / 100.0)
         })
         .unwrap_or(f64::NAN)
+}
+
+const RAW_ONE_BY_ONE: &str = "one raw session, one pg_advisory_lock per statement";
+
+/// One connection taking `n` session advisory locks, one statement (one
+/// transaction) each, as a multiplexed connection takes its share. At
+/// every transaction's end PostgreSQL walks the session's whole local lock
+/// table, session locks included, so the n-th lock costs O(n) and the
+/// whole run O(n²).
+async fn raw_one_by_one(opts: &PgConnectOptions, n: usize) -> anyhow::Result<Row> {
+    let mut conn = opts.connect().await?;
+    let base = 40_000_000_i64;
+    let t = Instant::now();
+    let mut last_tenth = Duration::ZERO;
+    for k in 0..i64::try_from(n)? {
+        let one = Instant::now();
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(base + k)
+            .execute(&mut conn)
+            .await?;
+        if k >= i64::try_from(n - n / 10)? {
+            last_tenth += one.elapsed();
+        }
+    }
+    let took = t.elapsed();
+    sqlx::query("SELECT pg_advisory_unlock_all()")
+        .execute(&mut conn)
+        .await?;
+    conn.close().await?;
+    let per_last = last_tenth.as_secs_f64() * 1e6 / (n / 10).max(1) as f64;
+    Ok(Row {
+        what: RAW_ONE_BY_ONE,
+        scale: thousands(n),
+        figures: format!(
+            "took {} ms ({:.0} µs per lock on average, {per_last:.0} µs per lock for the last tenth)",
+            took.as_millis(),
+            took.as_secs_f64() * 1e6 / n as f64
+        ),
+    })
 }
 
 /// A multiplexed locker (4 shared connections) holding `n` keys: client

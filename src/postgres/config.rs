@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::Error;
+use crate::setting::at_least;
 
 /// Settings shared by every lock of one [`PgLocker`](crate::postgres::PgLocker).
 #[derive(Debug, Clone)]
@@ -102,15 +103,4 @@ impl Config {
             _ => Ok(()),
         }
     }
-}
-
-fn at_least(setting: &'static str, value: Duration, min: Duration) -> Result<(), Error> {
-    if value < min {
-        return Err(Error::InvalidSetting {
-            setting,
-            value: format!("{value:?}"),
-            allowed: format!("at least {min:?}"),
-        });
-    }
-    Ok(())
 }

@@ -142,13 +142,7 @@ impl<'a> LockWaiter<'a> {
     ///
     /// As [`PgLocker::lock`]: dropping the future leaves no lock held.
     pub async fn lock(self) -> Result<SessionLock, Error> {
-        if self.report_every < MIN_REPORT_EVERY {
-            return Err(Error::InvalidSetting {
-                setting: "report_every",
-                value: format!("{:?}", self.report_every),
-                allowed: format!("at least {MIN_REPORT_EVERY:?}"),
-            });
-        }
+        crate::setting::at_least("report_every", self.report_every, MIN_REPORT_EVERY)?;
         let span = tracing::info_span!("distlock.wait", key = %self.key);
         self.lock_inner().instrument(span).await
     }

@@ -9,6 +9,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::setting::at_least;
 use redis::{ConnectionInfo, IntoConnectionInfo, RedisResult};
 
 use super::claim::check_ttl;
@@ -256,17 +257,6 @@ impl RedlockBuilder {
             .collect::<Result<Vec<_>, _>>()?;
         Redlock::open(clients, config).await
     }
-}
-
-fn at_least(setting: &'static str, value: Duration, min: Duration) -> Result<(), Error> {
-    if value < min {
-        return Err(Error::InvalidSetting {
-            setting,
-            value: format!("{value:?}"),
-            allowed: format!("at least {min:?}"),
-        });
-    }
-    Ok(())
 }
 
 /// A server's address for `Debug` output: host and port, no credentials.

@@ -167,6 +167,9 @@ impl Acq {
 #[derive(Debug, Clone)]
 pub struct Fault {
     /// When the injection began (a `start` field, else the event's time).
+    /// For a kill, when `kill` was called: the end of the victim's
+    /// sections (the event's `dead` field, when the call returned as read
+    /// afterwards, is for the record only; the event's time is the reaping).
     pub t: u64,
     /// When the injection call returned (the event's time).
     pub end: u64,
@@ -177,10 +180,6 @@ pub struct Fault {
     pub target: Option<i64>,
     /// The key the targeted backend held, when known.
     pub key: Option<i64>,
-    /// For a kill: when the `kill` call returned, as read afterwards (`t`
-    /// is when it was made, the end of the victim's sections); the event's
-    /// time is when it was reaped.
-    pub dead: Option<u64>,
     /// An operation that knew its backend pid was on the targeted backend
     /// when the fault began: the fault was aimed at it, not at a holder
     /// that never learnt its pid.
@@ -235,7 +234,6 @@ impl History {
                     backend_pid: ev.int("bp"),
                     target: ev.int("target"),
                     key: ev.int("k"),
-                    dead: ev.int("dead").and_then(|t| u64::try_from(t).ok()),
                     claimed: false,
                 }),
                 "leakcheck" => h.leakchecks.push((ev.p, ev.int("n").unwrap_or(-1))),

@@ -5,6 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::setting::within;
+
 use tokio::sync::Notify;
 
 use super::{Election, LeaderElection};
@@ -208,22 +210,6 @@ fn shortened(value: &str) -> String {
     } else {
         cut
     }
-}
-
-fn within(
-    setting: &'static str,
-    value: Duration,
-    min: Duration,
-    max: Duration,
-) -> Result<(), Error> {
-    if value < min || value > max {
-        return Err(Error::InvalidSetting {
-            setting,
-            value: format!("{value:?}"),
-            allowed: format!("between {min:?} and {max:?}"),
-        });
-    }
-    Ok(())
 }
 
 /// `host:pid#n`: the host name (`HOSTNAME`, else the kernel's), the

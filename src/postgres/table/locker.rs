@@ -1,6 +1,7 @@
 //! `TableLocker`, its builder, and taking a lease (`try_lock`, `lock`).
 
 use crate::DEFAULT_TTL;
+use crate::setting::{at_least, within};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -242,13 +243,7 @@ impl TableLockerBuilder {
         let poll_interval = self.poll_interval.unwrap_or(default_poll);
         within("ttl", self.ttl, MIN_TTL, MAX_TTL)?;
         within("poll_interval", poll_interval, MIN_POLL, MAX_POLL)?;
-        if self.release_timeout < MIN_RELEASE_TIMEOUT {
-            return Err(Error::InvalidSetting {
-                setting: "release_timeout",
-                value: format!("{:?}", self.release_timeout),
-                allowed: format!("at least {MIN_RELEASE_TIMEOUT:?}"),
-            });
-        }
+        at_least("release_timeout", self.release_timeout, MIN_RELEASE_TIMEOUT)?;
         let listener = self.listen.then(|| {
             let options = self
                 .listen_options
@@ -266,23 +261,6 @@ impl TableLockerBuilder {
             }),
         })
     }
-}
-
-/// Refuses `value` outside `min..=max`, naming `setting`.
-fn within(
-    setting: &'static str,
-    value: Duration,
-    min: Duration,
-    max: Duration,
-) -> Result<(), Error> {
-    if (min..=max).contains(&value) {
-        return Ok(());
-    }
-    Err(Error::InvalidSetting {
-        setting,
-        value: format!("{value:?}"),
-        allowed: format!("between {min:?} and {max:?}"),
-    })
 }
 
 /// What one attempt found.

@@ -6,9 +6,11 @@
 //!
 //! Besides the time, a separate counting pass reads what the runtime and the
 //! kernel saw per cycle: worker parks (tokio's stable `worker_park_count`),
-//! worker busy time, live tasks, and voluntary context switches of all the
-//! process's threads. The counting pass is not timed, because reading
-//! `/proc` between cycles is work of its own.
+//! worker busy time, live tasks, voluntary context switches of all the
+//! process's threads, and round trips (its pool connects through the
+//! counting proxy, so the lock cycles run on connections of their own
+//! there, warmed up the same way). The counting pass is not timed, because
+//! reading `/proc` between cycles is work of its own.
 
 use std::time::{Duration, Instant};
 
@@ -18,6 +20,7 @@ use sqlx::Either;
 use sqlx::PgPool;
 use sqlx::postgres::{PgAdvisoryLock, PgAdvisoryLockKey, PgConnectOptions, PgPoolOptions};
 
+use crate::counting::CountingProxy;
 use crate::stats::{median_f64, us};
 
 /// One alternative in the interleaving, in the order they take turns.
@@ -122,6 +125,8 @@ pub struct Counts {
     pub busy_us: f64,
     pub context_switches: f64,
     pub max_alive_tasks: usize,
+    /// Client→server bursts answered by the server (see `counting.rs`).
+    pub round_trips: f64,
 }
 
 /// Pool, lockers and the table the other work reads.
@@ -259,13 +264,7 @@ pub async fn measure(
             counts: Counts::default(),
         })
         .collect();
-    // Warm up: prepared statements, the lockers' probes, warm connections.
-    for c in 0..20 {
-        for alt in ALL {
-            ctx.other_work(alt, work).await?;
-            ctx.cycle(alt, key(rounds + 1, c, alt)).await?;
-        }
-    }
+    warm_up(&ctx, work, rounds + 1).await?;
     for round in 0..rounds {
         let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(per_round); ALL.len()];
         for c in 0..per_round {
@@ -282,16 +281,21 @@ pub async fn measure(
             result.round_medians.push(median_f64(s));
         }
     }
-    // The counting pass.
+    ctx.close().await;
+    // The counting pass, on a pool through the counting proxy.
+    let proxy = CountingProxy::start(opts.get_host(), opts.get_port(), Duration::ZERO)?;
+    let ctx = Ctx::new(&opts.clone().host("127.0.0.1").port(proxy.port())).await?;
+    warm_up(&ctx, work, rounds + 2).await?;
     let mut totals = [Counts::default(); ALL.len()];
     for c in 0..per_round {
         for i in 0..ALL.len() {
             let alt = ALL[(i + c) % ALL.len()];
             ctx.other_work(alt, work).await?;
-            let before = Snapshot::take();
+            let (before, turns) = (Snapshot::take(), proxy.turns());
             ctx.cycle(alt, key(rounds, c, alt)).await?;
-            let after = Snapshot::take();
+            let (after, turns) = (Snapshot::take(), proxy.turns() - turns);
             let t = &mut totals[alt.index()];
+            t.round_trips += turns as f64;
             t.parks += after.parks.saturating_sub(before.parks) as f64;
             t.busy_us += us(after.busy.saturating_sub(before.busy));
             t.context_switches += after
@@ -307,10 +311,23 @@ pub async fn measure(
             busy_us: t.busy_us / n,
             context_switches: t.context_switches / n,
             max_alive_tasks: t.max_alive_tasks,
+            round_trips: t.round_trips / n,
         };
     }
     ctx.close().await;
     Ok(results)
+}
+
+/// Prepared statements, the lockers' probes, warm connections: 20 cycles
+/// of each alternative, on keys of round `round`.
+async fn warm_up(ctx: &Ctx, work: OtherWork, round: usize) -> anyhow::Result<()> {
+    for c in 0..20 {
+        for alt in ALL {
+            ctx.other_work(alt, work).await?;
+            ctx.cycle(alt, key(round, c, alt)).await?;
+        }
+    }
+    Ok(())
 }
 
 /// Counters of the current runtime and of the process at one instant.
@@ -366,15 +383,15 @@ pub fn table(runtime: &str, results: &[AltResult]) -> String {
     let sqlx = median_of(Alt::SessionSqlx);
     let mut out = format!(
         "\n#### {runtime} runtime\n\n\
-         | alternative | median µs per cycle | spread of round medians µs | vs PgAdvisoryLock | vs hand-written | worker parks per cycle | worker busy µs per cycle | voluntary context switches per cycle | live tasks (max) |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+         | alternative | median µs per cycle | spread of round medians µs | vs PgAdvisoryLock | vs hand-written | worker parks per cycle | worker busy µs per cycle | voluntary context switches per cycle | live tasks (max) | round trips per cycle |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );
     for r in results {
         let median = median_f64(&r.round_medians);
         let (lo, hi) = crate::stats::spread(&r.round_medians);
         let _ = writeln!(
             out,
-            "| {} | {median:.0} | {lo:.0}–{hi:.0} | {:.2}× | {:.2}× | {:.2} | {:.0} | {:.2} | {} |",
+            "| {} | {median:.0} | {lo:.0}–{hi:.0} | {:.2}× | {:.2}× | {:.2} | {:.0} | {:.2} | {} | {:.2} |",
             r.alt.label(),
             median / sqlx,
             median / median_of(r.alt.hand_written()),
@@ -382,6 +399,7 @@ pub fn table(runtime: &str, results: &[AltResult]) -> String {
             r.counts.busy_us,
             r.counts.context_switches,
             r.counts.max_alive_tasks,
+            r.counts.round_trips,
         );
     }
     let _ = writeln!(

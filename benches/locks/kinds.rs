@@ -96,10 +96,17 @@ async fn acquire_now(semaphore: &Semaphore) -> anyhow::Result<distlock::Semaphor
     anyhow::bail!("no permit free within 1 s")
 }
 
-/// A leader and one waiting campaign, each with its own pool; the leader's
-/// backend is terminated. From `pg_terminate_backend` returning to the
-/// waiting campaign's flag turning true.
-pub async fn leader_takeover(opts: &PgConnectOptions, trials: usize) -> anyhow::Result<Latencies> {
+/// A leader and one waiting campaign, each with its own pool of 2; the
+/// leader's backend is terminated. From `pg_terminate_backend` returning to
+/// the waiting campaign's flag turning true. The winner proclaims itself on
+/// a second pooled connection (its lock holds the first): `warm` leaves one
+/// idle in the follower's pool, as an application's pool usually has;
+/// without it the proclamation opens one.
+pub async fn leader_takeover(
+    opts: &PgConnectOptions,
+    trials: usize,
+    warm: bool,
+) -> anyhow::Result<Latencies> {
     let admin = pool(opts, 1).await?;
     // Elections on PostgreSQL record their leaders in the crate's schema.
     distlock::migrate(&admin).await?;
@@ -108,6 +115,10 @@ pub async fn leader_takeover(opts: &PgConnectOptions, trials: usize) -> anyhow::
         let key = format!("bench-leader-{trial}");
         let leader_pool = pool(opts, 2).await?;
         let follower_pool = pool(opts, 2).await?;
+        if warm {
+            let (a, b) = tokio::join!(follower_pool.acquire(), follower_pool.acquire());
+            drop((a?, b?));
+        }
         // Grace 0: the server's hand-off itself. By default a takeover from
         // a leader that did not step down waits 1.25 x (heartbeat +
         // deadline) on top, so the deposed leader knows first.
@@ -148,7 +159,11 @@ pub async fn leader_takeover(opts: &PgConnectOptions, trials: usize) -> anyhow::
     }
     admin.close().await;
     Ok(Latencies::new(
-        "LeaderElection takeover by a waiting campaign (grace 0)",
+        if warm {
+            "LeaderElection takeover by a waiting campaign (grace 0), an idle connection in its pool"
+        } else {
+            "LeaderElection takeover by a waiting campaign (grace 0), its pool opens a connection"
+        },
         "pg_terminate_backend(leader) returned",
         samples,
     ))

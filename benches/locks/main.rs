@@ -225,7 +225,8 @@ async fn main() -> anyhow::Result<()> {
         let trials = if settings.rounds <= 2 { 30 } else { 200 };
         report.push_str(&kinds::table(&[
             kinds::permit_handoff(&opts, trials).await?,
-            kinds::leader_takeover(&opts, trials / 2).await?,
+            kinds::leader_takeover(&opts, trials / 2, true).await?,
+            kinds::leader_takeover(&opts, trials / 2, false).await?,
         ]));
         // The semaphore target's scale: 200 waiters, 10 permits, a pool of
         // 20, each holder keeping its permit 10 ms.

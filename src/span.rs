@@ -1,6 +1,8 @@
 //! Tracing spans of acquisitions, shared by every backend: key, backend,
-//! mode, wait time and outcome (the `distlock.acquire` span at `DEBUG`).
+//! mode, wait time and outcome (the `distlock.acquire` span at `DEBUG`), and
+//! the `distlock.wait` span around the statements that wait on the server.
 
+use futures_util::FutureExt;
 use std::future::Future;
 use std::time::Instant;
 use tracing::Instrument;
@@ -19,53 +21,128 @@ pub(crate) fn acquire(key: &LockKey, backend: &'static str, mode: &'static str) 
     )
 }
 
-/// Records on the span and in the metrics how long the acquisition took and
+/// How an acquisition ended.
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    Acquired,
+    Busy,
+    Timeout,
+    Error,
+}
+
+impl Outcome {
+    fn of<T>(result: &Result<T, Error>, acquired: impl FnOnce(&T) -> bool) -> Self {
+        match result {
+            Ok(value) if acquired(value) => Outcome::Acquired,
+            Ok(_) => Outcome::Busy,
+            Err(err) => Outcome::of_error(err),
+        }
+    }
+
+    fn of_error(err: &Error) -> Self {
+        match err {
+            Error::Timeout { .. } => Outcome::Timeout,
+            _ => Outcome::Error,
+        }
+    }
+}
+
+/// Records on `span` and in the metrics how long the acquisition took and
 /// how it ended (`acquired`, `busy`, `timeout` or `error`).
-fn finish<T>(
+fn record(
     span: &tracing::Span,
     key: &LockKey,
     backend: &'static str,
     started: Instant,
-    result: &Result<T, Error>,
-    acquired: impl FnOnce(&T) -> bool,
+    outcome: Outcome,
 ) {
     let waited = started.elapsed();
-    let outcome = match result {
-        Ok(value) if acquired(value) => {
+    let name = match outcome {
+        Outcome::Acquired => {
             metrics::acquired(backend, key, waited);
             "acquired"
         }
-        Ok(_) => {
+        Outcome::Busy => {
             metrics::busy(backend, key);
             "busy"
         }
-        Err(Error::Timeout { .. }) => {
+        Outcome::Timeout => {
             metrics::timeout(backend, key, waited);
             "timeout"
         }
-        Err(_) => "error",
+        Outcome::Error => "error",
     };
-    span.record("outcome", outcome);
+    span.record("outcome", name);
     span.record("wait_ms", waited.as_secs_f64() * 1e3);
+}
+
+/// Records, on the current span, an acquisition that ended without an
+/// error (`acquired` or busy), for a path whose span outlives the
+/// acquisition (a transaction-scoped lock's covers the caller's work).
+pub(crate) fn ended(key: &LockKey, backend: &'static str, started: Instant, acquired: bool) {
+    let outcome = if acquired {
+        Outcome::Acquired
+    } else {
+        Outcome::Busy
+    };
+    record(&tracing::Span::current(), key, backend, started, outcome);
+}
+
+/// As [`ended`], for an acquisition that failed with `err`; returns it.
+pub(crate) fn failed(key: &LockKey, backend: &'static str, started: Instant, err: Error) -> Error {
+    record(
+        &tracing::Span::current(),
+        key,
+        backend,
+        started,
+        Outcome::of_error(&err),
+    );
+    err
 }
 
 /// Runs one acquisition (`body`) inside its span and records how it ended;
 /// `acquired` tells a granted result from a busy one.
-pub(crate) async fn traced<T>(
-    key: &LockKey,
+///
+/// A combinator rather than an `async fn`: it adds only the span and the
+/// record to `body`'s future, where an `async fn` would hold `body` twice
+/// (a lock's future is large, and every wrapper layer adds to it).
+pub(crate) fn traced<'a, T: 'a>(
+    key: &'a LockKey,
     backend: &'static str,
     mode: &'static str,
-    acquired: impl FnOnce(&T) -> bool,
-    body: impl Future<Output = Result<T, Error>>,
-) -> Result<T, Error> {
-    let span = acquire(key, backend, mode);
-    let started = Instant::now();
-    let result = body.instrument(span.clone()).await;
-    finish(&span, key, backend, started, &result, acquired);
-    result
+    acquired: impl FnOnce(&T) -> bool + 'a,
+    body: impl Future<Output = Result<T, Error>> + 'a,
+) -> impl Future<Output = Result<T, Error>> + 'a {
+    traced_in(acquire(key, backend, mode), key, backend, acquired, body)
 }
 
-/// Records on the current span how long the acquisition has waited.
-pub(crate) fn record_wait(started: Instant) {
-    tracing::Span::current().record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
+/// As [`traced`], in `span`, a span of the caller's with the fields
+/// `outcome` and `wait_ms` (a multi-key acquisition's, whose metrics carry
+/// its first key).
+pub(crate) fn traced_in<'a, T: 'a>(
+    span: tracing::Span,
+    key: &'a LockKey,
+    backend: &'static str,
+    acquired: impl FnOnce(&T) -> bool + 'a,
+    body: impl Future<Output = Result<T, Error>> + 'a,
+) -> impl Future<Output = Result<T, Error>> + 'a {
+    let started = Instant::now();
+    body.instrument(span.clone()).inspect(move |result| {
+        record(&span, key, backend, started, Outcome::of(result, acquired));
+    })
+}
+
+/// Runs `body`, the part of an acquisition that may wait on the server (and
+/// never the caller's own work), in the `distlock.wait` span.
+///
+/// A lock wait is a statement that runs as long as the wait, so sqlx logs
+/// one longer than its threshold as a slow statement (`WARN`, target
+/// `sqlx::query`); the span is what tells that line from a slow query of
+/// the caller's, and lets a filter drop it (README, "Observability"). It is
+/// at `WARN` so that it exists wherever that warning is shown.
+pub(crate) fn waiting<F: Future>(
+    key: &impl std::fmt::Display,
+    body: F,
+) -> tracing::instrument::Instrumented<F> {
+    body.instrument(tracing::warn_span!("distlock.wait", key = %key))
 }

@@ -205,7 +205,8 @@ impl PgSlots {
         // that has not arrived shortly after it (a slow or stalled network)
         // is not waited for, so that the call keeps its deadline.
         let grace = crate::deadline::after(deadline, ANSWER_GRACE);
-        match tokio::time::timeout_at(grace, statement).await {
+        let queue = self.queue_key();
+        match crate::span::waiting(&queue, tokio::time::timeout_at(grace, statement)).await {
             Err(_) => Ok(None),
             Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => Ok(None),
             Ok(row) => {

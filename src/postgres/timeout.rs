@@ -33,7 +33,6 @@ pub(crate) async fn timeout_error(
     started: Instant,
     conn: Option<HeldConn>,
 ) -> Error {
-    record(key, started);
     let conn = match conn {
         Some(conn) => Some(conn),
         None => match tokio::time::timeout(within, pool.acquire()).await {
@@ -79,7 +78,6 @@ pub(crate) async fn timeout_error_all(
     let Some(key) = key else {
         return Error::NoKeys;
     };
-    record(key, started);
     timeout_of(key, started, chain)
 }
 
@@ -93,7 +91,6 @@ pub(crate) async fn timeout_error_beside(
     key: &LockKey,
     started: Instant,
 ) -> Error {
-    record(key, started);
     let chain = look(conn, std::slice::from_ref(key), within)
         .await
         .and_then(|snapshot| {
@@ -110,13 +107,7 @@ pub(crate) async fn timeout_error_beside(
 /// Builds [`Error::Timeout`] where no connection can look (the caller's
 /// transaction was aborted by the timeout): the chain is empty.
 pub(crate) fn timed_out(key: &LockKey, started: Instant) -> Error {
-    record(key, started);
     timeout_of(key, started, WaitChain::default())
-}
-
-fn record(key: &LockKey, started: Instant) {
-    tracing::Span::current().record("outcome", "timeout");
-    crate::metrics::timeout("postgres", key, started.elapsed());
 }
 
 /// The error; `holder_pid` and `holder_application` are the chain's first

@@ -34,6 +34,7 @@ mod search_path;
 mod security;
 mod semaphore;
 mod session;
+mod slow_waits;
 mod statement_timeout;
 mod table;
 mod upgradeable;

@@ -431,14 +431,16 @@ async fn cancelling_try_lock_lock_release_at_random_points_leaks_no_lock(pool: P
         }
     }
     // Releases are quick, so random budgets rarely cut one short: cut a few
-    // on purpose, at their first `.await`.
+    // on purpose, at their first `.await`. A cut release lets the lock go
+    // in the background, so the next round waits for it.
     for _ in 0..50 {
         if stats[5] >= 3 {
             break;
         }
-        let Some(g) = locker.try_lock("session:rand:cut").await.unwrap() else {
-            continue;
-        };
+        let g = locker
+            .lock("session:rand:cut", Duration::from_secs(10))
+            .await
+            .unwrap();
         match tokio::time::timeout(Duration::ZERO, g.release()).await {
             Ok(res) => res.expect("release"),
             Err(_) => stats[5] += 1,

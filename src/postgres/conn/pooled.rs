@@ -62,7 +62,6 @@ async fn before<T>(
 
 /// [`Error::NoConnection`] for `key`, its cause read from `pool`'s state.
 pub(crate) fn no_connection(pool: &PgPool, key: &LockKey, started: Instant) -> Error {
-    tracing::Span::current().record("outcome", "error");
     let cause = if pool.is_closed() {
         "the pool is closed"
     } else if pool.size() >= pool.options().get_max_connections() && pool.num_idle() == 0 {

@@ -116,24 +116,7 @@ impl Mux {
     /// `try_lock` on a shared connection. Costs 1 round trip, queued behind
     /// the statements of the other locks on that connection.
     pub(crate) async fn try_lock(&self, key: LockKey) -> Result<Option<SessionLock>, Error> {
-        let started = std::time::Instant::now();
-        let outcome = self.attempt(&key).await;
-        let span = tracing::Span::current();
-        span.record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
-        match &outcome {
-            Ok(Some(_)) => {
-                span.record("outcome", "acquired");
-                crate::metrics::acquired("postgres", &key, started.elapsed());
-            }
-            Ok(None) => {
-                span.record("outcome", "busy");
-                crate::metrics::busy("postgres", &key);
-            }
-            Err(_) => {
-                span.record("outcome", "error");
-            }
-        }
-        outcome
+        self.attempt(&key).await
     }
 
     /// One try on `key`'s shared connection, moving to a fresh connection

@@ -9,7 +9,7 @@ use crate::postgres::conn::held::HeldConn;
 use crate::postgres::request::{self, unlimited};
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
-use crate::{Error, LockKey};
+use crate::{Error, LockKey, span};
 
 impl Mux {
     /// Takes `key`, waiting up to `timeout`.
@@ -23,7 +23,7 @@ impl Mux {
         let started = Instant::now();
         let deadline = crate::deadline::after_std(started, timeout);
         if let Some(lock) = self.attempt(&key).await? {
-            return Ok(self.acquired(lock, started));
+            return Ok(lock);
         }
         if timeout.is_zero() {
             return Err(self.timeout_error(&key, started, None).await);
@@ -43,7 +43,7 @@ impl Mux {
                 if let Some((conn, _)) = waiter {
                     conn.into_pool();
                 }
-                return Ok(self.acquired(lock, started));
+                return Ok(lock);
             }
             let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
             if remaining.is_zero() {
@@ -64,7 +64,7 @@ impl Mux {
             });
             // A stalled network must not hang the caller past its deadline.
             let grace = crate::deadline::after(deadline, self.config.heartbeat_timeout);
-            match tokio::time::timeout_at(grace, wait).await {
+            match span::waiting(&key, tokio::time::timeout_at(grace, wait)).await {
                 Ok(Ok(_)) => waiter = Some((conn, limited)),
                 // PostgreSQL can grant the awaited lock at the instant its
                 // lock_timeout fires and still fail the statement, which then
@@ -74,10 +74,7 @@ impl Mux {
                     drop(conn);
                     return Err(self.timeout_error(&key, started, None).await);
                 }
-                Ok(Err(err)) => {
-                    tracing::Span::current().record("outcome", "error");
-                    return Err(locking_error(err, &key));
-                }
+                Ok(Err(err)) => return Err(locking_error(err, &key)),
                 Err(_) => {
                     drop(conn);
                     return Err(self.timeout_error(&key, started, None).await);
@@ -112,14 +109,6 @@ impl Mux {
             Ok(Err(err)) => Err(err.into()),
             Err(_) => Ok(None),
         }
-    }
-
-    fn acquired(&self, lock: SessionLock, started: Instant) -> SessionLock {
-        let span = tracing::Span::current();
-        span.record("outcome", "acquired");
-        span.record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
-        crate::metrics::acquired("postgres", lock.key(), started.elapsed());
-        lock
     }
 
     async fn timeout_error(

@@ -141,11 +141,11 @@ impl Migrator {
     pub async fn run(&self, pool: &PgPool) -> Result<(), Error> {
         // Armed: if this future is dropped, the session (and its lock) ends.
         let mut conn = HeldConn::new(pool.acquire().await?, true);
-        sqlx::query("SELECT pg_catalog.pg_advisory_lock($1, $2)")
+        let locked = sqlx::query("SELECT pg_catalog.pg_advisory_lock($1, $2)")
             .bind(MIGRATE_LOCK.0)
             .bind(MIGRATE_LOCK.1)
-            .execute(conn.conn())
-            .await?;
+            .execute(conn.conn());
+        crate::span::waiting(&"distlock migrations", locked).await?;
         create_and_run(conn.conn(), self).await?;
         let unlocked: bool = sqlx::query_scalar("SELECT pg_catalog.pg_advisory_unlock($1, $2)")
             .bind(MIGRATE_LOCK.0)

@@ -3,8 +3,6 @@
 
 use std::time::{Duration, Instant};
 
-use tracing::Instrument;
-
 use crate::postgres::conn::held::HeldConn;
 use crate::postgres::conn::watched::WatchedConn;
 use crate::postgres::locker::PgLocker;
@@ -41,10 +39,14 @@ impl PgLocker {
     /// and frees anything it took.
     pub async fn try_lock(&self, key: impl Into<LockKey>) -> Result<Option<SessionLock>, Error> {
         let key = key.into();
-        let span = span::acquire(&key, "postgres", "try");
-        self.try_lock_inner(key, Hold::Exclusive)
-            .instrument(span)
-            .await
+        span::traced(
+            &key.clone(),
+            "postgres",
+            "try",
+            Option::is_some,
+            self.try_lock_inner(key, Hold::Exclusive),
+        )
+        .await
     }
 
     /// Takes the *shared* session-scoped lock `key` if no one holds it
@@ -66,10 +68,14 @@ impl PgLocker {
         key: impl Into<LockKey>,
     ) -> Result<Option<SessionLock>, Error> {
         let key = key.into();
-        let span = span::acquire(&key, "postgres", "try_shared");
-        self.try_lock_inner(key, Hold::Shared)
-            .instrument(span)
-            .await
+        span::traced(
+            &key.clone(),
+            "postgres",
+            "try_shared",
+            Option::is_some,
+            self.try_lock_inner(key, Hold::Shared),
+        )
+        .await
     }
 
     pub(crate) async fn try_lock_inner(
@@ -83,7 +89,6 @@ impl PgLocker {
         // A bad key fails here, before a connection is taken.
         key.args()?;
         let fencing = self.config().fencing && hold == Hold::Exclusive;
-        let started = Instant::now();
         let key_ref = &key;
         let statement = move |mut conn: HeldConn| async move {
             let row = self.try_statement(&mut conn, key_ref, fencing, hold).await;
@@ -95,17 +100,11 @@ impl PgLocker {
             .acquire(|| self.pooled(&key), statement)
             .await?;
         let pid = row.pid;
-        let locked = row.taken()?;
-        span::record_wait(started);
-        if !locked {
-            tracing::Span::current().record("outcome", "busy");
-            crate::metrics::busy("postgres", &key);
+        if !row.taken()? {
             conn.into_pool();
             return Ok(None);
         }
         let token = row.token;
-        tracing::Span::current().record("outcome", "acquired");
-        crate::metrics::acquired("postgres", &key, started.elapsed());
         Ok(Some(SessionLock::start(
             conn,
             (key, hold),
@@ -167,10 +166,14 @@ impl PgLocker {
         timeout: Duration,
     ) -> Result<SessionLock, Error> {
         let key = key.into();
-        let span = span::acquire(&key, "postgres", "wait");
-        self.lock_inner(key, timeout, Hold::Exclusive)
-            .instrument(span)
-            .await
+        span::traced(
+            &key.clone(),
+            "postgres",
+            "wait",
+            |_| true,
+            self.lock_inner(key, timeout, Hold::Exclusive),
+        )
+        .await
     }
 
     /// Takes the *shared* session-scoped lock `key`, waiting up to `timeout`
@@ -195,10 +198,14 @@ impl PgLocker {
         timeout: Duration,
     ) -> Result<SessionLock, Error> {
         let key = key.into();
-        let span = span::acquire(&key, "postgres", "wait_shared");
-        self.lock_inner(key, timeout, Hold::Shared)
-            .instrument(span)
-            .await
+        span::traced(
+            &key.clone(),
+            "postgres",
+            "wait_shared",
+            |_| true,
+            self.lock_inner(key, timeout, Hold::Shared),
+        )
+        .await
     }
 
     pub(crate) async fn lock_inner(
@@ -236,20 +243,15 @@ impl PgLocker {
             deadline.max(tokio::time::Instant::now()),
             self.config().heartbeat_timeout,
         );
-        let outcome = tokio::time::timeout_at(grace, attempt).await;
-        span::record_wait(started);
+        let outcome = span::waiting(&key, tokio::time::timeout_at(grace, attempt)).await;
         match outcome {
-            Ok(Ok((conn, Some((pid, token))))) => {
-                tracing::Span::current().record("outcome", "acquired");
-                crate::metrics::acquired("postgres", &key, started.elapsed());
-                Ok(SessionLock::start(
-                    conn,
-                    (key, hold),
-                    pid,
-                    token,
-                    (self.config(), &self.inner.keepers),
-                ))
-            }
+            Ok(Ok((conn, Some((pid, token))))) => Ok(SessionLock::start(
+                conn,
+                (key, hold),
+                pid,
+                token,
+                (self.config(), &self.inner.keepers),
+            )),
             // Busy and out of time after the try: nothing was granted.
             Ok(Ok((conn, None))) => Err(self.timeout_error(&key, started, Some(conn)).await),
             // The wait statement failed, and it may have been granted first:
@@ -260,10 +262,7 @@ impl PgLocker {
             Ok(Err(err)) if is_lock_timeout(&err) => {
                 Err(self.timeout_error(&key, started, None).await)
             }
-            Ok(Err(err)) => {
-                tracing::Span::current().record("outcome", "error");
-                Err(err)
-            }
+            Ok(Err(err)) => Err(err),
             // The server did not answer in time: the connection was dropped
             // (closed) with the attempt.
             Err(_) => Err(self.timeout_error(&key, started, None).await),

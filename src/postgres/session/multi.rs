@@ -12,7 +12,6 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use sqlx::Row;
-use tracing::Instrument;
 
 use crate::postgres::conn::held::HeldConn;
 use crate::postgres::conn::warm::Ran;
@@ -95,10 +94,10 @@ impl PgLocker {
         K: Into<LockKey>,
     {
         let keys: Vec<LockKey> = keys.into_iter().map(Into::into).collect();
+        let first = first_key(&keys)?;
         let span = multi_span(&keys, "try_all");
-        async {
+        span::traced_in(span, &first, "postgres", Option::is_some, async {
             let set = KeySet::new(&keys)?;
-            let started = Instant::now();
             let (conn, taken) = self
                 .inner
                 .warm
@@ -107,18 +106,12 @@ impl PgLocker {
                     |conn| self.try_all_on(conn, &set, &keys),
                 )
                 .await?;
-            span::record_wait(started);
             let Tried::Taken(pid) = taken else {
-                tracing::Span::current().record("outcome", "busy");
-                crate::metrics::busy("postgres", &keys[0]);
                 conn.into_pool();
                 return Ok(None);
             };
-            tracing::Span::current().record("outcome", "acquired");
-            crate::metrics::acquired("postgres", &keys[0], started.elapsed());
             Ok(Some(self.multi_lock(conn, keys, pid)))
-        }
-        .instrument(span)
+        })
         .await
     }
 
@@ -148,8 +141,10 @@ impl PgLocker {
         K: Into<LockKey>,
     {
         let keys: Vec<LockKey> = keys.into_iter().map(Into::into).collect();
+        let first = first_key(&keys)?;
         let span = multi_span(&keys, "wait_all");
-        self.lock_all_inner(keys, timeout).instrument(span).await
+        let waiting = span::waiting(&first, self.lock_all_inner(keys, timeout));
+        span::traced_in(span, &first, "postgres", |_| true, waiting).await
     }
 
     async fn lock_all_inner(
@@ -168,7 +163,7 @@ impl PgLocker {
         let tried = warm.first_statement(taken, pooled, |conn| self.try_all_on(conn, &set, &keys));
         let (mut conn, tried) = tried.await?;
         let limited = match tried {
-            Tried::Taken(pid) => return Ok(self.acquired_all(conn, keys, pid, started)),
+            Tried::Taken(pid) => return Ok(self.multi_lock(conn, keys, pid)),
             Tried::Busy { limited } => limited,
         };
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -179,7 +174,7 @@ impl PgLocker {
         let grace = crate::deadline::after(deadline, self.config().heartbeat_timeout);
         let wait = wait_all(&mut conn, &set, remaining, limited);
         match tokio::time::timeout_at(grace, wait).await {
-            Ok(Ok(Ok(pid))) => Ok(self.acquired_all(conn, keys, pid, started)),
+            Ok(Ok(Ok(pid))) => Ok(self.multi_lock(conn, keys, pid)),
             Ok(Ok(Err(pid))) => Err(shared_session(pid)),
             // Some keys are held: the connection is closed, not pooled, once
             // it has named the key that was not granted.
@@ -192,19 +187,6 @@ impl PgLocker {
                 Err(self.timeout_error(&keys[0], started, None).await)
             }
         }
-    }
-
-    fn acquired_all(
-        &self,
-        conn: HeldConn,
-        keys: Vec<LockKey>,
-        pid: i32,
-        started: Instant,
-    ) -> MultiLock {
-        span::record_wait(started);
-        tracing::Span::current().record("outcome", "acquired");
-        crate::metrics::acquired("postgres", &keys[0], started.elapsed());
-        self.multi_lock(conn, keys, pid)
     }
 
     /// [`Error::Timeout`] naming the key that was not granted and the chain
@@ -322,6 +304,12 @@ async fn wait_all(
     } else {
         Err(pid)
     })
+}
+
+/// The key a multi-key acquisition's metrics carry (its first), or
+/// [`Error::NoKeys`].
+fn first_key(keys: &[LockKey]) -> Result<LockKey, Error> {
+    keys.first().cloned().ok_or(Error::NoKeys)
 }
 
 fn multi_span(keys: &[LockKey], mode: &'static str) -> tracing::Span {

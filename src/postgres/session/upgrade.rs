@@ -116,10 +116,9 @@ impl UpgradeableLock {
         }
         let span = upgrade_span(self.key(), "wait");
         let deadline = crate::deadline::from_now(timeout);
-        let upgraded = self
-            .upgrade_within(Some(deadline))
-            .instrument(span.clone())
-            .await;
+        let key = self.key().clone();
+        let upgrading = crate::span::waiting(&key, self.upgrade_within(Some(deadline)));
+        let upgraded = upgrading.instrument(span.clone()).await;
         record(&span, &upgraded);
         match upgraded? {
             Upgrade::Granted(token) => {

@@ -6,8 +6,6 @@
 
 use std::time::Duration;
 
-use tracing::Instrument;
-
 use crate::postgres::locker::PgLocker;
 use crate::postgres::session::hold::Hold;
 use crate::postgres::session::upgradeable_lock::UpgradeableLock;
@@ -41,11 +39,14 @@ impl PgLocker {
         key: impl Into<LockKey>,
     ) -> Result<Option<UpgradeableLock>, Error> {
         let key = key.into();
-        let span = span::acquire(&key, "postgres", "try_upgradeable");
-        let lock = self
-            .try_lock_inner(key, Hold::Upgradeable)
-            .instrument(span)
-            .await?;
+        let lock = span::traced(
+            &key.clone(),
+            "postgres",
+            "try_upgradeable",
+            Option::is_some,
+            self.try_lock_inner(key, Hold::Upgradeable),
+        )
+        .await?;
         Ok(lock.map(|lock| self.upgradeable(lock)))
     }
 
@@ -87,11 +88,14 @@ impl PgLocker {
         timeout: Duration,
     ) -> Result<UpgradeableLock, Error> {
         let key = key.into();
-        let span = span::acquire(&key, "postgres", "wait_upgradeable");
-        let lock = self
-            .lock_inner(key, timeout, Hold::Upgradeable)
-            .instrument(span)
-            .await?;
+        let lock = span::traced(
+            &key.clone(),
+            "postgres",
+            "wait_upgradeable",
+            |_| true,
+            self.lock_inner(key, timeout, Hold::Upgradeable),
+        )
+        .await?;
         Ok(self.upgradeable(lock))
     }
 

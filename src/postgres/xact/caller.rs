@@ -11,7 +11,7 @@ use crate::postgres::request::key::Bound;
 use crate::postgres::request::lock_request::Request;
 use crate::postgres::request::{Lock, sql, unlimited};
 use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
-use crate::{Error, LockKey};
+use crate::{Error, LockKey, span};
 
 /// Takes the transaction-scoped advisory lock `key` inside the transaction
 /// open on `conn`, without waiting: `Ok(true)` if taken, `Ok(false)` if
@@ -51,6 +51,11 @@ pub async fn try_lock_xact(
     key: impl Into<LockKey>,
 ) -> Result<bool, Error> {
     let key = key.into();
+    let tried = try_in_caller(conn, &key);
+    span::traced(&key, "postgres", "try_xact", |locked| *locked, tried).await
+}
+
+async fn try_in_caller(conn: &mut PgConnection, key: &LockKey) -> Result<bool, Error> {
     let args = key.args()?;
     in_transaction(conn)?;
     // On a standby the check fails the statement, and with it the caller's
@@ -59,14 +64,8 @@ pub async fn try_lock_xact(
         .bind(sqlx::query(sql::CALLER_XACT_TRY))
         .fetch_one(&mut *conn)
         .await
-        .map_err(|err| locking_error(err, &key))?;
-    let locked: bool = sqlx::Row::try_get(&row, 0)?;
-    if locked {
-        crate::metrics::acquired("postgres", &key, Duration::ZERO);
-    } else {
-        crate::metrics::busy("postgres", &key);
-    }
-    Ok(locked)
+        .map_err(|err| locking_error(err, key))?;
+    Ok(sqlx::Row::try_get(&row, 0)?)
 }
 
 /// Takes the transaction-scoped advisory lock `key` inside the transaction
@@ -116,20 +115,26 @@ pub async fn lock_xact(
     timeout: Duration,
 ) -> Result<(), Error> {
     let key = key.into();
+    let waited = span::waiting(&key, wait_in_caller(conn, &key, timeout));
+    span::traced(&key, "postgres", "wait_xact", |()| true, waited).await
+}
+
+async fn wait_in_caller(
+    conn: &mut PgConnection,
+    key: &LockKey,
+    timeout: Duration,
+) -> Result<(), Error> {
     let args = key.args()?;
     in_transaction(conn)?;
     let started = Instant::now();
     match wait_in_xact(conn, args.into(), timeout).await {
-        Ok(()) => {
-            crate::metrics::acquired("postgres", &key, started.elapsed());
-            Ok(())
-        }
+        Ok(()) => Ok(()),
         // The timeout aborted the caller's transaction, the one connection
         // there is: nothing can look for the holder.
         Err(err) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
-            Err(crate::postgres::timeout::timed_out(&key, started))
+            Err(crate::postgres::timeout::timed_out(key, started))
         }
-        Err(err) => Err(locking_error(err, &key)),
+        Err(err) => Err(locking_error(err, key)),
     }
 }
 

@@ -17,7 +17,7 @@ use crate::postgres::request::lock_request::Request;
 use crate::postgres::sqlstate::{
     IN_FAILED_TRANSACTION, LOCK_NOT_AVAILABLE, UNDEFINED_OBJECT, locking_error, sqlstate,
 };
-use crate::{Error, LockKey};
+use crate::{Error, LockKey, span};
 
 /// How a transaction-scoped lock is taken.
 #[derive(Debug, Clone, Copy)]
@@ -244,11 +244,16 @@ impl PgLocker {
         let deadline = mode
             .timeout()
             .map(|timeout| crate::deadline::after_std(started, timeout));
+        let failed = |err: Error| span::failed(&key, "postgres", started, err);
         let warm = &self.inner.warm;
         let (mut held, kept) = match warm.checkout() {
             Some(held) => (held, true),
             None => (
-                warm.adopt(self.xact_pooled(&key, mode, started).await?),
+                warm.adopt(
+                    self.xact_pooled(&key, mode, started)
+                        .await
+                        .map_err(failed)?,
+                ),
                 false,
             ),
         };
@@ -262,10 +267,17 @@ impl PgLocker {
         let mut tx = if retry_on_pool(kept, &began) {
             drop(began);
             // Replacing the armed wrapper closes the broken connection.
-            held = warm.adopt(self.xact_pooled(&key, mode, started).await?);
-            held.conn().begin().await.map_err(Error::from)?
+            held = warm.adopt(
+                self.xact_pooled(&key, mode, started)
+                    .await
+                    .map_err(failed)?,
+            );
+            held.conn()
+                .begin()
+                .await
+                .map_err(|err| failed(err.into()))?
         } else {
-            began?
+            began.map_err(failed)?
         };
         let attempt = lock_in_xact(&mut tx, args.into(), mode, deadline);
         let attempt = match deadline {
@@ -277,12 +289,13 @@ impl PgLocker {
                     deadline.max(tokio::time::Instant::now()),
                     self.config().heartbeat_timeout,
                 );
-                match tokio::time::timeout_at(grace, attempt).await {
+                match span::waiting(&key, tokio::time::timeout_at(grace, attempt)).await {
                     Ok(result) => result,
                     Err(_) => {
                         drop(tx);
                         held.close();
-                        return Err(self.timeout_error(&key, started, None).await.into());
+                        let err = self.timeout_error(&key, started, None).await;
+                        return Err(span::failed(&key, "postgres", started, err).into());
                     }
                 }
             }
@@ -293,23 +306,24 @@ impl PgLocker {
             Err(err) => {
                 let rolled_back = tx.rollback().await.is_ok();
                 let err = self.xact_lock_failed(err, &key, mode, started, held, rolled_back);
-                return Err(err.await.into());
+                return Err(span::failed(&key, "postgres", started, err.await).into());
             }
         };
-        let span = tracing::Span::current();
-        span.record("wait_ms", started.elapsed().as_secs_f64() * 1e3);
         if !locked {
-            tx.rollback().await.map_err(Error::from)?;
-            if deadline.is_some() {
-                return Err(self.timeout_error(&key, started, Some(held)).await.into());
+            if let Err(err) = tx.rollback().await {
+                return Err(span::failed(&key, "postgres", started, err.into()).into());
             }
-            span.record("outcome", "busy");
-            crate::metrics::busy("postgres", &key);
+            if deadline.is_some() {
+                let err = self.timeout_error(&key, started, Some(held)).await;
+                return Err(span::failed(&key, "postgres", started, err).into());
+            }
+            span::ended(&key, "postgres", started, false);
             held.into_pool();
             return Ok(None);
         }
+        span::ended(&key, "postgres", started, true);
+        let span = tracing::Span::current();
         let hold = Instant::now();
-        crate::metrics::acquired("postgres", &key, started.elapsed());
         let result = crate::postgres::xact::nesting::holding(database, &key, f(&mut tx)).await;
         let end = match &result {
             Ok(_) => commit_checked(tx).await,
@@ -386,7 +400,6 @@ impl PgLocker {
                 .timeout_error(key, started, rolled_back.then_some(held))
                 .await;
         }
-        tracing::Span::current().record("outcome", "error");
         locking_error(err, key)
     }
 }

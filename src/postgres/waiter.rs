@@ -143,7 +143,7 @@ impl<'a> LockWaiter<'a> {
     /// As [`PgLocker::lock`]: dropping the future leaves no lock held.
     pub async fn lock(self) -> Result<SessionLock, Error> {
         crate::setting::at_least("report_every", self.report_every, MIN_REPORT_EVERY)?;
-        let span = tracing::info_span!("distlock.wait", key = %self.key);
+        let span = tracing::info_span!("distlock.waiter", key = %self.key);
         self.lock_inner().instrument(span).await
     }
 

@@ -5,6 +5,7 @@
 //! only ever look at locks of the *current* database.
 #![allow(dead_code)]
 
+pub mod captured;
 pub mod cluster;
 pub mod cycle;
 pub mod drop_after;

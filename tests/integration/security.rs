@@ -7,8 +7,7 @@
 
 use crate::common;
 
-use std::sync::{Arc, Mutex};
-
+use common::captured::Captured;
 use common::roles::{drop_role, grant_documented_rights, make_role, pool_as};
 use distlock::{Error, FencingToken, LockKey, Migrator, PgLocker};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -372,26 +371,6 @@ async fn a_redis_lock_named_like_a_counter_is_not_the_counter() {
 
 const SECRET: &str = "Pw-s3cr3t-4711";
 
-/// A tracing subscriber that writes every event and span field to a buffer.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
 #[sqlx::test(migrations = false)]
 async fn passwords_stay_out_of_debug_errors_and_tracing(
     _pool_opts: PgPoolOptions,
@@ -404,7 +383,7 @@ async fn passwords_stay_out_of_debug_errors_and_tracing(
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::TRACE)
         .with_span_events(tracing_subscriber::fmt::format::FmtSpan::FULL)
-        .with_writer(move || writer.clone())
+        .with_writer(writer)
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);
 

@@ -11,14 +11,13 @@
 //! filter (where the one slow statement left must be the caller's).
 
 use std::future::Future;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::common::captured::Captured;
 use distlock::{PgLocker, SessionLock};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool};
 use tracing_subscriber::filter::{self, LevelFilter};
-use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::prelude::*;
 
 /// How long each holder keeps its lock: well above the slow-statement
@@ -41,36 +40,14 @@ where
     })
 }
 
-/// A buffer the fmt layers write to.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> MakeWriter<'a> for Captured {
-    type Writer = Captured;
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
-    }
-}
-
-impl Captured {
-    /// The lines that start a slow-statement event.
-    fn slow(&self) -> Vec<String> {
-        String::from_utf8_lossy(&self.0.lock().unwrap())
-            .lines()
-            .filter(|line| line.contains("slow statement"))
-            .map(str::to_owned)
-            .collect()
-    }
+/// The lines of `captured` that start a slow-statement event.
+fn slow(captured: &Captured) -> Vec<String> {
+    captured
+        .text()
+        .lines()
+        .filter(|line| line.contains("slow statement"))
+        .map(str::to_owned)
+        .collect()
 }
 
 /// A plain-text fmt layer writing to `to`.
@@ -214,7 +191,7 @@ async fn scenario(connect_opts: PgConnectOptions) {
         .await
         .unwrap();
 
-    let every = all.slow();
+    let every = slow(&all);
     for key in [
         "distlock migrations",
         "w-session",
@@ -239,7 +216,7 @@ async fn scenario(connect_opts: PgConnectOptions) {
             .any(|line| line.contains("pg_sleep") && !line.contains("distlock.wait")),
         "the caller's slow query is logged outside distlock's span: {every:#?}"
     );
-    let left = filtered.slow();
+    let left = slow(&filtered);
     assert!(
         left.len() == 1 && left[0].contains("pg_sleep"),
         "with the filter, the caller's slow query alone is left: {left:#?}"

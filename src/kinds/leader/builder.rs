@@ -5,11 +5,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::setting::within;
-
 use tokio::sync::Notify;
 
 use super::{Election, LeaderElection};
+use crate::setting::within;
 use crate::{Error, LockKey, Locker};
 
 /// How long one wait for the election's lock lasts before it is renewed.

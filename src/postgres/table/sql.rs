@@ -21,7 +21,6 @@
 //! below pin that for hostile names. Every name is schema-qualified, so the
 //! session's `search_path` does not matter.
 
-use std::fmt::Write as _;
 use std::time::Duration;
 
 use crate::LockKey;
@@ -140,21 +139,13 @@ impl KeyExpr {
 fn text(text: &str) -> String {
     format!(
         "pg_catalog.convert_from(pg_catalog.decode('{}', 'hex'), 'UTF8')",
-        hex(text)
+        hex::encode(text)
     )
 }
 
 /// `(n)::pg_catalog.int8`; parenthesised so that `i64::MIN` parses.
 fn int8(n: i64) -> String {
     format!("({n})::pg_catalog.int8")
-}
-
-fn hex(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() * 2);
-    for byte in text.bytes() {
-        let _ = write!(out, "{byte:02x}");
-    }
-    out
 }
 
 /// Whole milliseconds, at least 1 (the caller has validated the range).

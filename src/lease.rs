@@ -52,6 +52,22 @@ pub trait Locker: Debug + Send + Sync {
     fn election(&self) -> Option<&dyn crate::ElectionLocker> {
         None
     }
+
+    /// The semaphore `name` of `permits` permits built the backend's own
+    /// way, where it has one that costs less than permits taken as plain
+    /// leases ([`PgLocker::semaphore`](crate::PgLocker::semaphore): 1 round
+    /// trip a try, waiters served in arrival order and woken by the
+    /// release); `None` by default. [`Semaphore::new`](crate::Semaphore::new)
+    /// asks for it first, so a semaphore is the same whichever way it was
+    /// made. Makes no round trip.
+    fn native_semaphore(
+        &self,
+        name: &str,
+        permits: u32,
+    ) -> Option<Result<crate::Semaphore, Error>> {
+        let _ = (name, permits);
+        None
+    }
 }
 
 /// A held lease. Dropping it releases it in the background.

@@ -39,16 +39,14 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 ///   waiters of one `Semaphore` (and its clones) **hold two pooled
 ///   connections between them** however many they are, plus one connection
 ///   per held permit. See "Waiting on PostgreSQL".
-/// - [`Semaphore::new`] over any [`Locker`] (Redis, the in-memory backend,
-///   or a `PgLocker` seen as a `Locker`): a try is one `try_lock` per slot,
-///   in order, up to `permits` of them; a waiter polls every slot, pausing
-///   1 ms and then twice as long each time up to 50 ms, and holds no
-///   connection between tries. Waiters of one `Semaphore` are served in
-///   arrival order within the process; across processes there is no order.
-///
-/// Both kinds of users of one semaphore on one PostgreSQL database see each
-/// other's permits (the slots are the same locks), but only the first takes
-/// part in the cross-process queue and announces its releases.
+/// - [`Semaphore::new`] over any [`Locker`]. Over a `PgLocker` it is the
+///   semaphore above (the locker's [`Locker::native_semaphore`]). Over the
+///   others (Redis, the lease table, the in-memory backend) a try is one
+///   `try_lock` per slot, in order, up to `permits` of them; a waiter polls
+///   every slot, pausing 1 ms and then twice as long each time up to 50 ms,
+///   and holds no connection between tries. Waiters of one `Semaphore` are
+///   served in arrival order within the process; across processes there is
+///   no order.
 ///
 /// # Waiting on PostgreSQL
 ///
@@ -133,10 +131,15 @@ impl Semaphore {
     /// no round trip.
     ///
     /// Refused with [`Error::InvalidArgument`] for zero permits and with
-    /// [`Error::InvalidKey`] for a name that is not a valid key. On
-    /// PostgreSQL prefer [`PgLocker::semaphore`](crate::PgLocker::semaphore),
-    /// whose tries and waits cost less (see above).
+    /// [`Error::InvalidKey`] for a name that is not a valid key. A backend
+    /// with a semaphore of its own ([`Locker::native_semaphore`]) gives
+    /// that one: over a [`PgLocker`](crate::PgLocker) this is
+    /// [`PgLocker::semaphore`](crate::PgLocker::semaphore), whose tries and
+    /// waits cost less (see above).
     pub fn new(locker: Arc<dyn Locker>, name: &str, permits: u32) -> Result<Self, Error> {
+        if let Some(native) = locker.native_semaphore(name, permits) {
+            return native;
+        }
         Self::build(Backend::Any(locker), name, permits)
     }
 

@@ -26,6 +26,14 @@ impl Locker for crate::PgLocker {
     fn election(&self) -> Option<&dyn crate::ElectionLocker> {
         Some(self)
     }
+
+    fn native_semaphore(
+        &self,
+        name: &str,
+        permits: u32,
+    ) -> Option<Result<crate::Semaphore, Error>> {
+        Some(crate::PgLocker::semaphore(self, name, permits))
+    }
 }
 
 crate::lease::lease_from_inherent!(crate::SessionLock);

@@ -95,7 +95,7 @@ enum Outcome {
 /// A head's connection while it holds the queue: its backend, and the
 /// session's `idle_session_timeout` from before the guard (see [`GUARD`]),
 /// given back when the connection becomes a permit's.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Waiting {
     pid: i32,
     idle_timeout: String,
@@ -255,12 +255,17 @@ impl PgSlots {
         let alone = self.line.available_permits() + 1 >= HEADS;
         let baton = self.baton.lock().await;
         let mut conn = self.connection(started, deadline).await?;
-        let mut outcome = match alone {
-            true => self.try_on(&mut conn, Try::Plain).await?,
-            false => Some(Outcome::Busy(Waiting::default())),
-        };
-        if let Some(Outcome::Busy(_)) = outcome {
-            self.listen(&mut conn).await?;
+        if alone {
+            // A plain try never answers `None` (only a line-up can time out).
+            if let Some(Outcome::Granted(slot, pid, token)) =
+                self.try_on(&mut conn, Try::Plain).await?
+            {
+                drop(baton);
+                return self.start(conn, slot, pid, token);
+            }
+        }
+        self.listen(&mut conn).await?;
+        let mut outcome = {
             let line_up = self.try_on(&mut conn, Try::LineUp(deadline));
             let mut line_up = std::pin::pin!(line_up);
             // Polled once, the statement is written to the socket (the
@@ -268,13 +273,11 @@ impl PgSlots {
             // next head may go.
             let first = std::future::poll_fn(|cx| Poll::Ready(line_up.as_mut().poll(cx))).await;
             drop(baton);
-            outcome = match first {
+            match first {
                 Poll::Ready(outcome) => outcome?,
                 Poll::Pending => line_up.await?,
-            };
-        } else {
-            drop(baton);
-        }
+            }
+        };
         loop {
             let waiting = match outcome {
                 Some(Outcome::Granted(slot, pid, token)) => {

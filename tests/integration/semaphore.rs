@@ -571,3 +571,31 @@ async fn semaphore_calls_count_in_the_lock_metrics(pool: PgPool) {
     assert_eq!(captured.get(&series("distlock_acquired_total")), 2.0);
     waited.release().await.unwrap();
 }
+
+/// `Semaphore::new` over a `PgLocker` (as a `Locker`) is the PostgreSQL
+/// semaphore, not permits polled as plain locks: it reads its free permits
+/// from the server (the polled one cannot, and answers `None`), and its
+/// waiter lines up on the server's queue.
+#[sqlx::test(migrations = false)]
+async fn semaphore_new_over_a_pg_locker_is_the_postgres_semaphore(pool: PgPool) {
+    let locker: Arc<dyn distlock::Locker> = Arc::new(PgLocker::new(pool.clone()));
+    let exports = Semaphore::new(locker, "sem:via-new", 1).unwrap();
+    assert_eq!(exports.available_permits().await.unwrap(), Some(1));
+    let held = exports.try_acquire().await.unwrap().expect("a free permit");
+    assert_eq!(exports.available_permits().await.unwrap(), Some(0));
+    let waiter = tokio::spawn({
+        let exports = exports.clone();
+        async move { exports.acquire(Duration::from_secs(30)).await }
+    });
+    let mut obs = common::observer_for(&pool).await;
+    common::semaphore_head_idle_with_queue(&mut obs, "sem:via-new").await;
+    held.release().await.unwrap();
+    waiter
+        .await
+        .unwrap()
+        .expect("served")
+        .release()
+        .await
+        .unwrap();
+    common::close(obs).await;
+}

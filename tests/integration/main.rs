@@ -34,7 +34,6 @@ mod search_path;
 mod security;
 mod semaphore;
 mod session;
-mod slow_waits;
 mod statement_timeout;
 mod table;
 mod upgradeable;

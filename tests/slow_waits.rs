@@ -9,11 +9,19 @@
 //! path must have logged a slow statement inside `distlock.wait`, so the
 //! other layer's silence is not an accident), the other has the README's
 //! filter (where the one slow statement left must be the caller's).
+//!
+//! A test binary of its own: in the integration binary, with other tests
+//! running on other threads (which have no subscriber), this test's
+//! thread-local subscriber sometimes saw no slow statement at all; `tracing`
+//! caches per callsite, for every thread, whether anyone listens.
+
+#[path = "common/mod.rs"]
+mod common;
 
 use std::future::Future;
 use std::time::Duration;
 
-use crate::common::captured::Captured;
+use common::captured::Captured;
 use distlock::{PgLocker, SessionLock};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool};

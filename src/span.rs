@@ -104,9 +104,11 @@ pub(crate) fn failed(key: &LockKey, backend: &'static str, started: Instant, err
 /// Runs one acquisition (`body`) inside its span and records how it ended;
 /// `acquired` tells a granted result from a busy one.
 ///
-/// A combinator rather than an `async fn`: it adds only the span and the
-/// record to `body`'s future, where an `async fn` would hold `body` twice
-/// (a lock's future is large, and every wrapper layer adds to it).
+/// Not an `async fn`: the returned [`Traced`] future adds only the span and
+/// the record to `body`'s future, where an `async fn` would hold `body`
+/// twice (a lock's future is large, and every wrapper layer adds to it).
+/// Dropped before it is done, it records nothing, as the acquisition it
+/// wraps leaves nothing held.
 pub(crate) fn traced<'a, T: 'a>(
     key: &'a LockKey,
     backend: &'static str,

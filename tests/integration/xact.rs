@@ -1037,3 +1037,59 @@ async fn lock_xact_waits_keeps_the_callers_settings_and_a_savepoint_survives_a_t
     );
     tx.rollback().await.unwrap();
 }
+
+/// The transaction-scoped paths count in the lock metrics like every other
+/// acquisition: `with_advisory_lock` acquired and busy, its waiting form
+/// timed out, `try_lock_xact` and `lock_xact` acquired and busy / timed
+/// out. The prefix `metricsxact` is used by no other test in this binary.
+#[cfg(feature = "metrics")]
+#[sqlx::test(migrations = false)]
+async fn transaction_scoped_calls_count_in_the_lock_metrics(pool: PgPool) {
+    let captured = crate::job::recorder::Captured::global();
+    let series = |name: &str| format!("{name}{{backend=postgres,key=metricsxact}}");
+    let locker = PgLocker::new(pool.clone());
+    let key = "metricsxact:a";
+
+    let ran = locker
+        .with_advisory_lock(key, async |_conn| Ok::<_, Error>(()))
+        .await
+        .expect("with_advisory_lock");
+    assert_eq!(ran, Some(()));
+    assert_eq!(captured.get(&series("distlock_acquired_total")), 1.0);
+
+    let held = locker.try_lock(key).await.expect("try_lock").expect("free");
+    assert_eq!(captured.get(&series("distlock_acquired_total")), 2.0);
+    let busy = locker
+        .with_advisory_lock(key, async |_conn| Ok::<_, Error>(()))
+        .await
+        .expect("busy is no error");
+    assert_eq!(busy, None);
+    assert_eq!(captured.get(&series("distlock_busy_total")), 1.0);
+    let timed_out = locker
+        .with_advisory_lock_wait(key, Duration::from_millis(100), async |_conn| {
+            Ok::<_, Error>(())
+        })
+        .await;
+    assert!(
+        matches!(timed_out, Err(Error::Timeout { .. })),
+        "{timed_out:?}"
+    );
+    assert_eq!(captured.get(&series("distlock_timeout_total")), 1.0);
+
+    let mut tx = pool.begin().await.expect("begin");
+    assert!(!distlock::try_lock_xact(&mut tx, key).await.expect("try"));
+    assert_eq!(captured.get(&series("distlock_busy_total")), 2.0);
+    let waited = distlock::lock_xact(&mut tx, key, Duration::from_millis(100)).await;
+    assert!(matches!(waited, Err(Error::Timeout { .. })), "{waited:?}");
+    assert_eq!(captured.get(&series("distlock_timeout_total")), 2.0);
+    drop(tx);
+    held.release().await.expect("release");
+
+    let mut tx = pool.begin().await.expect("begin");
+    assert!(distlock::try_lock_xact(&mut tx, key).await.expect("try"));
+    distlock::lock_xact(&mut tx, "metricsxact:b", Duration::from_secs(1))
+        .await
+        .expect("lock_xact");
+    assert_eq!(captured.get(&series("distlock_acquired_total")), 4.0);
+    tx.commit().await.expect("commit");
+}

@@ -9,6 +9,7 @@ pub mod captured;
 pub mod cluster;
 pub mod cycle;
 pub mod drop_after;
+pub mod event_log;
 pub mod netns;
 pub mod pgbouncer;
 pub mod proxy;

@@ -7,6 +7,7 @@
 //! nanoseconds, one clock for every process on the machine).
 
 use crate::common;
+use common::event_log::now_ns;
 use common::url_of;
 
 use std::io::Write;
@@ -14,7 +15,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use distlock::{LockKey, PgLocker};
-use nix::time::{ClockId, clock_gettime};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -22,11 +22,6 @@ const PERMITS: u32 = 2;
 const PROCESSES: usize = 3;
 const TASKS: usize = 4;
 const ROUNDS: usize = 15;
-
-fn now_ns() -> u64 {
-    let ts = clock_gettime(ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");
-    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
-}
 
 /// The worker side: `DISTLOCK_KINDS_WORKER=semaphore|multi`, the database
 /// in `DISTLOCK_KINDS_URL`, the history file in `DISTLOCK_KINDS_OUT`.

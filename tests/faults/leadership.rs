@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
+use common::event_log::now_ns;
 use common::proxy::Proxy;
 use common::*;
 use distlock::{
@@ -510,12 +511,6 @@ async fn write(pool: &PgPool, writer: &str, token: distlock::FencingToken, fence
         .expect("insert");
     tx.commit().await.expect("commit");
     true
-}
-
-fn now_ns() -> u64 {
-    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("clock");
-    u64::try_from(ts.tv_sec()).expect("tv_sec") * 1_000_000_000
-        + u64::try_from(ts.tv_nsec()).expect("tv_nsec")
 }
 
 /// What a pause showed.

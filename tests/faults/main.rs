@@ -15,6 +15,7 @@ mod ha;
 mod kinds_faults;
 mod leadership;
 mod partition;
+mod partition_kinds;
 mod pooler;
 mod standby;
 mod table_switchover;

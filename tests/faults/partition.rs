@@ -32,16 +32,14 @@
 
 use crate::common;
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use common::cluster::Cluster;
+use common::event_log::{Log, event, now_ns, secs};
 use common::netns::{Partition, SERVER_ADDR};
 use common::*;
 use distlock::{Error, PgLocker};
-use nix::time::{ClockId, clock_gettime};
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
 
 const SESSION_KEY: &str = "partition:session";
@@ -66,31 +64,9 @@ const SERVER_BOUND: Duration = Duration::from_secs(40);
 const ENV_URL: &str = "DISTLOCK_PARTITION_URL";
 const ENV_OUT: &str = "DISTLOCK_PARTITION_OUT";
 
-fn now_ns() -> u64 {
-    let ts = clock_gettime(ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");
-    u64::try_from(ts.tv_sec()).expect("tv_sec") * 1_000_000_000
-        + u64::try_from(ts.tv_nsec()).expect("tv_nsec")
-}
-
-fn secs(from_ns: u64, to_ns: u64) -> f64 {
-    (to_ns as f64 - from_ns as f64) / 1e9
-}
-
 // ---------------------------------------------------------------------------
 // The worker: runs in the client namespace.
 // ---------------------------------------------------------------------------
-
-/// One line per event: `<event> <CLOCK_MONOTONIC ns> <detail>`.
-#[derive(Clone)]
-struct Log(Arc<Mutex<std::fs::File>>);
-
-impl Log {
-    fn line(&self, event: &str, detail: impl std::fmt::Display) {
-        let detail = detail.to_string().replace('\n', " ");
-        let mut file = self.0.lock().expect("log lock");
-        writeln!(file, "{event} {} {detail}", now_ns()).expect("write log");
-    }
-}
 
 /// `ok <value>`, `timeout <error>` or `error <error>`.
 fn outcome<T: std::fmt::Debug>(result: Result<T, &Error>) -> String {
@@ -118,9 +94,7 @@ fn partition_worker() {
 }
 
 async fn work(url: &str, out: &str) {
-    let log = Log(Arc::new(Mutex::new(
-        std::fs::File::create(out).expect("event log"),
-    )));
+    let log = Log::create(out);
     let options: PgConnectOptions = url.parse().expect("database URL");
     let locker_on = async |options: PgConnectOptions| {
         let pool = PgPoolOptions::new()
@@ -201,28 +175,8 @@ async fn work(url: &str, out: &str) {
 // The test: runs in the test's own namespace.
 // ---------------------------------------------------------------------------
 
-/// The events the worker logged so far: `(event, ns, detail)`.
-fn events(path: &Path) -> Vec<(String, u64, String)> {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    text.lines()
-        .filter_map(|line| {
-            let mut parts = line.splitn(3, ' ');
-            let event = parts.next()?.to_owned();
-            let at = parts.next()?.parse().ok()?;
-            Some((event, at, parts.next().unwrap_or("").to_owned()))
-        })
-        .collect()
-}
-
-fn event(path: &Path, name: &str) -> Option<(u64, String)> {
-    events(path)
-        .into_iter()
-        .find(|(e, _, _)| e == name)
-        .map(|(_, at, detail)| (at, detail))
-}
-
 /// `(pid, granted)` of every advisory-lock row for the text key `name`.
-async fn rows(obs: &mut PgConnection, name: &str) -> Vec<(i32, bool)> {
+pub(crate) async fn rows(obs: &mut PgConnection, name: &str) -> Vec<(i32, bool)> {
     sqlx::query_as(
         "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
          AND ((classid::int8 << 32) | objid::int8) = hashtext($1)::int8",
@@ -241,7 +195,8 @@ async fn backend_alive(obs: &mut PgConnection, pid: i32) -> bool {
         .expect("pg_stat_activity")
 }
 
-struct Scratch(PathBuf);
+/// A scratch directory, removed when dropped.
+pub(crate) struct Scratch(pub(crate) PathBuf);
 
 impl Drop for Scratch {
     fn drop(&mut self) {

@@ -173,3 +173,33 @@ macro_rules! lease_from_inherent {
     };
 }
 pub(crate) use lease_from_inherent;
+
+/// `impl Locker for $locker` by calling the locker's inherent `try_lock` and
+/// `lock` and boxing their guards; `$backend` is its
+/// [`backend`](Locker::backend) name. `election` adds
+/// `election() -> Some(self)` (the locker implements
+/// [`ElectionLocker`](crate::ElectionLocker)); further items follow it.
+macro_rules! locker_from_inherent {
+    ($locker:ty, $backend:expr, election $(, $extra:item)*) => {
+        $crate::lease::locker_from_inherent!($locker, $backend,
+            fn election(&self) -> Option<&dyn $crate::ElectionLocker> { Some(self) }
+            $(, $extra)*);
+    };
+    ($locker:ty, $backend:expr $(, $extra:item)*) => {
+        #[::async_trait::async_trait]
+        impl $crate::Locker for $locker {
+            async fn try_lock(&self, key: $crate::LockKey)
+                -> Result<Option<Box<dyn $crate::Lease>>, $crate::Error> {
+                let lease = <$locker>::try_lock(self, key).await?;
+                Ok(lease.map(|lease| Box::new(lease) as Box<dyn $crate::Lease>))
+            }
+            async fn lock(&self, key: $crate::LockKey, timeout: ::std::time::Duration)
+                -> Result<Box<dyn $crate::Lease>, $crate::Error> {
+                Ok(Box::new(<$locker>::lock(self, key, timeout).await?))
+            }
+            fn backend(&self) -> &'static str { $backend }
+            $($extra)*
+        }
+    };
+}
+pub(crate) use locker_from_inherent;

@@ -16,8 +16,8 @@ use tokio::sync::Notify;
 
 use crate::loss_state::{self, LossSender, LossState};
 use crate::{
-    ElectionLocker, Error, FencingToken, LeaderInfo, Lease, LockKey, Locker, LossReason,
-    Proclaimed, Proclamation, Seat,
+    ElectionLocker, Error, FencingToken, LeaderInfo, Lease, LockKey, LossReason, Proclaimed,
+    Proclamation, Seat,
 };
 
 /// An in-memory [`Locker`] for tests. Cheap to clone; clones share one lock
@@ -294,25 +294,7 @@ impl Drop for MemoryLease {
     }
 }
 
-#[async_trait]
-impl Locker for MemoryLocker {
-    async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
-        let lease = MemoryLocker::try_lock(self, key).await?;
-        Ok(lease.map(|lease| Box::new(lease) as Box<dyn Lease>))
-    }
-
-    async fn lock(&self, key: LockKey, timeout: Duration) -> Result<Box<dyn Lease>, Error> {
-        Ok(Box::new(MemoryLocker::lock(self, key, timeout).await?))
-    }
-
-    fn backend(&self) -> &'static str {
-        "memory"
-    }
-
-    fn election(&self) -> Option<&dyn ElectionLocker> {
-        Some(self)
-    }
-}
+crate::lease::locker_from_inherent!(MemoryLocker, "memory", election);
 
 /// The leader record lives beside the key in the table; a seat is a
 /// lease's number. No round trips; every method is cancel safe (none

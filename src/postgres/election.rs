@@ -71,7 +71,7 @@ fn pid(seat: Seat) -> Result<i32, Error> {
 }
 
 /// A server timestamp in microseconds since the Unix epoch.
-pub(super) fn instant(micros: i64) -> SystemTime {
+fn instant(micros: i64) -> SystemTime {
     let offset = Duration::from_micros(micros.unsigned_abs());
     if micros >= 0 {
         UNIX_EPOCH + offset
@@ -81,8 +81,44 @@ pub(super) fn instant(micros: i64) -> SystemTime {
 }
 
 /// A term number as the row holds it (never below 1).
-pub(super) fn term(number: i64) -> u64 {
+fn term(number: i64) -> u64 {
     u64::try_from(number).unwrap_or(0)
+}
+
+/// The answer of a proclamation, `(term, since in µs, after_loss)`, as
+/// both lease kinds' statements return it: all `NULL` when the seat did
+/// not hold the lock and nothing was recorded.
+pub(super) fn proclaimed(
+    row: &PgRow,
+    proclamation: &Proclamation,
+) -> Result<Option<Proclaimed>, Error> {
+    let (Some(number), Some(since), Some(after_loss)) = (
+        row.try_get::<Option<i64>, _>(0)?,
+        row.try_get::<Option<i64>, _>(1)?,
+        row.try_get::<Option<bool>, _>(2)?,
+    ) else {
+        return Ok(None);
+    };
+    let leader = LeaderInfo::new(
+        proclamation.identity.clone(),
+        proclamation.value.clone(),
+        term(number),
+        instant(since),
+        proclamation.fencing_token,
+    );
+    Ok(Some(Proclaimed { leader, after_loss }))
+}
+
+/// A leader record, `(identity, value, term, since in µs, fencing_token)`,
+/// as both lease kinds' `leader_of` statements return it.
+pub(super) fn leader_info(row: &PgRow) -> Result<LeaderInfo, Error> {
+    Ok(LeaderInfo::new(
+        row.try_get::<String, _>(0)?,
+        row.try_get::<String, _>(1)?,
+        term(row.try_get(2)?),
+        instant(row.try_get(3)?),
+        row.try_get::<Option<i64>, _>(4)?.map(FencingToken::new),
+    ))
 }
 
 /// Each method's costs are on the trait; a seat is the backend pid of the
@@ -115,22 +151,7 @@ impl ElectionLocker for PgLocker {
             .bind(i64::try_from(proclamation.grace.as_millis()).unwrap_or(i64::MAX))
             .fetch_one(self.pool())
             .await?;
-        let number: Option<i64> = row.try_get(0)?;
-        let (Some(number), Some(since), Some(after_loss)) = (
-            number,
-            row.try_get::<Option<i64>, _>(1)?,
-            row.try_get::<Option<bool>, _>(2)?,
-        ) else {
-            return Ok(None);
-        };
-        let leader = LeaderInfo::new(
-            proclamation.identity.clone(),
-            proclamation.value.clone(),
-            term(number),
-            instant(since),
-            proclamation.fencing_token,
-        );
-        Ok(Some(Proclaimed { leader, after_loss }))
+        proclaimed(&row, proclamation)
     }
 
     async fn withdraw(&self, key: &LockKey, seat: Seat, number: Option<u64>) -> Result<(), Error> {
@@ -145,16 +166,7 @@ impl ElectionLocker for PgLocker {
 
     async fn leader(&self, key: &LockKey) -> Result<Option<LeaderInfo>, Error> {
         let row = keyed(LEADER, key)?.fetch_optional(self.pool()).await?;
-        let Some(row) = row else {
-            return Ok(None);
-        };
-        Ok(Some(LeaderInfo::new(
-            row.try_get::<String, _>(0)?,
-            row.try_get::<String, _>(1)?,
-            term(row.try_get(2)?),
-            instant(row.try_get(3)?),
-            row.try_get::<Option<i64>, _>(4)?.map(FencingToken::new),
-        )))
+        row.as_ref().map(leader_info).transpose()
     }
 
     fn loss_notice_bound(&self) -> Duration {

@@ -6,7 +6,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use futures_util::future::join_all;
 use redis::{Cmd, Value};
 use tokio::time::Instant;
@@ -22,7 +21,7 @@ use super::watchdog::{Backend, Extension, Handle, InFlight};
 use super::{DEFAULT_POLL_INTERVAL, scripts};
 use crate::DEFAULT_TTL;
 use crate::span;
-use crate::{Error, Lease, LockKey, Locker, LossReason};
+use crate::{Error, LockKey, LossReason};
 
 /// Default deadline of one node's reply: well below any sensible TTL, so a
 /// dead node costs little of the lease's validity.
@@ -547,18 +546,4 @@ impl Backend for Quorum {
     }
 }
 
-#[async_trait]
-impl Locker for Redlock {
-    async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
-        let lease = Redlock::try_lock(self, key).await?;
-        Ok(lease.map(|lease| Box::new(lease) as Box<dyn Lease>))
-    }
-
-    async fn lock(&self, key: LockKey, timeout: Duration) -> Result<Box<dyn Lease>, Error> {
-        Ok(Box::new(Redlock::lock(self, key, timeout).await?))
-    }
-
-    fn backend(&self) -> &'static str {
-        Quorum::NAME
-    }
-}
+crate::lease::locker_from_inherent!(Redlock, Quorum::NAME);

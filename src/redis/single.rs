@@ -4,7 +4,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use tokio::time::Instant;
 
 use super::backoff;
@@ -18,7 +17,7 @@ use super::watchdog::{Backend, Extension, Handle, InFlight};
 use super::{DEFAULT_POLL_INTERVAL, scripts};
 use crate::DEFAULT_TTL;
 use crate::span;
-use crate::{Error, FencingToken, Lease, LockKey, Locker, LossReason};
+use crate::{Error, FencingToken, LockKey, LossReason};
 
 /// Default deadline of one command (acquire, extend, release) to the server.
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
@@ -375,18 +374,4 @@ impl Backend for Single {
     }
 }
 
-#[async_trait]
-impl Locker for RedisLocker {
-    async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
-        let lease = RedisLocker::try_lock(self, key).await?;
-        Ok(lease.map(|lease| Box::new(lease) as Box<dyn Lease>))
-    }
-
-    async fn lock(&self, key: LockKey, timeout: Duration) -> Result<Box<dyn Lease>, Error> {
-        Ok(Box::new(RedisLocker::lock(self, key, timeout).await?))
-    }
-
-    fn backend(&self) -> &'static str {
-        Single::NAME
-    }
-}
+crate::lease::locker_from_inherent!(RedisLocker, Single::NAME);

@@ -38,15 +38,7 @@ impl PgLocker {
     /// not pooled, if the future is dropped, so the server ends the session
     /// and frees anything it took.
     pub async fn try_lock(&self, key: impl Into<LockKey>) -> Result<Option<SessionLock>, Error> {
-        let key = key.into();
-        span::traced(
-            &key.clone(),
-            "postgres",
-            "try",
-            Option::is_some,
-            self.try_lock_inner(key, Hold::Exclusive),
-        )
-        .await
+        self.try_lock_as(key.into(), Hold::Exclusive).await
     }
 
     /// Takes the *shared* session-scoped lock `key` if no one holds it
@@ -67,22 +59,21 @@ impl PgLocker {
         &self,
         key: impl Into<LockKey>,
     ) -> Result<Option<SessionLock>, Error> {
-        let key = key.into();
-        span::traced(
-            &key.clone(),
-            "postgres",
-            "try_shared",
-            Option::is_some,
-            self.try_lock_inner(key, Hold::Shared),
-        )
-        .await
+        self.try_lock_as(key.into(), Hold::Shared).await
     }
 
-    pub(crate) async fn try_lock_inner(
+    /// A try for `hold` on `key`, in its span, counted in the metrics.
+    pub(crate) async fn try_lock_as(
         &self,
         key: LockKey,
         hold: Hold,
     ) -> Result<Option<SessionLock>, Error> {
+        let mode = hold.mode(false);
+        let tried = self.try_lock_inner(key.clone(), hold);
+        span::traced(&key, "postgres", mode, Option::is_some, tried).await
+    }
+
+    async fn try_lock_inner(&self, key: LockKey, hold: Hold) -> Result<Option<SessionLock>, Error> {
         if let (Some(mux), Hold::Exclusive) = (&self.inner.mux, hold) {
             return mux.try_lock(key).await;
         }
@@ -165,15 +156,7 @@ impl PgLocker {
         key: impl Into<LockKey>,
         timeout: Duration,
     ) -> Result<SessionLock, Error> {
-        let key = key.into();
-        span::traced(
-            &key.clone(),
-            "postgres",
-            "wait",
-            |_| true,
-            self.lock_inner(key, timeout, Hold::Exclusive),
-        )
-        .await
+        self.lock_as(key.into(), timeout, Hold::Exclusive).await
     }
 
     /// Takes the *shared* session-scoped lock `key`, waiting up to `timeout`
@@ -197,18 +180,23 @@ impl PgLocker {
         key: impl Into<LockKey>,
         timeout: Duration,
     ) -> Result<SessionLock, Error> {
-        let key = key.into();
-        span::traced(
-            &key.clone(),
-            "postgres",
-            "wait_shared",
-            |_| true,
-            self.lock_inner(key, timeout, Hold::Shared),
-        )
-        .await
+        self.lock_as(key.into(), timeout, Hold::Shared).await
     }
 
-    pub(crate) async fn lock_inner(
+    /// A wait for `hold` on `key` up to `timeout`, in its span, counted in
+    /// the metrics.
+    pub(crate) async fn lock_as(
+        &self,
+        key: LockKey,
+        timeout: Duration,
+        hold: Hold,
+    ) -> Result<SessionLock, Error> {
+        let mode = hold.mode(true);
+        let waited = self.lock_inner(key.clone(), timeout, hold);
+        span::traced(&key, "postgres", mode, |_| true, waited).await
+    }
+
+    async fn lock_inner(
         &self,
         key: LockKey,
         timeout: Duration,

@@ -22,3 +22,22 @@ pub(crate) enum Hold {
     /// reaches a waiter without a poll.
     Permit,
 }
+
+impl Hold {
+    /// How spans and metrics name an acquisition of this hold: a try
+    /// (`waits == false`) or a wait.
+    pub(crate) fn mode(self, waits: bool) -> &'static str {
+        match (self, waits) {
+            (Hold::Exclusive, false) => "try",
+            (Hold::Exclusive, true) => "wait",
+            (Hold::Shared, false) => "try_shared",
+            (Hold::Shared, true) => "wait_shared",
+            (Hold::Upgradeable, false) => "try_upgradeable",
+            (Hold::Upgradeable, true) => "wait_upgradeable",
+            (Hold::All, false) => "try_all",
+            (Hold::All, true) => "wait_all",
+            (Hold::Permit, false) => "semaphore_try",
+            (Hold::Permit, true) => "semaphore_wait",
+        }
+    }
+}

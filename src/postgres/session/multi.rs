@@ -95,7 +95,7 @@ impl PgLocker {
     {
         let keys: Vec<LockKey> = keys.into_iter().map(Into::into).collect();
         let first = first_key(&keys)?;
-        let span = multi_span(&keys, "try_all");
+        let span = multi_span(&keys, Hold::All.mode(false));
         span::traced_in(span, &first, "postgres", Option::is_some, async {
             let set = KeySet::new(&keys)?;
             let (conn, taken) = self
@@ -142,7 +142,7 @@ impl PgLocker {
     {
         let keys: Vec<LockKey> = keys.into_iter().map(Into::into).collect();
         let first = first_key(&keys)?;
-        let span = multi_span(&keys, "wait_all");
+        let span = multi_span(&keys, Hold::All.mode(true));
         let waiting = span::waiting(&first, self.lock_all_inner(keys, timeout));
         span::traced_in(span, &first, "postgres", |_| true, waiting).await
     }

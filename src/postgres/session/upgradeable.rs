@@ -9,7 +9,7 @@ use std::time::Duration;
 use crate::postgres::locker::PgLocker;
 use crate::postgres::session::hold::Hold;
 use crate::postgres::session::upgradeable_lock::UpgradeableLock;
-use crate::{Error, LockKey, span};
+use crate::{Error, LockKey};
 
 impl PgLocker {
     /// Takes an upgradeable read lock on `key` if no one holds it
@@ -38,15 +38,7 @@ impl PgLocker {
         &self,
         key: impl Into<LockKey>,
     ) -> Result<Option<UpgradeableLock>, Error> {
-        let key = key.into();
-        let lock = span::traced(
-            &key.clone(),
-            "postgres",
-            "try_upgradeable",
-            Option::is_some,
-            self.try_lock_inner(key, Hold::Upgradeable),
-        )
-        .await?;
+        let lock = self.try_lock_as(key.into(), Hold::Upgradeable).await?;
         Ok(lock.map(|lock| self.upgradeable(lock)))
     }
 
@@ -87,15 +79,7 @@ impl PgLocker {
         key: impl Into<LockKey>,
         timeout: Duration,
     ) -> Result<UpgradeableLock, Error> {
-        let key = key.into();
-        let lock = span::traced(
-            &key.clone(),
-            "postgres",
-            "wait_upgradeable",
-            |_| true,
-            self.lock_inner(key, timeout, Hold::Upgradeable),
-        )
-        .await?;
+        let lock = self.lock_as(key.into(), timeout, Hold::Upgradeable).await?;
         Ok(self.upgradeable(lock))
     }
 

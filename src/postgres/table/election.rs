@@ -7,16 +7,14 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
+use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgRow;
-use sqlx::{AssertSqlSafe, Row};
 
 use super::TableLocker;
 use super::sql::{self, KeyExpr, Owner};
 use crate::postgres::conn::held::HeldConn;
-use crate::postgres::election::{instant, term};
-use crate::{
-    ElectionLocker, Error, FencingToken, LeaderInfo, Lease, LockKey, Proclaimed, Proclamation, Seat,
-};
+use crate::postgres::election::{leader_info, proclaimed};
+use crate::{ElectionLocker, Error, LeaderInfo, Lease, LockKey, Proclaimed, Proclamation, Seat};
 
 impl TableLocker {
     /// Runs one simple-query statement; its rows. Only a connection that
@@ -55,24 +53,10 @@ impl ElectionLocker for TableLocker {
         let owner = Owner::from_bits(seat.id());
         let statement = sql::proclaim(&KeyExpr::new(key), owner, proclamation, &key.to_string());
         let rows = self.simple(statement).await?;
-        let Some(row) = rows.first() else {
-            return Ok(None);
-        };
-        let (Some(number), Some(since), Some(after_loss)) = (
-            row.try_get::<Option<i64>, _>(0)?,
-            row.try_get::<Option<i64>, _>(1)?,
-            row.try_get::<Option<bool>, _>(2)?,
-        ) else {
-            return Ok(None);
-        };
-        let leader = LeaderInfo::new(
-            proclamation.identity.clone(),
-            proclamation.value.clone(),
-            term(number),
-            instant(since),
-            proclamation.fencing_token,
-        );
-        Ok(Some(Proclaimed { leader, after_loss }))
+        match rows.first() {
+            Some(row) => proclaimed(row, proclamation),
+            None => Ok(None),
+        }
     }
 
     async fn withdraw(&self, key: &LockKey, seat: Seat, number: Option<u64>) -> Result<(), Error> {
@@ -87,16 +71,7 @@ impl ElectionLocker for TableLocker {
     async fn leader(&self, key: &LockKey) -> Result<Option<LeaderInfo>, Error> {
         key.validate()?;
         let rows = self.simple(sql::leader_of(&KeyExpr::new(key))).await?;
-        let Some(row) = rows.first() else {
-            return Ok(None);
-        };
-        Ok(Some(LeaderInfo::new(
-            row.try_get::<String, _>(0)?,
-            row.try_get::<String, _>(1)?,
-            term(row.try_get(2)?),
-            instant(row.try_get(3)?),
-            row.try_get::<Option<i64>, _>(4)?.map(FencingToken::new),
-        )))
+        rows.first().map(leader_info).transpose()
     }
 
     fn loss_notice_bound(&self) -> Duration {

@@ -5,7 +5,6 @@ use crate::setting::{at_least, within};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgPool};
 use sqlx::{AssertSqlSafe, Row};
 use tokio::sync::oneshot;
@@ -17,7 +16,7 @@ use super::notify::Listener;
 use super::sql::{self, KeyExpr, Owner};
 use crate::postgres::conn::held::HeldConn;
 use crate::postgres::conn::warm::{DEFAULT_WARM, DEFAULT_WARM_IDLE, Warm};
-use crate::{Error, FencingToken, Lease, LockKey, Locker, span};
+use crate::{Error, FencingToken, LockKey, span};
 
 /// The shortest time to live a builder accepts.
 pub const MIN_TTL: Duration = Duration::from_millis(100);
@@ -611,22 +610,4 @@ impl Drop for Grant {
     }
 }
 
-#[async_trait]
-impl Locker for TableLocker {
-    async fn try_lock(&self, key: LockKey) -> Result<Option<Box<dyn Lease>>, Error> {
-        let lease = TableLocker::try_lock(self, key).await?;
-        Ok(lease.map(|lease| Box::new(lease) as Box<dyn Lease>))
-    }
-
-    async fn lock(&self, key: LockKey, timeout: Duration) -> Result<Box<dyn Lease>, Error> {
-        Ok(Box::new(TableLocker::lock(self, key, timeout).await?))
-    }
-
-    fn backend(&self) -> &'static str {
-        "table"
-    }
-
-    fn election(&self) -> Option<&dyn crate::ElectionLocker> {
-        Some(self)
-    }
-}
+crate::lease::locker_from_inherent!(TableLocker, "table", election);

@@ -12,54 +12,35 @@ use async_trait::async_trait;
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row};
 
-use crate::postgres::request::key_args::KeyArgs;
+use crate::postgres::request::key::Bound;
+use crate::postgres::request::sql::ELECTION_KEY;
 use crate::{
     ElectionLocker, Error, FencingToken, LeaderInfo, Lease, LockKey, PgLocker, Proclaimed,
     Proclamation, Seat,
 };
 
-/// The election's `(space, lock_id)` as `distlock.leaders` keys it,
-/// computed on the server from the key's shape (`$1`: 0 a name hashed with
-/// `hashtext`, 1 a bigint, 2 a namespaced name), number (`$2`) and name
-/// (`$3`), as the advisory lock functions see the key.
-const KEY: &str = "WITH k AS (SELECT \
-     CASE WHEN $1::pg_catalog.int2 OPERATOR(pg_catalog.=) 2 THEN 2 ELSE 1 END::pg_catalog.int2 AS space, \
-     CASE WHEN $1::pg_catalog.int2 OPERATOR(pg_catalog.=) 0 \
-         THEN pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8 \
-       WHEN $1::pg_catalog.int2 OPERATOR(pg_catalog.=) 1 THEN $2::pg_catalog.int8 \
-       ELSE ($2::pg_catalog.int8 OPERATOR(pg_catalog.<<) 32) \
-            OPERATOR(pg_catalog.|) (pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295) \
-     END AS lock_id) ";
-
 // Via 1: records of session advisory locks.
 
 const PROCLAIM: &str = "SELECT p.term, \
      (extract(epoch FROM p.since) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, p.after_loss \
-     FROM k, distlock.leader_proclaim(1::pg_catalog.int2, k.space, k.lock_id, $4, $5, NULL, \
+     FROM e, distlock.leader_proclaim(1::pg_catalog.int2, e.space, e.lock_id, $4, $5, NULL, \
      $6, $7, $8, $9) AS p";
 
 const WITHDRAW: &str =
-    "SELECT distlock.leader_withdraw(1::pg_catalog.int2, k.space, k.lock_id, $4, NULL, $5) FROM k";
+    "SELECT distlock.leader_withdraw(1::pg_catalog.int2, e.space, e.lock_id, $4, NULL, $5) FROM e";
 
 const LEADER: &str = "SELECT l.identity, l.value, l.term, \
      (extract(epoch FROM l.since) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, l.fencing_token \
-     FROM k, distlock.leader_of(1::pg_catalog.int2, k.space, k.lock_id) AS l";
+     FROM e, distlock.leader_of(1::pg_catalog.int2, e.space, e.lock_id) AS l";
 
-/// `sql` after [`KEY`], with the key's three parameters bound.
+/// `sql` after [`ELECTION_KEY`], with the key's three parameters bound
+/// in the request core's one key shape.
 fn keyed<'q>(
     sql: &'static str,
     key: &'q LockKey,
 ) -> Result<sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>, Error> {
-    let (shape, number, name): (i16, Option<i64>, Option<&str>) = match key.args()? {
-        KeyArgs::Text(name) => (0, None, Some(name)),
-        KeyArgs::BigInt(id) => (1, Some(id), None),
-        KeyArgs::Pair(ns, name) => (2, Some(i64::from(ns)), Some(name)),
-    };
-    let text: String = [KEY, sql].concat();
-    Ok(sqlx::query(sqlx::AssertSqlSafe(text))
-        .bind(shape)
-        .bind(number)
-        .bind(name))
+    let text: String = [ELECTION_KEY, sql].concat();
+    Ok(Bound::from(key.args()?).bind(sqlx::query(sqlx::AssertSqlSafe(text))))
 }
 
 /// The backend pid a seat names.

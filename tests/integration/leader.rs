@@ -154,6 +154,40 @@ async fn leader_is_named_by_anyone_on_postgres(pool: PgPool) {
     leader_is_named_by_anyone(a, b).await;
 }
 
+/// The leader record is keyed as the server keys the election's lock, for
+/// every key shape (a name, an id, a namespaced name, an id that takes all
+/// 64 bits): `leader()` asks `pg_locks` for that lock, so a record keyed
+/// otherwise would name nobody.
+#[sqlx::test(migrations = false)]
+async fn leader_is_named_for_every_key_shape_on_postgres(pool: PgPool) {
+    let (a, b) = two_pg_lockers(&pool).await;
+    for key in [
+        LockKey::from("leader:shape"),
+        LockKey::id(42),
+        LockKey::id(-7_000_000_000),
+        LockKey::namespaced(-3, "leader:shape"),
+    ] {
+        let campaign = LeaderElection::builder(Arc::clone(&a), key.clone())
+            .identity("shaped")
+            .build()
+            .expect("valid settings")
+            .campaign();
+        bounded("it leads", Duration::from_secs(5), campaign.elected())
+            .await
+            .expect("a term");
+        let seen = LeaderElection::new(Arc::clone(&b), key.clone())
+            .leader()
+            .await
+            .expect("leader()");
+        assert_eq!(
+            seen.map(|info| info.identity).as_deref(),
+            Some("shaped"),
+            "{key:?}"
+        );
+        campaign.resign().await.expect("resign");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_is_named_by_anyone_in_memory() {
     let memory = MemoryLocker::new();

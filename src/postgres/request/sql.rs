@@ -22,6 +22,20 @@ macro_rules! resolved {
     };
 }
 
+/// The CTEs `k` ([`resolved`]) and `e`: the key as `distlock.leaders`
+/// keys an election, `(space int2, lock_id int8)`, `lock_id` the one
+/// `bigint` of space 1 or the two `int4`s of space 2 as one `bigint` (as
+/// `pg_locks` shows them in `classid`/`objid`). Followed by the statement
+/// that reads `e`.
+pub(crate) const ELECTION_KEY: &str = concat!(
+    "WITH ",
+    resolved!(),
+    ", e AS (SELECT k.space::pg_catalog.int2 AS space, \
+       CASE WHEN k.space OPERATOR(pg_catalog.=) 2 \
+         THEN (k.a OPERATOR(pg_catalog.<<) 32) OPERATOR(pg_catalog.|) (k.b OPERATOR(pg_catalog.&) 4294967295) \
+         ELSE k.a END AS lock_id FROM k) "
+);
+
 /// The CTEs `given` (each key resolved as [`resolved`] does, with `i` its
 /// 1-based place in the caller's list), `k` (the distinct server locks) and
 /// `o` (them in canonical order: space, then value), from three arrays.

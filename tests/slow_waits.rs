@@ -184,14 +184,31 @@ async fn scenario(connect_opts: PgConnectOptions) {
         .unwrap();
     let lock = behind(held("w-mux").await, mux.lock("w-mux", WAIT)).await;
     lock.unwrap().release().await.unwrap();
+    // Two waiters of one process: the first is its head and waits for a
+    // freed permit (not in a statement); the second lines up behind it on
+    // the server, a statement that waits until the first is served.
     let exports = locker.semaphore("w-semaphore", 1).unwrap();
     let permit = exports.try_acquire().await.unwrap().unwrap();
     let release = async {
+        tokio::time::sleep(HOLD * 2).await;
+        permit.release().await.unwrap();
+    };
+    let first = async {
+        let permit = exports.acquire(WAIT).await.unwrap();
         tokio::time::sleep(HOLD).await;
         permit.release().await.unwrap();
     };
-    let (second, ()) = tokio::join!(Box::pin(exports.acquire(WAIT)), release);
-    second.unwrap().release().await.unwrap();
+    let second = async {
+        tokio::time::sleep(HOLD / 10).await;
+        exports
+            .acquire(WAIT)
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    };
+    tokio::join!(Box::pin(first), Box::pin(second), release);
 
     // The caller's own slow query.
     sqlx::query("SELECT pg_sleep(0.1)")
@@ -210,6 +227,7 @@ async fn scenario(connect_opts: PgConnectOptions) {
         "w-xact",
         "w-caller",
         "w-mux",
+        "w-semaphore#queue",
     ] {
         let span = format!("distlock.wait{{key={key}}}");
         assert!(

@@ -1,6 +1,6 @@
 //! An in-memory backend for your own tests: [`MemoryLocker`].
 //!
-//! It implements [`Locker`] with a lock table in the process, so code built
+//! It implements [`Locker`](crate::Locker) with a lock table in the process, so code built
 //! on `Arc<dyn Locker>` (a [`SingletonJob`](crate::SingletonJob), your own
 //! services) can be unit-tested without a database, including what it does
 //! when a lease is lost ([`MemoryLocker::lose`]). It is not a distributed
@@ -20,7 +20,7 @@ use crate::{
     Proclamation, Seat,
 };
 
-/// An in-memory [`Locker`] for tests. Cheap to clone; clones share one lock
+/// An in-memory [`Locker`](crate::Locker) for tests. Cheap to clone; clones share one lock
 /// table.
 ///
 /// Leases carry fencing tokens (strictly increasing per key), waits are

@@ -153,11 +153,14 @@ fn kinds_partition_worker() {
         .block_on(work(&url, &out, Path::new(&stop)));
 }
 
-/// Logs `event` when `campaign` stops leading.
+/// Logs `event` when `campaign` stops leading. The flag is set just after
+/// `elected()` returns, so it is first awaited as `true`.
 fn log_when_deposed(campaign: &Campaign, log: &Log, event: &'static str) {
     let (mut leadership, log) = (campaign.leadership(), log.clone());
     tokio::spawn(async move {
-        if leadership.wait_for(|leads| !*leads).await.is_ok() {
+        if leadership.wait_for(|leads| *leads).await.is_ok()
+            && leadership.wait_for(|leads| !*leads).await.is_ok()
+        {
             log.line(event, "");
         }
     });
@@ -449,6 +452,13 @@ async fn across_a_partition_no_permit_or_leadership_is_held_twice() {
                  {:.3} s after the cut",
                 after_cut(stepped_down),
                 after_cut(successor)
+            ),
+        );
+        check(
+            stepped_down.is_some_and(|at| at > cut_at),
+            format!(
+                "{what}: the worker gave it up {:.3} s after the cut, before the cut",
+                after_cut(stepped_down)
             ),
         );
         check(

@@ -13,8 +13,9 @@
 //! `docs/bench/` keeps the last full run.
 
 /// The sections a word can name, in the order of a run.
-pub const SECTIONS: [&str; 9] = [
+pub const SECTIONS: [&str; 10] = [
     "interleaved",
+    "cold",
     "cycles",
     "current-thread",
     "hops",

@@ -8,9 +8,11 @@
 //! instead; default 1000), words that pick what runs
 //! (`cargo bench --bench locks -- table`: see `filter.rs`), `--only
 //! redis-handoff` (only the Redis rows of the hand-off table, printed,
-//! nothing written; needs `--features redis`), `--help`.
+//! nothing written; needs `--features redis`), `--only semaphore-scale` (only
+//! the semaphore at scale, printed), `--help`.
 
 mod chart;
+mod cold;
 mod counting;
 mod cycle;
 mod filter;
@@ -143,6 +145,22 @@ async fn main() -> anyhow::Result<()> {
         report.push_str(&table);
     }
 
+    // Where the interleaved cycle's time goes, on a current-thread runtime
+    // (no hops between threads).
+    if filter.section("cold") {
+        eprintln!("== cold and warm round trips");
+        let (opts, rounds) = (opts.clone(), if settings.quick { 100 } else { 400 });
+        let steps = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?
+                .block_on(cold::measure(&opts, rounds))
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("cold run panicked"))??;
+        report.push_str(&cold::table(&steps));
+    }
+
     let selected = cycle::selected(&filter);
     let mut cycles = Vec::new();
     if filter.section("cycles") {
@@ -228,14 +246,7 @@ async fn main() -> anyhow::Result<()> {
             kinds::leader_takeover(&opts, trials / 2, true).await?,
             kinds::leader_takeover(&opts, trials / 2, false).await?,
         ]));
-        // The semaphore target's scale: 200 waiters, 10 permits, a pool of
-        // 20, each holder keeping its permit 10 ms.
-        let mut runs = Vec::new();
-        for _ in 0..if settings.quick { 1 } else { 3 } {
-            let scale = (200, 10, 20);
-            runs.push(kinds::semaphore_scale(&opts, scale, Duration::from_millis(10)).await?);
-        }
-        report.push_str(&kinds::scale_table(&runs));
+        report.push_str(&semaphore_scale_table(&opts, &settings).await?);
     }
 
     if filter.section("many") {
@@ -287,6 +298,20 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The semaphore target's scale: 200 waiters, 10 permits, a pool of 20,
+/// each holder keeping its permit 10 ms; 3 runs (1 with `--quick`).
+async fn semaphore_scale_table(
+    opts: &PgConnectOptions,
+    settings: &Settings,
+) -> anyhow::Result<String> {
+    let mut runs = Vec::new();
+    for _ in 0..if settings.quick { 1 } else { 3 } {
+        let scale = (200, 10, 20);
+        runs.push(kinds::semaphore_scale(opts, scale, Duration::from_millis(10)).await?);
+    }
+    Ok(kinds::scale_table(&runs))
+}
+
 /// Task hops without a database, on both runtimes.
 async fn hops_table() -> anyhow::Result<String> {
     let multi = hops::measure(2_000).await;
@@ -318,6 +343,8 @@ Runs every measurement, writes docs/bench/results.md and the charts.
   --only redis-handoff  only the Redis rows of the hand-off table (needs
                         --features redis; DISTLOCK_BENCH_REDIS_URL, default
                         redis://127.0.0.1:6379); printed, nothing written
+  --only semaphore-scale  only the semaphore at scale (200 waiters, 10
+                        permits, a pool of 20); printed, nothing written
   --help                this text";
 
 /// The value after `name` in `args`.
@@ -340,6 +367,11 @@ async fn only_section(
             Ok(())
         }
         "redis-handoff" => anyhow::bail!("--only redis-handoff needs --features redis"),
+        "semaphore-scale" => {
+            eprintln!("== semaphore at scale only");
+            println!("{}", semaphore_scale_table(opts, settings).await?);
+            Ok(())
+        }
         other => anyhow::bail!("unknown section {other:?}; see --help"),
     }
 }

@@ -306,6 +306,27 @@ async fn any_clone_reads_and_stops_the_campaign() {
     drop(campaign);
 }
 
+/// Whoever `elected()` wakes sees every view of the campaign agree that it
+/// leads: the `leadership()` flag is set before the term is published, not
+/// just after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn elected_returns_with_the_leadership_flag_already_set() {
+    for round in 0..50 {
+        let memory = MemoryLocker::new();
+        let campaign = LeaderElection::new(Arc::new(memory), "leader:flag").campaign();
+        let flag = campaign.leadership();
+        bounded("leads", Duration::from_secs(5), campaign.elected())
+            .await
+            .expect("a term");
+        assert!(
+            *flag.borrow(),
+            "round {round}: elected() returned before the flag was set"
+        );
+        campaign.stop().await.expect("stop");
+        assert!(!*flag.borrow(), "round {round}: the flag outlived the term");
+    }
+}
+
 /// The last handle dropped resigns; one of two dropped does not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_campaign_resigns_when_its_last_handle_is_dropped() {

@@ -113,7 +113,8 @@ impl Campaign {
     }
 
     /// A receiver that follows leadership as a flag: `true` while a term
-    /// lasts (set just after the term starts), `false` from its end (set
+    /// lasts (set just before the term is published, so it is already set
+    /// when [`elected`](Self::elected) returns), `false` from its end (set
     /// just after the term's token is cancelled), which comes before the
     /// lock is released (resign) or as soon as a loss is known. The channel
     /// closes when the campaign ends.

@@ -192,8 +192,10 @@ impl Run {
             Arc::clone(&e.identity),
             Arc::clone(&e.value),
         );
-        self.term.send_replace(Some(term.clone()));
+        // The flag first: whoever the published term wakes (`elected()`)
+        // must find every view agreeing that this campaign leads.
         self.leader.send_replace(true);
+        self.term.send_replace(Some(term.clone()));
         e.changed.notify_waiters();
         let ended = while_held(&*lease, stopped, std::future::pending::<()>()).await;
         // The term ends before anything else happens: before the lock is

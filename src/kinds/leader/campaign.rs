@@ -113,8 +113,8 @@ impl Campaign {
     }
 
     /// A receiver that follows leadership as a flag: `true` while a term
-    /// lasts (set just before the term is published, so it is already set
-    /// when [`elected`](Self::elected) returns), `false` from its end (set
+    /// lasts (set just after the term is published; already set when
+    /// [`elected`](Self::elected) returns), `false` from its end (set
     /// just after the term's token is cancelled), which comes before the
     /// lock is released (resign) or as soon as a loss is known. The channel
     /// closes when the campaign ends.
@@ -153,17 +153,27 @@ impl Campaign {
     ///
     /// Cancel safe: it only watches a channel.
     pub async fn elected(&self) -> Result<Term, Error> {
-        let mut terms = self.terms.clone();
+        let (mut terms, mut flag) = (self.terms.clone(), self.leadership.clone());
         loop {
             let current = terms
                 .wait_for(|term| term.as_ref().is_some_and(|term| !term.is_over()))
                 .await
                 .map(|term| term.clone());
-            match current {
-                Ok(Some(term)) => return Ok(term),
+            let term = match current {
+                Ok(Some(term)) => term,
                 // Ended between the check and the clone: wait again.
-                Ok(None) => {}
+                Ok(None) => continue,
                 Err(_) => return Err(self.ended()),
+            };
+            // The flag is set just after the term is published: once it is,
+            // every view of the campaign agrees that it leads.
+            tokio::select! {
+                flagged = flag.wait_for(|leads| *leads) => match flagged {
+                    Ok(_) if !term.is_over() => return Ok(term),
+                    Ok(_) => {}
+                    Err(_) => return Err(self.ended()),
+                },
+                () = term.ended() => {}
             }
         }
     }

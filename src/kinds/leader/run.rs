@@ -192,10 +192,10 @@ impl Run {
             Arc::clone(&e.identity),
             Arc::clone(&e.value),
         );
-        // The flag first: whoever the published term wakes (`elected()`)
-        // must find every view agreeing that this campaign leads.
-        self.leader.send_replace(true);
+        // The term first, then the flag (no `.await` between): a reader of
+        // the flag finds the term; `elected()` waits for the flag too.
         self.term.send_replace(Some(term.clone()));
+        self.leader.send_replace(true);
         e.changed.notify_waiters();
         let ended = while_held(&*lease, stopped, std::future::pending::<()>()).await;
         // The term ends before anything else happens: before the lock is

@@ -151,7 +151,7 @@ impl Campaign {
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe: it only watches a channel.
+    /// Cancel safe: it only watches two channels (the term and the flag).
     pub async fn elected(&self) -> Result<Term, Error> {
         let (mut terms, mut flag) = (self.terms.clone(), self.leadership.clone());
         loop {

@@ -2,7 +2,9 @@
 //! takes to reach a waiting `Semaphore::acquire`, and how long a waiting
 //! campaign takes to lead after the leader's backend is terminated.
 
+use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -181,11 +183,29 @@ pub struct SemaphoreScale {
     pub most_holders: usize,
     /// Permit-time held over permits × the time waiters queued.
     pub utilisation: f64,
-    /// The furthest a waiter was served from its place of arrival.
+    /// The furthest a waiter was served from its ticket's place (see
+    /// [`Arrival`]).
     pub displaced: usize,
+    /// The most waiters that surely arrived after one waiter (their first
+    /// poll began after its first poll ended) and were served before it.
+    pub overtaken: usize,
     pub errors: usize,
     pub first_error: Option<String>,
     pub took: Duration,
+}
+
+/// When a waiter of [`semaphore_scale`] joined the line.
+#[derive(Debug, Clone, Copy)]
+struct Arrival {
+    /// Taken just before the call: the order of tickets is the order of
+    /// arrival unless the thread was preempted between the ticket and the
+    /// call's first poll (on 2 cores, that happens: a worker preempted for a
+    /// few ms while the other registers dozens of waiters).
+    ticket: usize,
+    /// Just before the call's first poll, in which it joins the line.
+    from: Instant,
+    /// Just after it.
+    by: Instant,
 }
 
 /// `waiters` tasks of one process call `acquire` on one semaphore of
@@ -211,15 +231,31 @@ pub async fn semaphore_scale(
     for _ in 0..waiters {
         let (semaphore, tickets) = (semaphore.clone(), Arc::clone(&tickets));
         tasks.spawn(async move {
-            // The place in line: taken just before joining it.
+            // The place in line: a ticket taken just before joining it, and
+            // the moments just before and just after the call's first poll,
+            // in which it joins the line. The thread can be preempted
+            // between the ticket and the poll, so only the moments say
+            // for sure that one waiter came before another.
             let ticket = tickets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let permit = semaphore.acquire(Duration::from_secs(120)).await?;
+            let arrived_from = Instant::now();
+            let mut acquire = std::pin::pin!(semaphore.acquire(Duration::from_secs(120)));
+            let first = std::future::poll_fn(|cx| Poll::Ready(acquire.as_mut().poll(cx))).await;
+            let arrived_by = Instant::now();
+            let permit = match first {
+                Poll::Ready(permit) => permit?,
+                Poll::Pending => acquire.await?,
+            };
             let granted = Instant::now();
             tokio::time::sleep(hold).await;
             // Stops using it: held from `granted` to here, at most.
             let done = Instant::now();
             permit.release().await?;
-            Ok::<_, distlock::Error>((ticket, granted, done, Instant::now()))
+            let arrived = Arrival {
+                ticket,
+                from: arrived_from,
+                by: arrived_by,
+            };
+            Ok::<_, distlock::Error>((arrived, granted, done, Instant::now()))
         });
         // Arrival order is the order of the first polls.
         tokio::task::yield_now().await;
@@ -268,12 +304,22 @@ pub async fn semaphore_scale(
         })
         .sum();
     let utilisation = held.as_secs_f64() / (queued.as_secs_f64() * f64::from(permits)).max(1e-9);
-    let mut order: Vec<(Instant, usize)> = spans.iter().map(|s| (s.1, s.0)).collect();
+    let mut order: Vec<(Instant, usize)> = spans.iter().map(|s| (s.1, s.0.ticket)).collect();
     order.sort();
     let displaced = order
         .iter()
         .enumerate()
         .map(|(at, (_, i))| at.abs_diff(*i))
+        .max()
+        .unwrap_or(0);
+    let overtaken = spans
+        .iter()
+        .map(|x| {
+            spans
+                .iter()
+                .filter(|y| y.0.from > x.0.by && y.1 < x.1)
+                .count()
+        })
         .max()
         .unwrap_or(0);
     Ok(SemaphoreScale {
@@ -289,6 +335,7 @@ pub async fn semaphore_scale(
         most_holders: usize::try_from(most).unwrap_or(0),
         utilisation,
         displaced,
+        overtaken,
         errors,
         first_error,
         took,
@@ -299,12 +346,17 @@ pub async fn semaphore_scale(
 pub fn scale_table(runs: &[SemaphoreScale]) -> String {
     let mut out = String::from(
         "\n### Semaphore at scale: many waiters on one pool\n\n\
-         | waiters | permits | pool | hold | errors | most holders | permits in use while waiters queued | furthest from arrival order | hand-off p50 µs | p99 µs | max µs | took |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         Furthest from arrival order: by ticket, the furthest a waiter was granted from \
+         its ticket's place (a ticket is taken just before the call, and a thread preempted \
+         in between joins the line late); overtaken, the most waiters that surely came \
+         after one waiter (their call's first poll began after its first poll ended) and \
+         were served before it.\n\n\
+         | waiters | permits | pool | hold | errors | most holders | permits in use while waiters queued | furthest from arrival order, by ticket | overtaken by later arrivals | hand-off p50 µs | p99 µs | max µs | took |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for run in runs {
         out.push_str(&format!(
-            "| {} | {} | {} | {} ms | {}{} | {} | {:.0}% | {} places | {:.0} | {:.0} | {:.0} | {:.2} s |\n",
+            "| {} | {} | {} | {} ms | {}{} | {} | {:.0}% | {} places | {} | {:.0} | {:.0} | {:.0} | {:.2} s |\n",
             run.waiters,
             run.permits,
             run.pool,
@@ -317,6 +369,7 @@ pub fn scale_table(runs: &[SemaphoreScale]) -> String {
             run.most_holders,
             run.utilisation * 100.0,
             run.displaced,
+            run.overtaken,
             run.handoff.at(0.5),
             run.handoff.at(0.99),
             run.handoff.at(1.0),

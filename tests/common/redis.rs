@@ -83,6 +83,23 @@ impl RedisServer {
         }
     }
 
+    /// Stops the server's process (SIGSTOP): connections stay open and
+    /// nothing answers, as on a stalled host, until [`resume`](Self::resume).
+    pub fn pause(&self) {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    /// Lets a [`pause`](Self::pause)d server run again (SIGCONT).
+    pub fn resume(&self) {
+        self.signal(nix::sys::signal::Signal::SIGCONT);
+    }
+
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        let child = self.child.as_ref().expect("server running");
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("pid"));
+        nix::sys::signal::kill(pid, signal).expect("signal redis-server");
+    }
+
     pub fn port(&self) -> u16 {
         self.port
     }

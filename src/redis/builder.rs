@@ -30,20 +30,15 @@ const MIN_POLL_INTERVAL: Duration = Duration::from_millis(1);
 #[must_use = "a builder does nothing until .build() is called"]
 pub struct RedisLockerBuilder {
     server: RedisResult<ConnectionInfo>,
-    ttl: Option<Duration>,
-    fencing: Option<bool>,
-    command_timeout: Option<Duration>,
-    poll_interval: Option<Duration>,
+    /// The defaults, changed by the setters; checked by `build()`.
+    config: single::Config,
 }
 
 impl RedisLockerBuilder {
     pub(super) fn new(server: impl IntoConnectionInfo) -> Self {
         Self {
             server: server.into_connection_info(),
-            ttl: None,
-            fencing: None,
-            command_timeout: None,
-            poll_interval: None,
+            config: single::Config::default(),
         }
     }
 
@@ -55,7 +50,7 @@ impl RedisLockerBuilder {
     /// (such as `Duration::MAX`) with [`Error::InvalidSetting`].
     #[must_use = "the setter returns the changed builder"]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = Some(ttl);
+        self.config.ttl = ttl;
         self
     }
 
@@ -65,7 +60,7 @@ impl RedisLockerBuilder {
     /// never repeat); turn this off to keep no state beyond held leases.
     #[must_use = "the setter returns the changed builder"]
     pub fn fencing(mut self, fencing: bool) -> Self {
-        self.fencing = Some(fencing);
+        self.config.fencing = fencing;
         self
     }
 
@@ -78,7 +73,7 @@ impl RedisLockerBuilder {
     /// [`build`](Self::build) refuses zero with [`Error::InvalidSetting`].
     #[must_use = "the setter returns the changed builder"]
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = Some(timeout);
+        self.config.command_timeout = timeout;
         self
     }
 
@@ -97,7 +92,7 @@ impl RedisLockerBuilder {
     /// 1 ms with [`Error::InvalidSetting`].
     #[must_use = "the setter returns the changed builder"]
     pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.poll_interval = Some(interval);
+        self.config.poll_interval = interval;
         self
     }
 
@@ -110,13 +105,7 @@ impl RedisLockerBuilder {
     ///
     /// Takes no lease: dropping the future only drops the connection.
     pub async fn build(self) -> Result<RedisLocker, Error> {
-        let defaults = single::Config::default();
-        let config = single::Config {
-            ttl: self.ttl.unwrap_or(defaults.ttl),
-            fencing: self.fencing.unwrap_or(defaults.fencing),
-            command_timeout: self.command_timeout.unwrap_or(defaults.command_timeout),
-            poll_interval: self.poll_interval.unwrap_or(defaults.poll_interval),
-        };
+        let config = self.config;
         check_ttl(config.ttl)?;
         at_least(
             "command_timeout",
@@ -134,12 +123,8 @@ impl RedisLockerBuilder {
 #[must_use = "a builder does nothing until .build() is called"]
 pub struct RedlockBuilder {
     nodes: RedisResult<Vec<ConnectionInfo>>,
-    ttl: Option<Duration>,
-    node_timeout: Option<Duration>,
-    retry_count: Option<u32>,
-    retry_delay: Option<Duration>,
-    retry_jitter: Option<Duration>,
-    poll_interval: Option<Duration>,
+    /// The defaults, changed by the setters; checked by `build()`.
+    config: redlock::Config,
 }
 
 impl RedlockBuilder {
@@ -153,12 +138,7 @@ impl RedlockBuilder {
                 .into_iter()
                 .map(IntoConnectionInfo::into_connection_info)
                 .collect(),
-            ttl: None,
-            node_timeout: None,
-            retry_count: None,
-            retry_delay: None,
-            retry_jitter: None,
-            poll_interval: None,
+            config: redlock::Config::default(),
         }
     }
 
@@ -168,7 +148,7 @@ impl RedlockBuilder {
     /// (such as `Duration::MAX`) with [`Error::InvalidSetting`].
     #[must_use = "the setter returns the changed builder"]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = Some(ttl);
+        self.config.ttl = ttl;
         self
     }
 
@@ -180,7 +160,7 @@ impl RedlockBuilder {
     /// refuses zero with [`Error::InvalidSetting`].
     #[must_use = "the setter returns the changed builder"]
     pub fn node_timeout(mut self, timeout: Duration) -> Self {
-        self.node_timeout = Some(timeout);
+        self.config.node_timeout = timeout;
         self
     }
 
@@ -188,7 +168,7 @@ impl RedlockBuilder {
     /// (default: no limit; the timeout bounds the wait). Range: any.
     #[must_use = "the setter returns the changed builder"]
     pub fn retry_count(mut self, retries: u32) -> Self {
-        self.retry_count = Some(retries);
+        self.config.retry_count = retries;
         self
     }
 
@@ -197,7 +177,7 @@ impl RedlockBuilder {
     /// too long for the clock (such as `Duration::MAX`) saturates.
     #[must_use = "the setter returns the changed builder"]
     pub fn retry_delay(mut self, delay: Duration) -> Self {
-        self.retry_delay = Some(delay);
+        self.config.retry_delay = delay;
         self
     }
 
@@ -206,7 +186,7 @@ impl RedlockBuilder {
     /// splitting it again. Range: any.
     #[must_use = "the setter returns the changed builder"]
     pub fn retry_jitter(mut self, jitter: Duration) -> Self {
-        self.retry_jitter = Some(jitter);
+        self.config.retry_jitter = jitter;
         self
     }
 
@@ -225,7 +205,7 @@ impl RedlockBuilder {
     /// than 1 ms with [`Error::InvalidSetting`].
     #[must_use = "the setter returns the changed builder"]
     pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.poll_interval = Some(interval);
+        self.config.poll_interval = interval;
         self
     }
 
@@ -238,15 +218,7 @@ impl RedlockBuilder {
     ///
     /// Takes no lease: dropping the future only drops the connections.
     pub async fn build(self) -> Result<Redlock, Error> {
-        let defaults = redlock::Config::default();
-        let config = redlock::Config {
-            ttl: self.ttl.unwrap_or(defaults.ttl),
-            node_timeout: self.node_timeout.unwrap_or(defaults.node_timeout),
-            retry_count: self.retry_count.unwrap_or(defaults.retry_count),
-            retry_delay: self.retry_delay.unwrap_or(defaults.retry_delay),
-            retry_jitter: self.retry_jitter.unwrap_or(defaults.retry_jitter),
-            poll_interval: self.poll_interval.unwrap_or(defaults.poll_interval),
-        };
+        let config = self.config;
         check_ttl(config.ttl)?;
         at_least("node_timeout", config.node_timeout, MIN_COMMAND_TIMEOUT)?;
         at_least("poll_interval", config.poll_interval, MIN_POLL_INTERVAL)?;
@@ -271,10 +243,7 @@ impl fmt::Debug for RedisLockerBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisLockerBuilder")
             .field("server", &address(&self.server))
-            .field("ttl", &self.ttl)
-            .field("fencing", &self.fencing)
-            .field("command_timeout", &self.command_timeout)
-            .field("poll_interval", &self.poll_interval)
+            .field("config", &self.config)
             .finish()
     }
 }
@@ -287,10 +256,7 @@ impl fmt::Debug for RedlockBuilder {
         };
         f.debug_struct("RedlockBuilder")
             .field("nodes", &nodes)
-            .field("ttl", &self.ttl)
-            .field("node_timeout", &self.node_timeout)
-            .field("retry_count", &self.retry_count)
-            .field("poll_interval", &self.poll_interval)
-            .finish_non_exhaustive()
+            .field("config", &self.config)
+            .finish()
     }
 }

@@ -322,6 +322,18 @@ pub async fn block_fencing_counters(pool: &PgPool) -> PgConnection {
     conn
 }
 
+/// Ends a [`block_fencing_counters`] transaction and waits for the server to
+/// answer, so the next token is issued at once. Closing the connection alone
+/// is not enough: the server ends a closed session's transaction a moment
+/// after the client has moved on.
+pub async fn unblock_fencing_counters(mut blocker: PgConnection) {
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut blocker)
+        .await
+        .expect("unblock the fencing counters");
+    close(blocker).await;
+}
+
 /// Waits until a session holds the queue lock of the `PgLocker::semaphore`
 /// named `name` exclusively and is idle: a head whose line-up has answered
 /// (it found every permit held), not a try in flight.

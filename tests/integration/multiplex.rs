@@ -660,7 +660,7 @@ async fn a_fenced_try_whose_token_write_fails_leaves_no_lock_on_the_shared_sessi
     let blocker = block_fencing_counters(&pool).await;
     let outcome = locker.try_lock("mux:leak").await;
     assert!(outcome.is_err(), "no token, no lock: {outcome:?}");
-    close(blocker).await;
+    unblock_fencing_counters(blocker).await;
     // Nobody may hold it: not a pooled connection, not a shared session.
     eventually(
         "no advisory lock left",

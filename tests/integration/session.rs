@@ -669,7 +669,7 @@ async fn a_token_write_timing_out_after_the_grant_leaves_no_lock_in_the_pool(
         .await
         .unwrap();
     assert!(outcome.is_err(), "no token, no lock: {outcome:?}");
-    close(blocker).await;
+    unblock_fencing_counters(blocker).await;
     // Nobody may hold it: not a pooled connection, not a shared session.
     eventually(
         "no advisory lock left",
@@ -705,7 +705,7 @@ async fn a_fenced_try_whose_token_write_fails_leaves_no_lock_in_the_pool(
     let blocker = block_fencing_counters(&pool).await;
     let outcome = locker.try_lock("session:leak-try").await;
     assert!(outcome.is_err(), "no token, no lock: {outcome:?}");
-    close(blocker).await;
+    unblock_fencing_counters(blocker).await;
     // Nobody may hold it: not a pooled connection, not a shared session.
     eventually(
         "no advisory lock left",

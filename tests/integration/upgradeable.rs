@@ -888,7 +888,7 @@ async fn an_upgrade_granted_as_it_timed_out_is_given_back(pool: PgPool) {
         let reader = b.try_lock_shared(k).await.unwrap().expect("readers in");
         reader.release().await.unwrap();
     }
-    close(blocker).await;
+    unblock_fencing_counters(blocker).await;
     assert!(upgradeable.try_upgrade().await.unwrap());
     assert!(upgradeable.fencing_token().is_some());
     upgradeable.release().await.unwrap();

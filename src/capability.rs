@@ -64,7 +64,9 @@ pub trait SharedLocker: Locker {
 /// A [`Locker`] that takes several keys at once, all or nothing, in an order
 /// that never deadlocks against another caller's overlapping set.
 ///
-/// No keys, a key listed twice or a bad key is an [`Error::InvalidKey`].
+/// No keys is an [`Error::NoKeys`], a key listed twice an
+/// [`Error::DuplicateKey`], two spellings of one server lock an
+/// [`Error::SameServerLock`], and a bad key an [`Error::InvalidKey`].
 #[async_trait]
 pub trait MultiKeyLocker: Locker {
     /// The guard holding all the keys: released and lost together.
@@ -218,7 +220,9 @@ pub trait ElectionLocker: Locker {
     /// recording nothing, if it does not. If the record it replaces still
     /// named a leader, the new term starts after the proclamation's
     /// `grace` ([`LeaderInfo::since`] is that much later, and
-    /// [`leader`](Self::leader) names it only from then on).
+    /// [`leader`](Self::leader) names it only from then on). A grace longer
+    /// than [`Proclamation::MAX_GRACE`] is refused with
+    /// [`Error::InvalidArgument`], recording nothing.
     ///
     /// On [`PgLocker`]: 1 round trip, one durable row write.
     ///
@@ -235,7 +239,9 @@ pub trait ElectionLocker: Locker {
 
     /// Clears the record of `key` if it names `seat` (and, when given,
     /// `term`), so that nobody is named until the next proclamation.
-    /// Called after leading stopped and before the lease is released.
+    /// Called after leading stopped and before the lease is released. A
+    /// `term` no backend can record (above `i64::MAX`) names no record:
+    /// nothing is cleared.
     ///
     /// On [`PgLocker`]: 1 round trip, a durable row write when it clears.
     ///
@@ -298,6 +304,35 @@ pub struct Proclamation {
     /// replaces still names a leader ([`Proclaimed::after_loss`]): the term
     /// is recorded as starting that much later, and is not named before.
     pub grace: Duration,
+}
+
+impl Proclamation {
+    /// The longest [`grace`](Self::grace) a backend records: an hour, the
+    /// most [`LeaderElectionBuilder::grace`](crate::LeaderElectionBuilder::grace)
+    /// allows.
+    pub const MAX_GRACE: Duration = Duration::from_secs(3600);
+
+    /// `Err` for a grace no backend records (see [`MAX_GRACE`](Self::MAX_GRACE)).
+    pub(crate) fn check(&self) -> Result<(), Error> {
+        if self.grace > Self::MAX_GRACE {
+            return Err(Error::InvalidArgument {
+                argument: "grace",
+                reason: format!("{:?}, more than the limit of one hour", self.grace),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The term filter of a withdrawal as a backend records terms (`bigint`):
+/// `Some(None)` for any term, `Some(Some(n))` for term `n`, and `None` for
+/// a term above `i64::MAX`, which no record carries (so nothing is to be
+/// cleared; widening it to "any term" would clear another term's record).
+pub(crate) fn recorded_term(term: Option<u64>) -> Option<Option<i64>> {
+    match term {
+        None => Some(None),
+        Some(term) => i64::try_from(term).ok().map(Some),
+    }
 }
 
 /// What [`ElectionLocker::proclaim`] recorded.

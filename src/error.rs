@@ -110,8 +110,9 @@ pub enum Error {
     /// Two different keys of a multi-key call name the same server lock
     /// (for example `LockKey::from("x")` and `LockKey::id` of
     /// `hashtext('x')`): PostgreSQL would grant it twice to one session
-    /// and count it once. Found by the lock statement, which then takes
-    /// nothing.
+    /// and count it once. Found by the lock statement's answer; whatever
+    /// it took is freed with its connection, which is closed, not returned
+    /// to the pool.
     #[error("two of the keys {} name the same server lock", shown_all(keys))]
     SameServerLock {
         /// The keys as given.

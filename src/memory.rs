@@ -318,6 +318,7 @@ impl ElectionLocker for MemoryLocker {
         proclamation: &Proclamation,
     ) -> Result<Option<Proclaimed>, Error> {
         key.validate()?;
+        proclamation.check()?;
         let mut keys = self.table.lock();
         let Some(entry) = keys.get_mut(key) else {
             return Ok(None);

@@ -59,8 +59,8 @@ pub(crate) struct ConnArgs {
     /// session-level advisory lock: for a DATABASE_URL that goes through a
     /// transaction pooler (PgBouncer in transaction mode), where a session
     /// lock cannot be held. Every statement is one short transaction; the
-    /// lease is renewed every --heartbeat and expires three heartbeats after
-    /// its last renewal if distlock dies. The command always gets a fencing
+    /// lease lives three --heartbeat (renewed every quarter of that) and
+    /// expires three heartbeats after its last renewal if distlock dies. The command always gets a fencing
     /// token. Needs the distlock schema (see `distlock::migrate`).
     /// DISTLOCK_LEASE_TABLE takes 1, true, yes, on, y, t (or 0, false, no,
     /// off, n, f), in any case; anything else is a usage error (64).
@@ -91,10 +91,12 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     pub(crate) grace: Duration,
 
-    /// How often the lock's connection is checked (with --lease-table: how
-    /// often the lease is renewed); a lost lock is noticed within about
-    /// twice this. Default 1s; for a session lock at least 10ms and at
-    /// most 10s (refused with 64 otherwise). PostgreSQL only: refused (64) with
+    /// How often the lock's connection is checked (with --lease-table: the
+    /// lease lives three heartbeats and is renewed every three quarters of
+    /// one); a lost lock is noticed within about twice this. Default 1s; for a session lock at least 10ms and at
+    /// most 10s, with --lease-table about 34ms to 8h (three heartbeats must
+    /// make a TTL of 100ms to 24h); refused with 64 otherwise. PostgreSQL
+    /// only: refused (64) with
     /// --redis-url, whose leases their watchdog extends every third of the
     /// TTL.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]

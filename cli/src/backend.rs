@@ -91,8 +91,10 @@ pub(crate) async fn connect(
 }
 
 /// Leases in the table `distlock.leases`, through whatever sits in front of
-/// PostgreSQL: the lease is renewed every `heartbeat` (its TTL is three
-/// heartbeats, within the locker's bounds). Statements are not cached
+/// PostgreSQL: the lease's TTL is three heartbeats, so it expires three
+/// heartbeats after its last renewal (the locker renews every quarter of
+/// the TTL). A heartbeat whose TTL the locker cannot keep is a usage error,
+/// as an out-of-range heartbeat of a session lock is. Statements are not cached
 /// (the README's PgBouncer recipe), and waits poll instead of listening,
 /// since `LISTEN` needs a session a transaction pooler does not keep.
 async fn connect_lease_table(
@@ -100,6 +102,7 @@ async fn connect_lease_table(
     target: &str,
     heartbeat: Duration,
 ) -> Result<Backend, Failure> {
+    let ttl = lease_ttl(heartbeat)?;
     let pool = PgPoolOptions::new()
         // One connection renews, one releases.
         .max_connections(2)
@@ -107,9 +110,6 @@ async fn connect_lease_table(
         .connect_with(options.statement_cache_capacity(0))
         .await
         .map_err(|err| Failure::unavailable(format!("could not connect to {target}: {err}")))?;
-    let ttl = heartbeat
-        .saturating_mul(3)
-        .clamp(distlock::postgres::MIN_TTL, distlock::postgres::MAX_TTL);
     let locker = TableLocker::builder(pool)
         .ttl(ttl)
         .listen(false)
@@ -119,6 +119,26 @@ async fn connect_lease_table(
         locker: Arc::new(locker),
         postgres: None,
     })
+}
+
+/// The TTL of a lease renewed by `heartbeat`: three heartbeats, refused
+/// (before connecting) when that is outside the lease table's range rather
+/// than changed to fit.
+fn lease_ttl(heartbeat: Duration) -> Result<Duration, Failure> {
+    use distlock::postgres::{MAX_TTL, MIN_TTL};
+    let ttl = heartbeat.saturating_mul(3);
+    if ttl < MIN_TTL || ttl > MAX_TTL {
+        return Err(Failure::usage(format!(
+            "--heartbeat {}: with --lease-table the lease lives three heartbeats, \
+             which must come to {} to {} (a heartbeat of about {} to {})",
+            humantime::format_duration(heartbeat),
+            humantime::format_duration(MIN_TTL),
+            humantime::format_duration(MAX_TTL),
+            humantime::format_duration(MIN_TTL / 3),
+            humantime::format_duration(MAX_TTL / 3),
+        )));
+    }
+    Ok(ttl)
 }
 
 /// Refuses, as usage errors (before connecting), Redis URLs that are empty

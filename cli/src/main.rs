@@ -146,7 +146,12 @@ fn main() -> ExitCode {
 fn secrets_in_use() -> Secrets {
     let env_url = std::env::var("DATABASE_URL").ok();
     let env_redis = std::env::var("DISTLOCK_REDIS_URL").unwrap_or_default();
-    let args: Vec<String> = std::env::args().collect();
+    // `args()` would panic on an argument that is not UTF-8 (a file name
+    // passed to the child command, say); such an argument holds no URL of
+    // ours, and a lossy copy is enough to find the ones that are.
+    let args: Vec<String> = std::env::args_os()
+        .map(|arg| arg.to_string_lossy().into_owned())
+        .collect();
     let urls = env_url
         .iter()
         .map(String::as_str)

@@ -189,6 +189,20 @@ async fn of_two_concurrent_runs_one_runs_and_the_other_skips(pool: PgPool) {
     );
 }
 
+/// An argument that is not UTF-8 (a Latin-1 file name, say) reaches the
+/// command unchanged; reading the arguments for URLs to hide must not stop
+/// at it.
+#[sqlx::test(migrations = false)]
+async fn an_argument_that_is_not_utf8_reaches_the_command(pool: PgPool) {
+    use std::os::unix::ffi::OsStrExt;
+    let url = url_of(&pool);
+    let mut cmd = distlock(&url, &["run", "k", "--", "printf", "%s"]);
+    cmd.arg(std::ffi::OsStr::from_bytes(b"caf\xe9"));
+    let out = finish(cmd.spawn().expect("spawn"), "run").await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(out.stdout, b"caf\xe9", "{}", text(&out));
+}
+
 #[sqlx::test(migrations = false)]
 async fn with_wait_the_second_run_follows_the_first(pool: PgPool) {
     let url = url_of(&pool);
@@ -1251,6 +1265,41 @@ async fn with_lease_table_runs_through_pgbouncer_one_runs_and_the_other_skips(po
     )
     .await;
     assert_eq!(out.status.code(), Some(64), "{}", text(&out));
+}
+
+/// With --lease-table the lease lives three heartbeats: a heartbeat whose
+/// TTL the lease table cannot keep is refused (64) before connecting, as a
+/// session lock's out-of-range heartbeat is, not changed to fit.
+#[sqlx::test(migrations = false)]
+async fn with_lease_table_a_heartbeat_out_of_range_is_refused(pool: PgPool) {
+    let url = url_of(&pool);
+    for heartbeat in ["1ms", "30ms", "9h"] {
+        let out = finish(
+            distlock(
+                &url,
+                &[
+                    "run",
+                    "--lease-table",
+                    "hb",
+                    "--heartbeat",
+                    heartbeat,
+                    "--",
+                    "true",
+                ],
+            )
+            .spawn()
+            .expect("spawn"),
+            "run with a heartbeat out of range",
+        )
+        .await;
+        assert_eq!(
+            out.status.code(),
+            Some(EXIT_USAGE),
+            "{heartbeat}: {}",
+            text(&out)
+        );
+        assert!(text(&out).contains("--heartbeat"), "{}", text(&out));
+    }
 }
 
 #[sqlx::test(migrations = false)]

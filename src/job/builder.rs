@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::SingletonJob;
-use super::window::{RunRecord, RunWindow, length_us};
+use super::window::{MAX_JOB_NAME, RunRecord, RunWindow, job_name, length_us};
 use crate::Error;
 
 /// Settings of a [`SingletonJob`]; made by [`SingletonJob::builder`].
@@ -70,7 +70,9 @@ impl SingletonJobBuilder {
     }
 
     /// The job, or [`Error::InvalidSetting`] naming the first setting out of
-    /// its range; nothing is changed to fit. Costs no round trip.
+    /// its range; nothing is changed to fit. With a run record, a key whose
+    /// name in the record would be longer than 1024 bytes is an
+    /// [`Error::InvalidKey`] (the record indexes it). Costs no round trip.
     pub fn build(mut self) -> Result<SingletonJob, Error> {
         if let Some((record, window)) = self.window {
             let length_us = length_us(window).ok_or_else(|| Error::InvalidSetting {
@@ -78,7 +80,19 @@ impl SingletonJobBuilder {
                 value: format!("{window:?}"),
                 allowed: "between 1µs and i64::MAX µs (about 292,000 years)".to_owned(),
             })?;
-            self.job.window = Some(RunWindow { record, length_us });
+            let job = job_name(&self.job.key);
+            if job.len() > MAX_JOB_NAME {
+                return Err(Error::InvalidKey {
+                    key: self.job.key.clone(),
+                    reason: "a job run once per window is recorded under its key, \
+                             which may be at most 1024 bytes long",
+                });
+            }
+            self.job.window = Some(RunWindow {
+                record,
+                job: job.into(),
+                length_us,
+            });
         }
         Ok(self.job)
     }

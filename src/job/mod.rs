@@ -195,7 +195,7 @@ impl SingletonJob {
         if let (Some(window), Some(start)) = (&self.window, window_start)
             && let Err(err) = window
                 .record
-                .finish(&self.key.to_string(), start, outcome.name())
+                .finish(&window.job, start, outcome.name())
                 .await
         {
             tracing::warn!(job = %self.key, error = %err, "could not record how the job run ended");
@@ -234,10 +234,7 @@ impl SingletonJob {
         let Some(window) = &self.window else {
             return Ok(Window::Run(lease, None));
         };
-        let claim = window
-            .record
-            .claim(&self.key.to_string(), window.length_us)
-            .await;
+        let claim = window.record.claim(&window.job, window.length_us).await;
         match claim {
             Ok(Claim::Claimed(start)) => Ok(Window::Run(lease, Some(start))),
             Ok(Claim::AlreadyRan(start)) => {

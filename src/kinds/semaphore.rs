@@ -127,10 +127,19 @@ impl Semaphore {
     /// permits, so upgrade all of its users together (or drain it first).
     pub const SLOT_NAMESPACE: i32 = i32::MIN;
 
+    /// The most permits a semaphore may have. Every permit is a lock of
+    /// its own: a PostgreSQL try sends every slot's name, and a try on
+    /// another backend may try every slot in turn, so a count far beyond
+    /// what holders can use would cost every call (and `u32::MAX` slot
+    /// names would not fit in memory). More is refused with
+    /// [`Error::InvalidArgument`].
+    pub const MAX_PERMITS: u32 = 10_000;
+
     /// A semaphore of `permits` permits named `name` on any `locker`. Makes
     /// no round trip.
     ///
-    /// Refused with [`Error::InvalidArgument`] for zero permits and with
+    /// Refused with [`Error::InvalidArgument`] for zero permits or more than
+    /// [`MAX_PERMITS`](Self::MAX_PERMITS), and with
     /// [`Error::InvalidKey`] for a name that is not a valid key. A backend
     /// with a semaphore of its own ([`Locker::native_semaphore`]) gives
     /// that one: over a [`PgLocker`](crate::PgLocker) this is
@@ -140,19 +149,30 @@ impl Semaphore {
         if let Some(native) = locker.native_semaphore(name, permits) {
             return native;
         }
-        Self::build(Backend::Any(locker), name, permits)
+        Self::build(name, permits, |_| Backend::Any(locker))
     }
 
-    fn build(backend: Backend, name: &str, permits: u32) -> Result<Self, Error> {
-        let permits = NonZeroU32::new(permits).ok_or_else(|| Error::InvalidArgument {
-            argument: "permits",
-            reason: "a semaphore needs at least one permit".to_owned(),
-        })?;
+    /// Checks the name and the count, then makes the backend's side (after
+    /// the checks: the PostgreSQL side names every slot).
+    fn build(
+        name: &str,
+        permits: u32,
+        backend: impl FnOnce(NonZeroU32) -> Backend,
+    ) -> Result<Self, Error> {
+        let permits = NonZeroU32::new(permits)
+            .filter(|permits| permits.get() <= Self::MAX_PERMITS)
+            .ok_or_else(|| Error::InvalidArgument {
+                argument: "permits",
+                reason: format!(
+                    "{permits}: a semaphore has 1 to {} permits",
+                    Self::MAX_PERMITS
+                ),
+            })?;
         LockKey::from(name).validate()?;
         Ok(Self {
             name: name.into(),
             permits,
-            backend,
+            backend: backend(permits),
             queue: Arc::new(Mutex::new(())),
         })
     }
@@ -317,9 +337,9 @@ impl PgLocker {
     /// multiplexed mode too, each held permit keeps a pooled connection of
     /// its own (a [`SessionLock`](crate::SessionLock) of the default mode).
     ///
-    /// Refused with [`Error::InvalidArgument`] for zero permits and with
-    /// [`Error::InvalidKey`] for a name that is not a valid key. Makes no
-    /// round trip.
+    /// Refused with [`Error::InvalidArgument`] for zero permits or more than
+    /// [`Semaphore::MAX_PERMITS`], and with [`Error::InvalidKey`] for a
+    /// name that is not a valid key. Makes no round trip.
     ///
     /// ```no_run
     /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
@@ -332,7 +352,13 @@ impl PgLocker {
     /// # Ok(()) }
     /// ```
     pub fn semaphore(&self, name: &str, permits: u32) -> Result<Semaphore, Error> {
-        let slots = PgSlots::new(self.clone(), Semaphore::SLOT_NAMESPACE, name, permits);
-        Semaphore::build(Backend::Postgres(slots), name, permits)
+        Semaphore::build(name, permits, |permits| {
+            Backend::Postgres(PgSlots::new(
+                self.clone(),
+                Semaphore::SLOT_NAMESPACE,
+                name,
+                permits.get(),
+            ))
+        })
     }
 }

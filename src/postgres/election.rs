@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row};
 
+use crate::capability::recorded_term;
 use crate::postgres::request::key::Bound;
 use crate::postgres::request::sql::ELECTION_KEY;
 use crate::{
@@ -123,6 +124,7 @@ impl ElectionLocker for PgLocker {
         seat: Seat,
         proclamation: &Proclamation,
     ) -> Result<Option<Proclaimed>, Error> {
+        proclamation.check()?;
         let row: PgRow = keyed(PROCLAIM, key)?
             .bind(key.to_string())
             .bind(pid(seat)?)
@@ -136,7 +138,9 @@ impl ElectionLocker for PgLocker {
     }
 
     async fn withdraw(&self, key: &LockKey, seat: Seat, number: Option<u64>) -> Result<(), Error> {
-        let number = number.and_then(|n| i64::try_from(n).ok());
+        let Some(number) = recorded_term(number) else {
+            return Ok(());
+        };
         keyed(WITHDRAW, key)?
             .bind(pid(seat)?)
             .bind(number)

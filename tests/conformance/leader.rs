@@ -2,11 +2,12 @@
 //! after a resignation, a lost leadership, dropped campaigns and
 //! resignations, a bad key, a pooler; a lost lease ending its term, who
 //! leads (`leader()`) and its changes (`observe()`) where the backend
-//! records leaders, "unsupported" where it does not.
+//! records leaders, "unsupported" where it does not; and the leader
+//! record's own interface given what it cannot keep.
 
 use super::*;
 use common::drop_after::drop_after;
-use distlock::{Campaign, LeaderElection};
+use distlock::{Campaign, LeaderElection, Proclamation};
 
 /// How long a campaign may take to lead once the key is free (Redis polls).
 const LEADS_WITHIN: Duration = Duration::from_secs(10);
@@ -314,4 +315,75 @@ pub(crate) async fn observers_follow_the_leader(backend: &impl Backend) {
     second.resign().await.expect("resign");
     wait_for(&mut observer, None).await;
     assert!(observer.failure().is_none(), "{:?}", observer.failure());
+}
+
+/// The leader record's own interface ([`distlock::ElectionLocker`]), called
+/// directly where the backend has one: a grace longer than
+/// [`Proclamation::MAX_GRACE`] is refused and leaves the record as it was
+/// (in memory it overflowed the clock; on the servers it failed as a
+/// database error), and a withdrawal naming a term no record can carry
+/// clears nothing (it used to clear the record whatever its term).
+pub(crate) async fn the_record_refuses_what_it_cannot_keep(backend: &impl Backend) {
+    let (a, _) = backend.lockers();
+    let Some(records) = a.election() else {
+        return;
+    };
+    let k = key("leader-record-input");
+    let (lease, seat) = records
+        .lock_seat(k.clone(), LEADS_WITHIN)
+        .await
+        .expect("the seat");
+    let proclamation = |grace| Proclamation {
+        identity: "candidate-a".to_owned(),
+        value: "v".to_owned(),
+        fencing_token: lease.fencing_token(),
+        grace,
+    };
+    let first = records
+        .proclaim(&k, seat, &proclamation(Duration::ZERO))
+        .await
+        .expect("proclaim")
+        .expect("the seat holds the lock");
+    // Not withdrawn: the next proclamation replaces a record that still
+    // names a leader, so its grace counts.
+    for grace in [
+        Proclamation::MAX_GRACE + Duration::from_millis(1),
+        Duration::MAX,
+    ] {
+        let err = records
+            .proclaim(&k, seat, &proclamation(grace))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidArgument {
+                    argument: "grace",
+                    ..
+                }
+            ),
+            "{grace:?}: {err:?}"
+        );
+    }
+    let named = |leader: Option<distlock::LeaderInfo>| leader.map(|leader| leader.term);
+    assert_eq!(
+        named(records.leader(&k).await.expect("leader")),
+        Some(first.leader.term),
+        "a refused proclamation changed the record"
+    );
+    records
+        .withdraw(&k, seat, Some(u64::MAX))
+        .await
+        .expect("withdraw");
+    assert_eq!(
+        named(records.leader(&k).await.expect("leader")),
+        Some(first.leader.term),
+        "a term no record carries cleared the record"
+    );
+    records
+        .withdraw(&k, seat, Some(first.leader.term))
+        .await
+        .expect("withdraw");
+    assert_eq!(records.leader(&k).await.expect("leader"), None);
+    lease.release().await.expect("release");
 }

@@ -283,13 +283,13 @@ macro_rules! kind {
         behind_a_pooler); };
     (semaphore, $($rest:tt)*) => { cases!(semaphore, semaphore, $($rest)*;
         bounded_by_permits, acquire_waits_and_times_out, contending_tasks_stay_within_permits,
-        lost_permit_is_freed, dropped_at_every_await, bad_name_and_zero_permits_are_refused); };
+        lost_permit_is_freed, dropped_at_every_await, bad_names_and_permit_counts_are_refused); };
     (semaphore_pooled, $($rest:tt)*) => { cases!(semaphore_pooled, semaphore, $($rest)*;
         behind_a_pooler); };
     (leader, $($rest:tt)*) => { cases!(leader, leader, $($rest)*;
         one_leader_and_takeover, leadership_lost_and_regained, dropped_campaigns_free_the_key,
         bad_key_ends_the_campaign, a_lost_lease_ends_the_term, leader_is_named_or_unsupported,
-        observers_follow_the_leader); };
+        observers_follow_the_leader, the_record_refuses_what_it_cannot_keep); };
     (leader_pooled, $($rest:tt)*) => { cases!(leader_pooled, leader, $($rest)*;
         behind_a_pooler); };
 }

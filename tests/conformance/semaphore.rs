@@ -187,7 +187,9 @@ pub(crate) async fn dropped_at_every_await(backend: &impl Backend) {
     all_free_soon(&b, DROP_FREED_WITHIN, "after a dropped wait").await;
 }
 
-pub(crate) async fn bad_name_and_zero_permits_are_refused(backend: &impl Backend) {
+/// Bad names, no permits and too many permits are refused when the
+/// semaphore is built.
+pub(crate) async fn bad_names_and_permit_counts_are_refused(backend: &impl Backend) {
     let (a, _) = backend.lockers();
     // Refused when the semaphore is built, before any acquisition.
     for bad in ["", "nul\0inside"] {
@@ -196,10 +198,20 @@ pub(crate) async fn bad_name_and_zero_permits_are_refused(backend: &impl Backend
             .unwrap_err();
         assert!(matches!(err, Error::InvalidKey { .. }), "{bad:?}: {err:?}");
     }
-    let err = Semaphore::new(a, "conformance:no-permits", 0)
-        .map(|_| ())
-        .unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
+    // Too many: refused before anything is built (`u32::MAX` slot names
+    // would not fit in memory).
+    for permits in [0, Semaphore::MAX_PERMITS + 1, u32::MAX] {
+        let err = Semaphore::new(Arc::clone(&a), "conformance:permits", permits)
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { .. }),
+            "{permits}: {err:?}"
+        );
+    }
+    let most = Semaphore::new(a, "conformance:permits", Semaphore::MAX_PERMITS)
+        .expect("the most permits a semaphore may have");
+    assert_eq!(most.permits(), Semaphore::MAX_PERMITS);
 }
 
 /// One permit, taken through the pooler; a second through it is refused,

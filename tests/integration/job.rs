@@ -364,6 +364,60 @@ async fn a_run_record_prevents_a_second_run_in_the_same_window(pool: PgPool) {
     close(obs).await;
 }
 
+/// Two jobs on different locks whose names read the same (one name in two
+/// namespaces; an id and its decimal text) keep a run record each: each
+/// runs once in the window. A record kept under the key's display text
+/// would skip the second of each pair as "already ran".
+#[sqlx::test(migrations = false)]
+async fn jobs_on_different_locks_keep_different_run_records(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let day = Duration::from_secs(86_400);
+    let keys = [
+        LockKey::namespaced(1, "report"),
+        LockKey::namespaced(2, "report"),
+        LockKey::id(42),
+        LockKey::from("42"),
+    ];
+    for key in &keys {
+        let job = SingletonJob::builder(locker(&pool), key)
+            .once_per_window(pool.clone(), day)
+            .build()
+            .expect("valid settings");
+        let outcome = job.run(async |_ctx| Ok::<_, Error>(())).await.unwrap();
+        assert!(outcome.is_ran(), "{key:?}: {outcome:?}");
+        let again = job.run(async |_ctx| Ok::<_, Error>(())).await.unwrap();
+        assert!(
+            matches!(again, JobOutcome::AlreadyRanInWindow { .. }),
+            "{key:?} ran twice: {again:?}"
+        );
+    }
+    let records: i64 = sqlx::query_scalar("SELECT count(*) FROM distlock.job_runs")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(records, 4);
+}
+
+/// A key too long for the run record's index is refused by `build`, not by
+/// the server at every run after the lock was taken.
+#[sqlx::test(migrations = false)]
+async fn a_key_too_long_for_the_run_record_is_refused_by_build(pool: PgPool) {
+    let long = "j".repeat(1025);
+    let err = SingletonJob::builder(locker(&pool), long.as_str())
+        .once_per_window(pool.clone(), Duration::from_secs(60))
+        .build()
+        .expect_err("too long");
+    assert!(matches!(err, Error::InvalidKey { .. }), "{err:?}");
+    // Without a run record the name is not indexed anywhere: no limit.
+    let _job = SingletonJob::builder(locker(&pool), long.as_str())
+        .build()
+        .expect("no record, no limit");
+    let _job = SingletonJob::builder(locker(&pool), "j".repeat(1024))
+        .once_per_window(pool.clone(), Duration::from_secs(60))
+        .build()
+        .expect("at the limit");
+}
+
 #[sqlx::test(migrations = false)]
 async fn windows_out_of_range_are_refused_by_build(pool: PgPool) {
     for window in [

@@ -64,8 +64,8 @@ impl RunRecord for JobRuns {
 impl SingletonJobBuilder {
     /// Runs the job at most once per `window`, recorded in PostgreSQL.
     ///
-    /// After taking the lock, the runner inserts (job key, window start)
-    /// into `distlock.job_runs`; if that row exists, the job already started
+    /// After taking the lock, the runner inserts (job, window start) into
+    /// `distlock.job_runs`; if that row exists, the job already started
     /// in this window and the outcome is
     /// [`JobOutcome::AlreadyRanInWindow`](crate::JobOutcome::AlreadyRanInWindow).
     /// Windows are aligned to the Unix epoch on the database server's clock
@@ -76,7 +76,13 @@ impl SingletonJobBuilder {
     /// The row is written *before* the job starts: a replica that crashes
     /// mid-run is not retried within the window (at most once). Its
     /// `finished_at` and `outcome` columns record how runs ended; delete a
-    /// row to allow another run in that window.
+    /// row to allow another run in that window. The `job` column holds the
+    /// key's name for a plain text key, and a name tagged with the key's
+    /// kind for the others (`distlock-key:ns:1:report`,
+    /// `distlock-key:id:42`, `distlock-key:hashed64:...`), so that two
+    /// different locks never share a record; [`build`](Self::build) refuses
+    /// a key whose name there would be longer than 1,024 bytes
+    /// ([`Error::InvalidKey`](crate::Error::InvalidKey)).
     ///
     /// Costs 2 round trips per run (record, finish), each a durable write.
     /// Needs [`migrate`](crate::migrate). Range: 1 µs to about 292,000

@@ -67,10 +67,10 @@ impl PgLocker {
     /// was busy. The connection is a [warm one](crate::PgLockerBuilder::keep_warm)
     /// when the locker keeps one (as for [`try_lock`](Self::try_lock)), or
     /// else one from the pool, which adds what the pool spends handing it
-    /// out; a busy try's connection, which holds nothing, is kept warm. No keys, a key listed twice (also under two
-    /// spellings of one server lock, such as `"x"` and
-    /// `LockKey::id(hashtext('x'))`) or an invalid key is an
-    /// [`Error::InvalidKey`]. No fencing token. In multiplexed mode it takes
+    /// out; a busy try's connection, which holds nothing, is kept warm. No keys is [`Error::NoKeys`], a key listed
+    /// twice [`Error::DuplicateKey`], two spellings of one server lock (such
+    /// as `"x"` and `LockKey::id(hashtext('x'))`) [`Error::SameServerLock`],
+    /// and an invalid key [`Error::InvalidKey`]. No fencing token. In multiplexed mode it takes
     /// a connection of its own as well.
     ///
     /// ```no_run
@@ -124,7 +124,9 @@ impl PgLocker {
     /// server, taking the keys one after another in the canonical order and
     /// holding the ones it has while it waits for the next (so overlapping
     /// sets never deadlock), each wait under `lock_timeout`; the caller gives
-    /// up at `timeout` (plus the heartbeat deadline on a stalled network). A
+    /// up at `timeout` (plus the heartbeat deadline on a stalled network); a
+    /// `timeout` longer than `lock_timeout` can express (about 24.8 days)
+    /// means "as long as the server allows", as for [`lock`](Self::lock). A
     /// wait that fails closes its connection, which frees what it had taken.
     /// On a session with a `statement_timeout` the wait lifts it for itself,
     /// in a transaction of its own (2 round trips more).

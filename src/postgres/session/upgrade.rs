@@ -97,7 +97,9 @@ impl UpgradeableLock {
     /// `lock_timeout` fires, so 1 more round trip gives it back if it was
     /// granted (2 with a `statement_timeout`), and 1 names the reader. A
     /// `timeout` of zero waits a millisecond, as
-    /// [`try_upgrade`](Self::try_upgrade) does. With fencing,
+    /// [`try_upgrade`](Self::try_upgrade) does; one longer than
+    /// `lock_timeout` can express (about 24.8 days) means "as long as the
+    /// server allows". With fencing,
     /// the upgrade draws a fresh token. If the server does not answer within
     /// `timeout` plus the heartbeat deadline, the lock counts as lost
     /// ([`Error::LockLost`]) and its connection is closed. While an upgrade

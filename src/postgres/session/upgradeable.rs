@@ -55,8 +55,10 @@ impl PgLocker {
     /// [`lock`](Self::lock): 1 round trip when free, 2 when it waits (4 on a
     /// session with a `statement_timeout`), plus 1 to name a holder on
     /// timeout; a wait that fails closes its connection. A `timeout` of zero
-    /// is a single try. In the multiplexed mode it takes a connection of its
-    /// own from the pool.
+    /// is a single try; one longer than the server's `lock_timeout` can
+    /// express (about 24.8 days) means "as long as the server allows", as
+    /// for [`lock`](Self::lock). In the multiplexed mode it takes a
+    /// connection of its own from the pool.
     ///
     /// ```no_run
     /// # async fn demo(locker: distlock::PgLocker) -> Result<(), distlock::Error> {

@@ -12,6 +12,7 @@ use sqlx::postgres::PgRow;
 
 use super::TableLocker;
 use super::sql::{self, KeyExpr, Owner};
+use crate::capability::recorded_term;
 use crate::postgres::conn::held::HeldConn;
 use crate::postgres::election::{leader_info, proclaimed};
 use crate::{ElectionLocker, Error, LeaderInfo, Lease, LockKey, Proclaimed, Proclamation, Seat};
@@ -50,6 +51,7 @@ impl ElectionLocker for TableLocker {
         proclamation: &Proclamation,
     ) -> Result<Option<Proclaimed>, Error> {
         key.validate()?;
+        proclamation.check()?;
         let owner = Owner::from_bits(seat.id());
         let statement = sql::proclaim(&KeyExpr::new(key), owner, proclamation, &key.to_string());
         let rows = self.simple(statement).await?;
@@ -61,7 +63,9 @@ impl ElectionLocker for TableLocker {
 
     async fn withdraw(&self, key: &LockKey, seat: Seat, number: Option<u64>) -> Result<(), Error> {
         key.validate()?;
-        let number = number.and_then(|n| i64::try_from(n).ok());
+        let Some(number) = recorded_term(number) else {
+            return Ok(());
+        };
         let owner = Owner::from_bits(seat.id());
         self.simple(sql::withdraw(&KeyExpr::new(key), owner, number))
             .await?;

@@ -503,7 +503,8 @@ impl TableLocker {
 
     /// Deletes up to `limit` expired rows of `distlock.leases` (about one
     /// grant in 16 already deletes up to 32); returns how many were
-    /// deleted.
+    /// deleted. A `limit` above `i32::MAX` counts as `i32::MAX`, so
+    /// `u32::MAX` means "every expired row".
     ///
     /// Costs 1 round trip, and a durable write if anything had expired.
     ///

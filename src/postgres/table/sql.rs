@@ -256,8 +256,12 @@ pub(super) fn leader_of(key: &KeyExpr) -> String {
     )
 }
 
-/// One column: how many expired rows were deleted.
+/// One column: how many expired rows were deleted. `lease_purge` takes an
+/// `integer`: a larger literal would be a `bigint`, for which no function
+/// exists, so the limit stops at `i32::MAX` (more rows than one statement
+/// can usefully delete anyway).
 pub(super) fn purge(limit: u32) -> String {
+    let limit = limit.min(i32::MAX.unsigned_abs());
     format!("SELECT distlock.lease_purge({limit})")
 }
 

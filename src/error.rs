@@ -225,10 +225,12 @@ pub enum Error {
         limit: usize,
     },
 
-    /// Releasing a lock did not finish before its deadline; the connection
-    /// was closed so that PostgreSQL frees the lock when it notices.
+    /// Releasing a lock did not finish before its deadline. On PostgreSQL
+    /// the connection was closed, so that the server frees the lock when it
+    /// notices; on Redis the key expires with its TTL if the delete did not
+    /// land.
     #[error(
-        "releasing lock {} did not finish within {after:?}; its connection was closed",
+        "releasing lock {} did not finish within {after:?}; it is freed when the server notices or the lease expires",
         key.shown()
     )]
     ReleaseTimedOut {

@@ -14,9 +14,14 @@ use async_trait::async_trait;
 use crate::{Error, FencingToken, LockKey, LossReason};
 
 /// The default time to live of a lease on the backends whose leases expire
-/// unless renewed (the lease table, Redis): renewed every 10 s, a holder
-/// that cannot renew reports loss within 20 s, and the key of a holder that
-/// vanished is free again 30 s after its last renewal.
+/// unless renewed (the lease table, Redis). The lease table renews every
+/// 7.5 s (a quarter of the TTL) and a holder that cannot renew reports its
+/// loss 20 s after its last renewal was sent. Redis extends every 10 s (a
+/// third): a single instance reports the loss when an extension fails (at
+/// most 12 s after the last one succeeded, with the default 2 s command
+/// deadline), while Redlock retries failing nodes until the lease's
+/// validity (the TTL less the drift margin, about 29.7 s) runs out. The key
+/// of a holder that vanished is free again 30 s after its last renewal.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
 
 /// Hands out exclusive leases on named keys.

@@ -44,7 +44,9 @@ pub enum LockMode {
 pub struct Holder {
     /// The lock's key.
     pub key: AdvisoryKey,
-    /// Backend process id of the session.
+    /// Backend process id of the session; 0 for a lock kept by a prepared
+    /// transaction (`PREPARE TRANSACTION`), which has no session (as
+    /// `pg_blocking_pids` names it too).
     pub pid: i32,
     /// The session's `application_name`, if set.
     pub application_name: Option<String>,
@@ -52,8 +54,10 @@ pub struct Holder {
     pub client_addr: Option<String>,
     /// When waiting: when the wait began. When granted: the start of the
     /// holder's transaction or, outside a transaction, of its session.
-    /// PostgreSQL does not record when a lock was granted, so for a session
-    /// lock this is the earliest moment it can have been taken.
+    /// PostgreSQL does not record when a lock was granted: for a
+    /// transaction-scoped lock this is the earliest moment it can have been
+    /// taken; a session lock may be older than the transaction its session
+    /// is in now (only the session's start bounds it).
     pub since: Option<SystemTime>,
     /// `true` if held, `false` if waiting for it.
     pub granted: bool,
@@ -89,8 +93,8 @@ pub struct ChainLink {
     /// The session's `application_name`, if set (and visible to the role
     /// that looked: see [`PgLocker::holders`](crate::PgLocker::holders)).
     pub application_name: Option<String>,
-    /// As [`Holder::since`]: when the wait began, or when granted the
-    /// earliest moment the lock can have been taken.
+    /// As [`Holder::since`]: when the wait began, or when granted the start
+    /// of the holder's transaction (or of its session, outside one).
     pub since: Option<SystemTime>,
     /// `true` if the session holds the lock, `false` if it waits for it
     /// (queued ahead of the waiter with a conflicting request).

@@ -92,9 +92,12 @@ pub(crate) struct Snapshot {
 /// needs; `x`, those with every wanted key (a FULL JOIN, so that a key
 /// nobody holds still comes back, resolved: a name's hash is the server's
 /// to compute) and its place `i`. `pg_blocking_pids` runs only for the
-/// sessions reached, so the cost follows the chain, not the lock table.
+/// sessions reached, so the cost follows the chain, not the lock table. A
+/// prepared transaction's lock has no pid and starts no chain: a NULL in
+/// `reach` would make every `NOT pid = ANY (reach)` NULL and drop the
+/// other waiters' rows.
 const AROUND: &str = ", reach(pid) AS (\
-       SELECT h.pid FROM h JOIN w ON h.s OPERATOR(pg_catalog.=) w.s AND h.c OPERATOR(pg_catalog.=) w.c AND h.o OPERATOR(pg_catalog.=) w.o WHERE h.granted \
+       SELECT h.pid FROM h JOIN w ON h.s OPERATOR(pg_catalog.=) w.s AND h.c OPERATOR(pg_catalog.=) w.c AND h.o OPERATOR(pg_catalog.=) w.o WHERE h.granted AND h.pid IS NOT NULL \
        UNION SELECT b.pid FROM reach r JOIN h ON h.pid OPERATOR(pg_catalog.=) r.pid AND NOT h.granted, \
          pg_catalog.unnest(pg_catalog.pg_blocking_pids(r.pid)) AS b(pid)), \
      wt AS MATERIALIZED (SELECT h.c, h.o, h.s, h.pid, h.mode, h.granted, h.waitstart, \
@@ -177,7 +180,10 @@ fn decode(row: &PgRow) -> Result<Holder, Error> {
     let since_us: Option<i64> = row.try_get(8)?;
     Ok(Holder {
         key: key_of(row)?,
-        pid: row.try_get(3)?,
+        // A prepared transaction (`PREPARE TRANSACTION`) keeps its locks
+        // without a session: `pg_locks` shows no pid, `pg_blocking_pids`
+        // shows 0, and so does this row.
+        pid: row.try_get::<Option<i32>, _>(3)?.unwrap_or(0),
         mode: if mode == "ShareLock" {
             LockMode::Shared
         } else {

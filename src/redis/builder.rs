@@ -211,8 +211,9 @@ impl RedlockBuilder {
 
     /// Sets up the nodes as [`Redlock::connect`] does (1 `INFO` per node,
     /// at most 1 s each). Fails with [`Error::InvalidSetting`] for a setting
-    /// out of range (before connecting), and for invalid connection info, no
-    /// node, or a node listed twice.
+    /// out of range (before connecting), [`Error::Redis`] for connection
+    /// info that does not parse, and [`Error::InvalidArgument`] (argument
+    /// `urls`) for no node or a node listed twice.
     ///
     /// # Cancel safety
     ///

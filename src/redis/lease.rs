@@ -67,7 +67,7 @@ impl RedisLease {
     /// strictly greater than every token issued before for this key by this
     /// server (as long as the server keeps its data; see the
     /// [module docs](super)). `None` for a locker built with
-    /// `with_fencing(false)`, and always `None` for Redlock, whose tokens
+    /// [`fencing(false)`](super::RedisLockerBuilder::fencing), and always `None` for Redlock, whose tokens
     /// would not be strictly increasing across holders.
     pub fn fencing_token(&self) -> Option<FencingToken> {
         self.token
@@ -137,8 +137,11 @@ impl RedisLease {
     /// have landed there); it succeeds when a quorum deleted the key. Fails
     /// with [`Error::LockLost`] if the lease had been lost or the key had
     /// expired ([`LossReason::Expired`](crate::LossReason::Expired): it may
-    /// belong to another holder now, whose lease stays untouched), and with
-    /// [`Error::ReleaseTimedOut`] if no answer came in time.
+    /// belong to another holder now, whose lease stays untouched; on Redlock
+    /// also when the nodes that answered are enough to show it, whatever
+    /// the others did), with [`Error::ReleaseTimedOut`] if no answer came in
+    /// time, and with [`Error::Redis`] for another failure of the command
+    /// (a connection error, a missing ACL permission).
     ///
     /// # Cancel safety
     ///

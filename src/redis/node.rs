@@ -97,10 +97,15 @@ impl Node {
 
 /// No retries inside the manager: every caller has its own deadline, and a
 /// failed command already makes the manager reconnect in the background.
+/// No response timeout either: redis-rs's default (500 ms) would cut every
+/// command short of a longer deadline the user set (the single instance's
+/// default is 2 s), and report it as an I/O error instead of
+/// [`Failure::TimedOut`].
 fn config() -> ConnectionManagerConfig {
     ConnectionManagerConfig::new()
         .set_number_of_retries(0)
         .set_connection_timeout(Some(CONNECT_TIMEOUT))
+        .set_response_timeout(None)
 }
 
 fn label(client: &Client) -> Arc<str> {

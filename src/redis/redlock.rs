@@ -232,9 +232,15 @@ impl Redlock {
     /// replicas, or is the same server as another node (same `run_id`), and
     /// logs each finding at `WARN`. Redlock's guarantee assumes N
     /// independent primaries; see the [module docs](super). Costs 1 round
-    /// trip to every node, concurrently, each within the node timeout.
+    /// trip to every node, concurrently, each within the node timeout (as
+    /// every lock command: at most the TTL less the drift margin).
     pub async fn check_setup(&self) -> SetupReport {
-        setup::inspect(&self.nodes, self.config.node_timeout, false).await
+        let ttl = self.config.ttl;
+        let within = self
+            .config
+            .node_timeout
+            .min(ttl.saturating_sub(claim::drift(ttl)));
+        setup::inspect(&self.nodes, within, false).await
     }
 
     /// Makes one attempt to take the lease `key`; `Ok(None)` if it was not
@@ -533,15 +539,19 @@ impl Backend for Quorum {
         }
     }
 
-    /// Deletes on every node, also those that never granted the lease.
+    /// Deletes on every node, also those that never granted the lease. As
+    /// for [`extend`](Self::extend): when the nodes that answered "not
+    /// ours" alone rule out a quorum, the lease was lost whatever the
+    /// failing nodes would have said.
     async fn release(&self, claim: &Claim) -> Result<(), Error> {
         let tally = self.ask(&scripts::release(claim), is_one).await;
         if tally.granted >= self.needed() {
             return Ok(());
         }
+        let could_hold = tally.granted + tally.failed.len() >= self.needed();
         match tally.first_failure() {
-            Some(failure) => Err(claim.release_failed(failure)),
-            None => Err(claim.not_held()),
+            Some(failure) if could_hold => Err(claim.release_failed(failure)),
+            _ => Err(claim.not_held()),
         }
     }
 }

@@ -17,5 +17,6 @@ mod leadership;
 mod partition;
 mod partition_kinds;
 mod pooler;
+mod prepared;
 mod standby;
 mod table_switchover;

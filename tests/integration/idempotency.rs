@@ -110,6 +110,32 @@ async fn once_runs_the_effect_once_and_returns_the_stored_result(pool: PgPool) {
     assert_eq!(n, 1);
 }
 
+/// A result PostgreSQL text cannot hold (a NUL byte) is refused by name,
+/// not as a database error, and rolls back like an `Err` from the closure.
+#[sqlx::test(migrations = false)]
+async fn a_result_with_a_nul_byte_is_refused_by_name(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    let refused = idempotency::once(&pool, "pay", "nul", async |_: &mut sqlx::PgConnection| {
+        Ok::<_, Error>("a\0b".to_owned())
+    })
+    .await;
+    assert!(
+        matches!(
+            refused,
+            Err(Error::InvalidArgument {
+                argument: "result",
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    let claimed: i64 = sqlx::query_scalar("SELECT count(*) FROM distlock.idempotency_keys")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(claimed, 0, "the claim rolled back");
+}
+
 #[sqlx::test(migrations = false)]
 async fn once_rolls_back_claim_and_effect_on_error(pool: PgPool) {
     distlock::migrate(&pool).await.unwrap();

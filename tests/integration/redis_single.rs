@@ -246,6 +246,32 @@ async fn a_try_without_a_reply_in_time_is_command_timed_out_and_leaves_no_key() 
     Ok(())
 }
 
+/// The command deadline is the locker's: a server that answers after a
+/// second is waited for under the default 2 s deadline (redis-rs's own
+/// 500 ms response timeout must not cut it short), and a second deadline
+/// of 300 ms ends it as `CommandTimedOut` at 300 ms, not as an I/O error.
+#[tokio::test]
+async fn a_reply_within_the_command_deadline_is_waited_for() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let patient = locker(&server).await;
+    let _: String = server.run(&["CLIENT", "PAUSE", "1000", "WRITE"]).await;
+    let lease = patient.try_lock("jobs:slow-reply").await?;
+    let lease = lease.expect("granted once the server answers");
+    lease.release().await?;
+
+    let hasty = locker_with(&server, |b| b.command_timeout(Duration::from_millis(300))).await;
+    let _: String = server.run(&["CLIENT", "PAUSE", "1000", "WRITE"]).await;
+    let err = hasty
+        .try_lock("jobs:slow-reply")
+        .await
+        .expect_err("no reply");
+    assert!(
+        matches!(err, Error::CommandTimedOut { after, .. } if after == Duration::from_millis(300)),
+        "{err:?}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn lock_waits_for_the_holder_and_times_out_while_held() -> anyhow::Result<()> {
     let server = RedisServer::start().await;

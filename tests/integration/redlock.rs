@@ -323,6 +323,30 @@ async fn deleting_the_key_on_a_majority_makes_lost_fire() -> anyhow::Result<()> 
     Ok(())
 }
 
+/// A release whose answering nodes already show the lease lost (four of
+/// five no longer hold its token) reports the loss, not the silence of the
+/// fifth node (paused: SIGSTOP), as `extend` does.
+#[tokio::test]
+async fn a_release_that_a_quorum_shows_lost_is_lock_lost_whatever_the_rest() -> anyhow::Result<()> {
+    let servers = servers(5).await;
+    let redlock = redlock_with(&servers, |b| b.node_timeout(Duration::from_millis(200))).await;
+    let lease = redlock
+        .try_lock("jobs:lost-at-release")
+        .await?
+        .expect("free lock");
+    for server in &servers[..4] {
+        let _: i64 = server.run(&["DEL", "jobs:lost-at-release"]).await;
+    }
+    servers[4].pause();
+    let released = lease.release().await;
+    servers[4].resume();
+    assert!(
+        matches!(released, Err(Error::LockLost { .. })),
+        "{released:?}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn dropped_lease_is_released_on_all_nodes_in_the_background() -> anyhow::Result<()> {
     let servers = servers(5).await;
@@ -336,6 +360,24 @@ async fn dropped_lease_is_released_on_all_nodes_in_the_background() -> anyhow::R
             .all(Option::is_none)
     })
     .await;
+    Ok(())
+}
+
+/// `check_setup` asks each node within the node timeout as the lock
+/// commands cap it (the TTL less the drift margin), so `Duration::MAX`
+/// does not make it wait for ever on a node that never answers (paused).
+#[tokio::test]
+async fn check_setup_caps_its_wait_as_the_lock_commands_do() -> anyhow::Result<()> {
+    let servers = servers(3).await;
+    let redlock = redlock_with(&servers, |b| b.ttl(SHORT_TTL).node_timeout(Duration::MAX)).await;
+    servers[2].pause();
+    let report = tokio::time::timeout(Duration::from_secs(10), redlock.check_setup()).await;
+    servers[2].resume();
+    let report = report.expect("check_setup returns within the capped node timeout");
+    assert!(
+        !report.is_sound(),
+        "the silent node is reported: {report:?}"
+    );
     Ok(())
 }
 

@@ -391,9 +391,10 @@ struct Served {
 
 /// 200 waiters arrive one by one (spawned in order, each polled once before
 /// the next is spawned) and hold a permit for 10 ms. With `queued` they wait
-/// in `acquire`; without it they skip the semaphore's line and try every
-/// millisecond, as a semaphore without a queue would (the broken variant of
-/// the order check).
+/// in `acquire`; without it they skip the semaphore's line and poll
+/// `try_acquire` at random intervals of up to 20 ms, as independent clients
+/// of a semaphore without a queue would (the broken variant of the order
+/// check).
 async fn two_hundred_waiters(opts: &PgConnectOptions, queued: bool) -> Served {
     const WAITERS: usize = 200;
     let pool = PgPoolOptions::new()
@@ -418,7 +419,12 @@ async fn two_hundred_waiters(opts: &PgConnectOptions, queued: bool) -> Served {
                     if let Some(permit) = sem.try_acquire().await? {
                         break permit;
                     }
-                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    // Independent clients poll out of step: equal intervals
+                    // would keep the pollers' timers in arrival order, and
+                    // the "broken" variant would be nearly first come,
+                    // first served by accident.
+                    let pause = rand::random_range(0..=20);
+                    tokio::time::sleep(Duration::from_millis(pause)).await;
                 }
             };
             let from = clock.fetch_add(1, std::sync::atomic::Ordering::SeqCst);

@@ -84,7 +84,10 @@ pub enum Once {
 /// If the key was claimed before, `f` does not run and the stored result comes
 /// back as [`Once::AlreadyDone`]; if a concurrent call is running it, this
 /// call waits for its transaction and then reports its result. An `Err` from
-/// `f` rolls back the claim too, so the key can be tried again. Costs 4 round
+/// `f` rolls back the claim too, so the key can be tried again; so does a
+/// result that PostgreSQL text cannot hold (a NUL byte), which fails with
+/// [`Error::InvalidArgument`] after `f` ran (what `f` did outside the
+/// database is not undone: return text without NUL). Costs 4 round
 /// trips plus `f`'s own, on one connection of `pool`. `scope` and `key` are
 /// checked as in [`claim`] before a connection is taken. To run it inside a
 /// transaction of your own (a `with_advisory_lock` closure's `conn`), use
@@ -149,7 +152,9 @@ where
 /// made the claim, so the result commits with the claim and the effect.
 ///
 /// A pair that was never claimed is refused with
-/// [`Error::InvalidArgument`]: there is nothing to store it with. Costs 1
+/// [`Error::InvalidArgument`]: there is nothing to store it with; so is a
+/// `result` with a NUL byte, which PostgreSQL text cannot hold (before any
+/// round trip). Costs 1
 /// round trip; one row updated, durable at your commit. `scope` and `key`
 /// are checked as in [`claim`].
 ///
@@ -164,6 +169,12 @@ pub async fn store(
     result: &str,
 ) -> Result<(), Error> {
     validate(scope, key)?;
+    if result.contains('\0') {
+        return Err(Error::InvalidArgument {
+            argument: "result",
+            reason: "contains a NUL byte, which PostgreSQL text cannot hold".to_owned(),
+        });
+    }
     let updated = sqlx::query(
         "UPDATE distlock.idempotency_keys SET result = $3 WHERE scope OPERATOR(pg_catalog.=) $1 AND key OPERATOR(pg_catalog.=) $2",
     )

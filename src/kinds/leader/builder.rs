@@ -27,7 +27,8 @@ const MIN_INTERVAL: Duration = Duration::from_millis(10);
 /// The longest wait: PostgreSQL's `lock_timeout` allows about 24.8 days,
 /// but a wait that is renewed daily costs nothing.
 const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
-/// The longest retry pause, grace and poll interval.
+/// The longest retry pause and poll interval (a grace's limit is the leader
+/// record's, [`Proclamation::MAX_GRACE`](crate::Proclamation::MAX_GRACE)).
 const MAX_PAUSE: Duration = Duration::from_secs(3600);
 
 /// Configures a [`LeaderElection`]; from [`LeaderElection::builder`].
@@ -161,7 +162,12 @@ impl LeaderElectionBuilder {
         within("wait", self.wait, MIN_INTERVAL, MAX_WAIT)?;
         within("retry", self.retry, MIN_INTERVAL, MAX_PAUSE)?;
         if let Some(grace) = self.grace {
-            within("grace", grace, Duration::ZERO, MAX_PAUSE)?;
+            within(
+                "grace",
+                grace,
+                Duration::ZERO,
+                crate::Proclamation::MAX_GRACE,
+            )?;
         }
         within("poll", self.poll, MIN_INTERVAL, MAX_PAUSE)?;
         Ok(self.assemble(identity, value))

@@ -66,7 +66,7 @@ impl Claim {
     /// Measuring from the start (not the reply) counts the round trip as
     /// already spent.
     pub(crate) fn window(&self) -> Duration {
-        self.ttl.saturating_sub(drift(self.ttl))
+        window(self.ttl)
     }
 
     /// The companion key whose `INCR` issues this lock's fencing tokens:
@@ -133,6 +133,11 @@ pub(crate) fn check_ttl(ttl: Duration) -> Result<(), Error> {
         value: format!("{ttl:?}"),
         allowed: format!("between {MIN_TTL:?} and {MAX_TTL:?} (30 days)"),
     })
+}
+
+/// How long a lease of `ttl` is trusted: the TTL less the drift margin.
+pub(crate) fn window(ttl: Duration) -> Duration {
+    ttl.saturating_sub(drift(ttl))
 }
 
 /// The clock-drift margin of the published Redlock algorithm: 1% of the TTL

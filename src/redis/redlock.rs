@@ -235,11 +235,7 @@ impl Redlock {
     /// trip to every node, concurrently, each within the node timeout (as
     /// every lock command: at most the TTL less the drift margin).
     pub async fn check_setup(&self) -> SetupReport {
-        let ttl = self.config.ttl;
-        let within = self
-            .config
-            .node_timeout
-            .min(ttl.saturating_sub(claim::drift(ttl)));
+        let within = self.config.node_timeout.min(claim::window(self.config.ttl));
         setup::inspect(&self.nodes, within, false).await
     }
 

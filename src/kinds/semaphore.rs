@@ -32,13 +32,15 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 ///
 /// - [`PgLocker::semaphore`](crate::PgLocker::semaphore), on PostgreSQL: a
 ///   try is **one statement** whatever the number of permits (it tries every
-///   slot in order and stops at the first granted); a waiting
-///   [`acquire`](Self::acquire) is **woken by the release** of a permit
-///   (`NOTIFY`), not by a poll; waiters are served **in arrival order
-///   within the process, and processes take turns** on the server; the
-///   waiters of one `Semaphore` (and its clones) **hold two pooled
-///   connections between them** however many they are, plus one connection
-///   per held permit. See "Waiting on PostgreSQL".
+///   slot in order and stops at the first granted); a permit given up while
+///   a waiter of the same `Semaphore` (or a clone) queues is **handed to
+///   it** with no round trip, and a waiting [`acquire`](Self::acquire) is
+///   **woken by the release** of another process's permit (`NOTIFY`), not by
+///   a poll; waiters are served **in arrival order within the process, and
+///   processes take turns** on the server; the waiters of one `Semaphore`
+///   (and its clones) **hold one pooled connection between them** however
+///   many they are, plus one connection per held permit (and up to four for
+///   the moment of a try). See "Waiting on PostgreSQL".
 /// - [`Semaphore::new`] over any [`Locker`]. Over a `PgLocker` it is the
 ///   semaphore above (the locker's [`Locker::native_semaphore`]). Over the
 ///   others (Redis, the lease table, the in-memory backend) a try is one
@@ -50,36 +52,44 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 ///
 /// # Waiting on PostgreSQL
 ///
-/// The waiters of a `Semaphore` line up in the process, first come first
-/// served (a `tokio` semaphore). Only the first two of them, the heads,
-/// talk to the server, each on one pooled connection (the second waits
-/// right behind the first on the server, so that it is at the front as
-/// soon as the first is served). A head tries (1 round trip) and, if every
-/// permit is held, `LISTEN`s on the channel `distlock_semaphore` (1 round
+/// A waiter with no other waiter of its process ahead of it tries at once
+/// (1 round trip: the whole cost of an `acquire` when a permit is free).
+/// The others line up in the process, first come first served. The first
+/// of them, the head, `LISTEN`s on the channel `distlock_semaphore` (1 round
 /// trip) and takes the semaphore's queue lock (one more lock in
-/// [`SLOT_NAMESPACE`](Self::SLOT_NAMESPACE), `"{name}#queue"`) exclusively,
-/// waiting in PostgreSQL's own lock queue behind the other processes'
-/// heads, and tries the slots again in the same statement (1 round trip).
-/// While a head holds the queue, a [`try_acquire`](Self::try_acquire) of any
-/// process takes no permit: freed permits go to waiters first. A permit's
-/// release announces its slot on the channel in the unlock statement (no
-/// extra round trip), and the head tries the slots again (1 round trip);
-/// it also tries every 200 ms unannounced, for a holder whose session ended
-/// without an unlock. The statement that takes a slot lets go of the queue,
-/// so the next head in PostgreSQL's queue takes its turn, and the head's
-/// connection becomes the permit's; the process's next waiter becomes a
-/// head on a connection of its own.
+/// [`SLOT_NAMESPACE`](Self::SLOT_NAMESPACE), `"{name}#queue"`)
+/// exclusively, on one pooled connection, waiting in PostgreSQL's own lock
+/// queue behind the other processes' heads (1 round trip once at the
+/// front). From then on the process has its turn: it is first in line
+/// across every process, and a [`try_acquire`](Self::try_acquire) of
+/// another process takes no permit.
 ///
-/// A head that holds the queue runs a statement at least every 200 ms. Its
-/// session carries `idle_session_timeout = 2s` meanwhile (given back when
-/// its connection becomes a permit's), so that a head whose process is
-/// paused or cut off does not keep the queue, and every freed permit, from
-/// the others: the server ends its session after 2 s of silence, and the
-/// head lines up again when it runs again.
+/// - A permit of this process given up (released or dropped) during its
+///   turn is **handed to the earliest waiter as it is**, its slot still
+///   locked by the same connection: no round trip, and the permit is never
+///   idle. Only if it is lost, or the semaphore is fenced (each holder draws
+///   its own token on the server), is it released instead.
+/// - At the start of the turn, at each release of another process's permit
+///   (announced in its unlock statement, no extra round trip), and every
+///   200 ms (for a holder whose session ended without an unlock), the
+///   process tries the slots in the background, on up to four pooled
+///   connections at once (1 round trip each), and hands every permit taken
+///   to its earliest waiters.
 ///
-/// So a freed permit reaches a waiting head in about one round trip and a
-/// notification's delivery, and "arrival order" is the order of heads on
-/// the server: the processes with waiters take turns, two heads each.
+/// A served head leaves the queue's connection to the next head; the last
+/// waiter gives the queue back before its `acquire` returns (1 round trip).
+/// After `4 × permits` hand-overs in a turn, the head asks the server
+/// whether another process waits for the queue (1 round trip); if one does,
+/// the process gives the queue back and takes it again behind it: so a
+/// process keeps its turn for at most about `4 × permits` hand-overs while
+/// another waits.
+///
+/// The queue's connection runs a statement at least every 200 ms. Its
+/// session carries `idle_session_timeout = 2s` meanwhile (given back with
+/// the queue), so that a process that is paused or cut off does not keep
+/// the queue, and every freed permit, from the others: the server ends its
+/// session after 2 s of silence, and its head takes the queue again when it
+/// runs again.
 ///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
@@ -230,7 +240,8 @@ impl Semaphore {
                 let key = LockKey::from(&*self.name);
                 let tried = async {
                     let taken = slots.try_acquire().await?;
-                    Ok(taken.map(|(slot, lock)| SemaphorePermit::on_session(slot, lock)))
+                    Ok(taken
+                        .map(|(slot, lock)| SemaphorePermit::on_session(slot, lock, slots.relay())))
                 };
                 crate::span::traced(&key, "postgres", "semaphore_try", Option::is_some, tried).await
             }
@@ -258,17 +269,19 @@ impl Semaphore {
     /// waited for, its connection is closed instead.
     ///
     /// On PostgreSQL ([`PgLocker::semaphore`](crate::PgLocker::semaphore)):
-    /// 1 round trip when a permit is free, 3 when it waits on the server (the
-    /// try, `LISTEN`, the line-up) and 1 more per announced release,
-    /// and in arrival order (see "Waiting on PostgreSQL"). Elsewhere: tries
-    /// every slot and polls (see the type's documentation).
+    /// 1 round trip when a permit is free and no waiter of the process is
+    /// ahead; otherwise none for a permit handed over, and for a head 2 to
+    /// take the queue, 1 to give it back if it is the last waiter, and the
+    /// background tries (see "Waiting on PostgreSQL"), in arrival order.
+    /// Elsewhere: tries every slot and polls (see the type's documentation).
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: dropping the future leaves no permit held, and the next
     /// waiter of the process takes its place in line. On PostgreSQL a
-    /// dropped wait closes its connection (the server abandons the wait
-    /// within 100 ms and frees anything it took).
+    /// dropped head closes the queue's connection (the server abandons the
+    /// wait within 100 ms and frees anything it took), and a permit handed
+    /// to a dropped waiter goes on to the next one (or is released).
     pub async fn acquire(&self, timeout: Duration) -> Result<SemaphorePermit, Error> {
         let started = Instant::now();
         if timeout.is_zero() {
@@ -284,7 +297,7 @@ impl Semaphore {
                 let key = LockKey::from(&*self.name);
                 let waited = async {
                     let (slot, lock) = slots.acquire(&self.name, started, deadline).await?;
-                    Ok(SemaphorePermit::on_session(slot, lock))
+                    Ok(SemaphorePermit::on_session(slot, lock, slots.relay()))
                 };
                 crate::span::traced(&key, "postgres", "semaphore_wait", |_| true, waited).await
             }

@@ -15,6 +15,7 @@
 //! | `table/` | the lease table, for transaction poolers and failover |
 //! | `schema/` | schema `distlock`: migrations, fencing tokens, idempotency keys, job runs |
 //! | `holders.rs`, `waiter.rs`, `timeout.rs` | who holds what; waiting with reports; naming the holder at a deadline |
+//! | `semaphore.rs`, `permit_relay.rs` | `PgLocker::semaphore`'s slots and queue; a process's turn, where permits are handed to its waiters |
 //! | `pooler.rs`, `evidence.rs`, `sqlstate.rs` | pooler detection and its evidence; server errors to `Error` |
 
 mod config;
@@ -26,6 +27,7 @@ mod holders;
 mod lease;
 pub(crate) mod locker;
 mod mux;
+pub(crate) mod permit_relay;
 pub(crate) mod pooler;
 pub(crate) mod request;
 pub(crate) mod schema;

@@ -1,7 +1,9 @@
-//! A semaphore's permits on PostgreSQL: one statement tries every slot, one
-//! connection per process waits behind the other processes on the server,
-//! and a freed permit is announced to it (`NOTIFY`), so that a waiter is
-//! served without a poll.
+//! A semaphore's permits on PostgreSQL: one statement tries every slot;
+//! one connection per process waits behind the other processes on the
+//! server, holding the semaphore's queue lock; while it does, a permit given
+//! up in the process goes straight to the process's next waiter, and a
+//! freed permit of another process is announced to it (`NOTIFY`), so that a
+//! waiter is served without a poll.
 //!
 //! The slots are the same advisory locks the generic semaphore takes
 //! (`LockKey::namespaced(namespace, "{name}#{i}")`), so both kinds of users
@@ -11,25 +13,36 @@
 //!
 //! # How a process waits
 //!
-//! The waiters of a process line up in a `tokio` semaphore (first come,
-//! first served); its first two, the heads, talk to the server, each on
-//! one pooled connection. A head's first try is the plain one: it takes the
-//! queue shared, so it takes nothing while another head waits. When every
-//! permit is held, the head `LISTEN`s on the permit channel and takes the
-//! queue lock exclusively, waiting in PostgreSQL's lock queue behind the
-//! other heads (of every process), and tries the slots in the same
-//! statement. While
-//! it holds the queue, no plain try of any process takes a slot; the head
-//! tries the slots again each time a permit's unlock announces a freed slot
-//! of this semaphore, or every [`FALLBACK`] (for a holder that vanished
-//! without unlocking). The statement that takes a slot lets go of the queue,
-//! so the next head in PostgreSQL's queue takes its turn, and the head's connection
-//! becomes the permit's. A process's waiters hold two connections between
-//! them, however many they are (see [`HEADS`]).
+//! A waiter with no waiter of its process ahead of it tries the slots at
+//! once (the plain try: it takes the queue shared, so it takes nothing
+//! while a head of any process holds or waits for the queue). The others
+//! line up in the process, first come first served, in two lines kept in
+//! the same order: a `tokio` semaphore whose first waiter, the head, talks
+//! to the server, and the relay (`permit_relay.rs`), where every waiter
+//! waits for a permit handed to it.
+//!
+//! The head `LISTEN`s on the permit channel and takes the queue lock
+//! exclusively, on one pooled connection, waiting in PostgreSQL's lock
+//! queue behind the other processes' heads. From then on the process has
+//! its turn: it is first in line across every process, no plain try of any
+//! process takes a slot, and
+//! - a permit given up in the process is handed, as it is, to its earliest
+//!   waiter (no round trip);
+//! - at the start of the turn, at each announcement of a freed slot of this
+//!   semaphore, and every [`FALLBACK`] (for a holder that vanished without
+//!   unlocking), a background fill tries the slots on other pooled
+//!   connections, as many at once as the process has waiters (up to
+//!   [`TRIES`]), and hands every permit taken to the earliest waiters.
+//!
+//! The head is a waiter too: served, it leaves the connection holding the
+//! queue to the next head, or gives the queue back when no waiter is left.
+//! After [`TURN`] hand-overs per permit the head asks the server whether
+//! another process waits for the queue (1 round trip); if one does, it
+//! gives the queue back and takes it again, behind it. A process's waiters
+//! hold one connection between them, however many they are, plus up to
+//! [`TRIES`] for the moment of a fill.
 
-use std::future::Future;
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use sqlx::Row;
@@ -39,6 +52,7 @@ use tokio::sync::Semaphore as Line;
 use crate::postgres::conn::held::HeldConn;
 use crate::postgres::conn::watched::WatchedConn;
 use crate::postgres::locker::PgLocker;
+use crate::postgres::permit_relay::{Pass, Passed, Relay, TURN, Tenure, Waiting};
 use crate::postgres::request::fragments::{
     PgQuery, client_check, keepalives, millis_setting, permit_channel, session_marker,
 };
@@ -57,12 +71,10 @@ const ANSWER_GRACE: Duration = Duration::from_millis(50);
 /// a slot taken through a plain lock (`Semaphore::new` over a `PgLocker`).
 const FALLBACK: Duration = Duration::from_millis(200);
 
-/// How many of a process's waiters talk to the server at once. The second
-/// waits in PostgreSQL's lock queue right behind the first, so that when
-/// the first takes a slot (and lets go of the queue) the second is at the
-/// front at once, instead of a connection, a try, a `LISTEN` and a line-up
-/// later: hand-offs then follow each other as fast as permits are freed.
-const HEADS: usize = 2;
+/// How many tries a head runs at once while its process holds the queue
+/// and slots may be free (each on a pooled connection): enough to fill free
+/// permits in parallel, few enough to leave the pool to others.
+const TRIES: usize = 4;
 
 /// The PostgreSQL side of a semaphore built by `PgLocker::semaphore`.
 #[derive(Debug, Clone)]
@@ -73,14 +85,35 @@ pub(crate) struct PgSlots {
     slots: Arc<[String]>,
     /// `"{name}#queue"`.
     queue: String,
-    /// The process's line, first come first served: its [`HEADS`] first
-    /// waiters are heads.
+    /// The process's line, first come first served: its first waiter is
+    /// the head.
     line: Arc<Line>,
-    /// Passed from head to head in the order of the line: a head holds it
-    /// until its line-up is on its way to the server, so that a head that
-    /// waits longer for its connection (one the pool must open) is not
-    /// overtaken on the server by the next.
-    baton: Arc<tokio::sync::Mutex<()>>,
+    /// The process's turn: where its holders hand a permit they give up to
+    /// its earliest waiter while it holds the queue.
+    relay: Relay,
+}
+
+/// Why a waiting head woke.
+enum Wake {
+    /// A freed slot was announced: try on another connection.
+    Announced,
+    /// The fallback pause ended: try on the queue's connection.
+    Fallback,
+    /// A holder of this process handed its permit over.
+    Passed(Passed),
+    /// The turn's hand-overs are used up.
+    UsedUp,
+    /// The deadline passed.
+    TimedOut,
+    /// Not a wake: the head tries on the queue's connection at once.
+    OnQueue,
+}
+
+/// A permit handed over, as a head's grant: its hold starts now.
+fn handed(passed: Passed) -> (u32, SessionLock) {
+    let Passed { slot, mut lock } = passed;
+    lock.handed_over();
+    (slot, lock)
 }
 
 /// What one semaphore statement found.
@@ -92,17 +125,8 @@ enum Outcome {
     Busy(Waiting),
 }
 
-/// A head's connection while it holds the queue: its backend, and the
-/// session's `idle_session_timeout` from before the guard (see [`GUARD`]),
-/// given back when the connection becomes a permit's.
-#[derive(Debug, Clone)]
-struct Waiting {
-    pid: i32,
-    idle_timeout: String,
-}
-
 /// The `idle_session_timeout` of a head's connection while it holds the
-/// queue. A live head runs a statement at least every [`FALLBACK`]; a head
+/// queue. A live process runs a statement on it at least every [`FALLBACK`]; a head
 /// whose process is paused (SIGSTOP, a debugger, a stalled VM) or cut off
 /// runs none, and without the guard it would keep every other head, and
 /// every try, away from the freed permits for as long as its session lasts.
@@ -115,10 +139,13 @@ const GUARD: &str = "2s";
 enum Try<'a> {
     /// [`TRY`]: takes nothing while a process waits.
     Plain,
-    /// [`LINE_UP`]: waits for the queue until the deadline, then tries.
-    LineUp(tokio::time::Instant),
+    /// [`LINE_UP`] with no slot: waits for the queue until the deadline,
+    /// and takes nothing else.
+    Queue(tokio::time::Instant),
     /// [`HEAD_TRY`]: the connection holds the queue.
     Head(&'a Waiting),
+    /// [`AHEAD`]: another connection of the process holds the queue.
+    Ahead,
 }
 
 impl PgSlots {
@@ -126,13 +153,19 @@ impl PgSlots {
     /// trip.
     pub(crate) fn new(locker: PgLocker, namespace: i32, name: &str, permits: u32) -> Self {
         Self {
+            relay: Relay::new(turn(permits, locker.config().fencing)),
             locker,
             namespace,
             slots: (0..permits).map(|i| format!("{name}#{i}")).collect(),
             queue: format!("{name}#queue"),
-            line: Arc::new(Line::new(HEADS)),
-            baton: Arc::new(tokio::sync::Mutex::new(())),
+            line: Arc::new(Line::new(1)),
         }
+    }
+
+    /// Where a permit of this semaphore is given up (see
+    /// `permit_relay.rs`).
+    pub(crate) fn relay(&self) -> Relay {
+        self.relay.clone()
     }
 
     fn key(&self, slot: &str) -> LockKey {
@@ -171,20 +204,31 @@ impl PgSlots {
     }
 
     /// Runs a try statement on `conn`; `Ok(None)` when the deadline of a
-    /// [`Try::LineUp`] passed (with the queue held or not: the caller
+    /// [`Try::Queue`] passed (with the queue held or not: the caller
     /// closes the connection). Every other kind answers at once.
     async fn try_on(&self, conn: &mut HeldConn, kind: Try<'_>) -> Result<Option<Outcome>, Error> {
         self.locker.inner.pooler.ensure_session(conn.conn()).await?;
         let fenced = self.fencing();
-        let query = self.bind(sqlx::query(match (kind, fenced) {
-            (Try::Plain, false) => TRY,
-            (Try::Plain, true) => TRY_FENCED,
-            (Try::LineUp(_), false) => LINE_UP,
-            (Try::LineUp(_), true) => LINE_UP_FENCED,
-            (Try::Head(_), false) => HEAD_TRY,
-            (Try::Head(_), true) => HEAD_TRY_FENCED,
-        }));
-        let Try::LineUp(deadline) = kind else {
+        // The queue's line-up tries no slot: the process's tries run on
+        // other connections, so that this one keeps the queue.
+        let slots: &[String] = match kind {
+            Try::Queue(_) => &[],
+            _ => &self.slots,
+        };
+        let query = self.bind(
+            slots,
+            sqlx::query(match (kind, fenced) {
+                (Try::Plain, false) => TRY,
+                (Try::Plain, true) => TRY_FENCED,
+                (Try::Queue(_), false) => LINE_UP,
+                (Try::Queue(_), true) => LINE_UP_FENCED,
+                (Try::Head(_), false) => HEAD_TRY,
+                (Try::Head(_), true) => HEAD_TRY_FENCED,
+                (Try::Ahead, false) => AHEAD,
+                (Try::Ahead, true) => AHEAD_FENCED,
+            }),
+        );
+        let Try::Queue(deadline) = kind else {
             let query = match kind {
                 Try::Head(waiting) => query.bind(waiting.pid).bind(waiting.idle_timeout.as_str()),
                 _ => query,
@@ -220,94 +264,321 @@ impl PgSlots {
     /// waiters and, on the server, behind the other processes' (see the
     /// file's documentation): 1 round trip when a permit is free and no one
     /// waits, 3 when it waits (the try, `LISTEN`, the line-up), and 1 more
-    /// per announced freed slot. Pool errors are retried until the
-    /// deadline.
+    /// per announced freed slot; none for a permit handed over in the
+    /// process's turn. Pool errors are retried until the deadline.
     pub(crate) async fn acquire(
         &self,
         name: &str,
         started: Instant,
         deadline: tokio::time::Instant,
     ) -> Result<(u32, SessionLock), Error> {
-        let Ok(Ok(_head)) = tokio::time::timeout_at(deadline, self.line.acquire()).await else {
-            return Err(timeout(name, started));
-        };
+        let mut pass = self.relay.expect();
         // Every step keeps the deadline (the first use's pooler probe and
         // the tries too): an answer later than shortly after it is not
         // waited for. Dropped, the head's connection is closed, which frees
         // whatever its statement took.
         let grace = crate::deadline::after(deadline, ANSWER_GRACE);
-        match tokio::time::timeout_at(grace, self.head(name, started, deadline)).await {
-            Ok(result) => result,
-            Err(_) => Err(timeout(name, started)),
+        let waited = self.wait(&mut pass, name, started, deadline);
+        let failed = match tokio::time::timeout_at(grace, waited).await {
+            Ok(Ok(taken)) => return Ok(taken),
+            Ok(Err(err)) => err,
+            Err(_) => timeout(name, started),
+        };
+        // A permit handed over as the wait failed is this waiter's.
+        match pass.take() {
+            Some(passed) => Ok(handed(passed)),
+            None => Err(failed),
         }
     }
 
-    /// The head's part of [`acquire`](Self::acquire).
-    async fn head(
+    /// Waits for a permit handed over, or for its turn as the head.
+    async fn wait(
         &self,
+        pass: &mut Pass,
         name: &str,
         started: Instant,
         deadline: tokio::time::Instant,
     ) -> Result<(u32, SessionLock), Error> {
-        // The other head, if there is one, came first: a plain try could
-        // take a slot freed while it lines up, ahead of it. This one then
-        // lines up at once, behind it on the server.
-        let alone = self.line.available_permits() + 1 >= HEADS;
-        let baton = self.baton.lock().await;
+        if let Some(taken) = self.arrival_try(pass.ahead(), started, deadline).await? {
+            return Ok(taken);
+        }
+        let head = tokio::select! {
+            passed = pass.recv() => return Ok(handed(passed)),
+            head = tokio::time::timeout_at(deadline, self.line.acquire()) => head,
+        };
+        let Ok(Ok(_head)) = head else {
+            return Err(timeout(name, started));
+        };
+        self.head(pass, name, started, deadline).await
+    }
+
+    /// A waiter's try as it arrives, if no waiter of the process is ahead
+    /// of it (`ahead`): 1 round trip on a pooled connection, the whole
+    /// cost of an `acquire` when a permit is free. A plain
+    /// try takes nothing while another process holds the queue; while this
+    /// process holds it, the try skips the queue step.
+    async fn arrival_try(
+        &self,
+        ahead: usize,
+        started: Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<Option<(u32, SessionLock)>, Error> {
+        // Waiters ahead of it are served first.
+        if ahead > 0 {
+            return Ok(None);
+        }
         let mut conn = self.connection(started, deadline).await?;
-        if alone {
-            // A plain try never answers `None` (only a line-up can time out).
-            if let Some(Outcome::Granted(slot, pid, token)) =
-                self.try_on(&mut conn, Try::Plain).await?
-            {
-                drop(baton);
-                return self.start(conn, slot, pid, token);
+        // While this process holds the queue its waiters are first: they
+        // try without the queue step (which the queue's holder refuses).
+        let kind = if self.relay.is_open() {
+            Try::Ahead
+        } else {
+            Try::Plain
+        };
+        match self.try_on(&mut conn, kind).await? {
+            Some(Outcome::Granted(slot, pid, token)) => {
+                self.start(conn, slot, pid, token).map(Some)
+            }
+            Some(Outcome::Busy(_)) | None => {
+                conn.into_pool();
+                Ok(None)
             }
         }
-        self.listen(&mut conn).await?;
-        let mut outcome = {
-            let line_up = self.try_on(&mut conn, Try::LineUp(deadline));
-            let mut line_up = std::pin::pin!(line_up);
-            // Polled once, the statement is written to the socket (the
-            // pooler probe has run at the plain try or an earlier use): the
-            // next head may go.
-            let first = std::future::poll_fn(|cx| Poll::Ready(line_up.as_mut().poll(cx))).await;
-            drop(baton);
-            match first {
-                Poll::Ready(outcome) => outcome?,
-                Poll::Pending => line_up.await?,
-            }
+    }
+
+    /// The head's part of [`acquire`](Self::acquire): it takes over the
+    /// process's turn if a head left it, or takes the queue; then, holding
+    /// it, it waits for a permit handed over, and tries the slots on
+    /// another connection at each announcement.
+    async fn head(
+        &self,
+        pass: &mut Pass,
+        name: &str,
+        started: Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<(u32, SessionLock), Error> {
+        let mut tenure = match self.relay.adopt() {
+            Some(tenure) => tenure,
+            None => self.take_queue(name, started, deadline).await?,
         };
         loop {
-            let waiting = match outcome {
-                Some(Outcome::Granted(slot, pid, token)) => {
-                    return self.start(conn, slot, pid, token);
-                }
-                // The line-up timed out: the connection may hold the queue
-                // (granted as the timeout fired), so it is closed.
-                None => return Err(timeout(name, started)),
-                Some(Outcome::Busy(waiting)) => waiting,
+            if let Some(err) = self.relay.take_failure() {
+                self.hand_on(tenure).await;
+                return Err(err);
+            }
+            if self.relay.used_up() && !self.others_wait(&mut tenure).await {
+                // Nobody else waits for the queue: the turn goes on.
+                self.relay.renew();
+            }
+            if self.relay.used_up() {
+                tenure = match self.rotate(tenure, deadline).await {
+                    Some(tenure) => tenure,
+                    None if tokio::time::Instant::now() >= deadline => {
+                        return Err(timeout(name, started));
+                    }
+                    None => self.take_queue(name, started, deadline).await?,
+                };
+            }
+            let woke = if !std::mem::take(&mut tenure.fresh) || self.fill(deadline) {
+                self.until_freed(&mut tenure, deadline, pass).await
+            } else {
+                // The pool has no connection to spare: the head tries on
+                // the queue's own connection, which becomes the permit's.
+                Ok(Wake::OnQueue)
             };
-            let tried = match self.until_freed(&mut conn, deadline).await {
-                Ok(false) => {
-                    self.leave(conn, &waiting).await;
+            let tried = match woke {
+                Ok(Wake::Passed(passed)) => {
+                    self.hand_on(tenure).await;
+                    return Ok(handed(passed));
+                }
+                Ok(Wake::UsedUp) => continue,
+                Ok(Wake::TimedOut) => {
+                    if let Some(passed) = pass.take() {
+                        self.hand_on(tenure).await;
+                        return Ok(handed(passed));
+                    }
+                    self.leave(tenure).await;
                     return Err(timeout(name, started));
                 }
-                Ok(true) => self.try_on(&mut conn, Try::Head(&waiting)).await,
+                Ok(Wake::Announced) => {
+                    tenure.fresh = true;
+                    continue;
+                }
+                // A statement on the queue's connection, so that its
+                // session is never idle for the guard; then the slots are
+                // tried (a holder may have vanished without announcing).
+                Ok(Wake::Fallback) => {
+                    self.others_wait(&mut tenure).await;
+                    tenure.fresh = true;
+                    continue;
+                }
+                Ok(Wake::OnQueue) => {
+                    let waiting = tenure.waiting.clone();
+                    tenure.used = tokio::time::Instant::now();
+                    self.try_on(&mut tenure.conn, Try::Head(&waiting)).await
+                }
                 Err(err) => Err(err),
             };
-            outcome = match tried {
-                Ok(outcome) => outcome,
+            match tried {
+                Ok(Some(Outcome::Granted(slot, pid, token))) => {
+                    // The statement gave the queue back: the turn is over.
+                    let (conn, _) = tenure.close();
+                    return self.start(conn, slot, pid, token);
+                }
+                Ok(_) => {}
                 // The session ended while it held the queue (the guard, an
                 // operator, a failover), which freed the queue: this head
-                // lines up again on another connection.
+                // takes it again on another connection.
                 Err(err) if ended(&err) => {
-                    conn = self.connection(started, deadline).await?;
-                    self.listen(&mut conn).await?;
-                    self.try_on(&mut conn, Try::LineUp(deadline)).await?
+                    drop(tenure);
+                    tenure = self.take_queue(name, started, deadline).await?;
                 }
                 Err(err) => return Err(err),
-            };
+            }
+        }
+    }
+
+    /// Takes the queue on a pooled connection: `LISTEN` (1 round trip),
+    /// then the queue lock, waiting in the server's queue behind the other
+    /// processes' heads (1 round trip once at the front). The process's
+    /// turn begins; its head tries the slots at once.
+    async fn take_queue(
+        &self,
+        name: &str,
+        started: Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<Tenure, Error> {
+        let mut conn = self.connection(started, deadline).await?;
+        self.listen(&mut conn).await?;
+        match self.try_on(&mut conn, Try::Queue(deadline)).await? {
+            Some(Outcome::Busy(waiting)) => Ok(self.relay.open(conn, waiting)),
+            // It tries no slot, so it takes none.
+            Some(Outcome::Granted(..)) => Err(Error::NotGranted {
+                key: self.queue_key(),
+            }),
+            // Timed out: the connection may hold the queue (granted as the
+            // timeout fired), so it is closed.
+            None => Err(timeout(name, started)),
+        }
+    }
+
+    /// The turn is used up: in one statement (1 round trip when no other
+    /// process waits) the queue is given back, which lets a head of
+    /// another process that waits for it go first, and taken again, behind
+    /// it. The turn starts over once it is.
+    async fn rotate(&self, tenure: Tenure, deadline: tokio::time::Instant) -> Option<Tenure> {
+        let (mut conn, waiting) = tenure.close();
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let statement = sqlx::query(ROTATE)
+            .bind(self.namespace)
+            .bind(self.queue.as_str())
+            .bind(waiting.pid)
+            .bind(millis_setting(remaining))
+            .fetch_one(conn.conn());
+        let grace = crate::deadline::after(deadline, ANSWER_GRACE);
+        let queue = self.queue_key();
+        let answer = crate::span::waiting(&queue, tokio::time::timeout_at(grace, statement)).await;
+        let taken = matches!(answer, Ok(Ok(row)) if row.try_get::<Option<bool>, _>(0).ok().flatten() == Some(true));
+        // Anything else (the deadline, another session, a broken
+        // connection): the connection is closed, which frees the queue.
+        taken.then(|| self.relay.open(conn, waiting))
+    }
+
+    /// Whether a session of another process waits for the queue (1 round
+    /// trip on the queue's connection, at most [`ANSWER_GRACE`]; `true`
+    /// when it cannot tell). Hand-overs go on meanwhile.
+    async fn others_wait(&self, tenure: &mut Tenure) -> bool {
+        tenure.used = tokio::time::Instant::now();
+        let check = sqlx::query_scalar::<_, bool>(OTHERS_WAIT)
+            .bind(self.namespace)
+            .bind(self.queue.as_str())
+            .fetch_one(tenure.conn.conn());
+        !matches!(
+            tokio::time::timeout(ANSWER_GRACE, check).await,
+            Ok(Ok(false))
+        )
+    }
+
+    /// Starts the process's fill if none runs (see [`filling`](Self::filling));
+    /// `false` when the pool has no connection to spare for it.
+    fn fill(&self, deadline: tokio::time::Instant) -> bool {
+        if self.room() == 0 {
+            return false;
+        }
+        if self.relay.begin_fill() {
+            let slots = self.clone();
+            tokio::spawn(async move { slots.filling(deadline).await });
+        }
+        true
+    }
+
+    /// Connections the pool can still give: idle ones, and the ones it may
+    /// open.
+    fn room(&self) -> usize {
+        let pool = self.locker.pool();
+        let may_open = pool
+            .options()
+            .get_max_connections()
+            .saturating_sub(pool.size());
+        pool.num_idle()
+            .saturating_add(usize::try_from(may_open).unwrap_or(usize::MAX))
+    }
+
+    /// While this process holds the queue: tries the slots on other pooled
+    /// connections, as many at once as the process has waiters (up to
+    /// [`TRIES`], and as the pool has room), 1 round trip each, and hands
+    /// every permit taken to the process's earliest waiter. Runs again as
+    /// long as every try took a slot, or another fill was asked for
+    /// meanwhile. Off the waiters' path: they keep taking permits handed
+    /// over while it runs.
+    async fn filling(&self, deadline: tokio::time::Instant) {
+        loop {
+            let tries = self.relay.waiters().min(TRIES).min(self.room());
+            let mut all = tries > 0 && self.relay.is_open();
+            if all {
+                let started = Instant::now();
+                let tried = (0..tries).map(|_| self.try_other(started, deadline));
+                for outcome in futures_util::future::join_all(tried).await {
+                    match outcome {
+                        Ok(Some((slot, lock))) => drop(self.relay.offer(slot, lock, true)),
+                        Ok(None) => all = false,
+                        Err(err) => {
+                            all = false;
+                            self.relay.fail(err);
+                        }
+                    }
+                }
+            }
+            if !self.relay.end_fill(all) {
+                return;
+            }
+        }
+    }
+
+    /// One try on another pooled connection (see [`filling`](Self::filling)).
+    async fn try_other(
+        &self,
+        started: Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<Option<(u32, SessionLock)>, Error> {
+        let mut conn = self.connection(started, deadline).await?;
+        match self.try_on(&mut conn, Try::Ahead).await? {
+            Some(Outcome::Granted(slot, pid, token)) => {
+                self.start(conn, slot, pid, token).map(Some)
+            }
+            Some(Outcome::Busy(_)) | None => {
+                conn.into_pool();
+                Ok(None)
+            }
+        }
+    }
+
+    /// Leaves the turn to the process's next head, or, when no waiter is
+    /// left, gives the queue back (1 round trip) before the head returns,
+    /// so that a try of any process right after it is not refused.
+    async fn hand_on(&self, tenure: Tenure) {
+        if let Some(tenure) = self.relay.park(tenure) {
+            self.leave(tenure).await;
         }
     }
 
@@ -319,22 +590,30 @@ impl PgSlots {
         Ok(())
     }
 
-    /// Waits on the head's connection for an announced freed slot of this
-    /// semaphore, at most [`FALLBACK`]: `Ok(true)` to try again, `Ok(false)`
-    /// once `deadline` has passed.
+    /// Waits on the queue's connection for an announced freed slot of this
+    /// semaphore, for a permit handed over (`pass`), for the end of the
+    /// turn, or until [`FALLBACK`] after the connection's last statement;
+    /// [`Wake::TimedOut`] once `deadline` has passed.
     async fn until_freed(
         &self,
-        conn: &mut HeldConn,
+        tenure: &mut Tenure,
         deadline: tokio::time::Instant,
-    ) -> Result<bool, Error> {
-        let now = tokio::time::Instant::now();
-        if now >= deadline {
-            return Ok(false);
+        pass: &mut Pass,
+    ) -> Result<Wake, Error> {
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(Wake::TimedOut);
         }
-        let wake = crate::deadline::after(now, FALLBACK).min(deadline);
-        let Some(watched) = conn.watched_mut() else {
-            tokio::time::sleep_until(wake).await;
-            return Ok(true);
+        // Counted from the connection's last statement, not from this
+        // head's start: with permits handed over quickly, heads follow
+        // each other, and the session must still run a statement within
+        // the guard.
+        let wake = crate::deadline::after(tenure.used, FALLBACK).min(deadline);
+        let Some(watched) = tenure.conn.watched_mut() else {
+            return Ok(tokio::select! {
+                passed = pass.recv() => Wake::Passed(passed),
+                () = self.relay.until_used_up() => Wake::UsedUp,
+                () = tokio::time::sleep_until(wake) => Wake::Fallback,
+            });
         };
         let announced = async {
             loop {
@@ -344,29 +623,46 @@ impl PgSlots {
                 }
             }
         };
-        match tokio::time::timeout_at(wake, announced).await {
+        let woke = tokio::time::timeout_at(wake, async {
+            tokio::select! {
+                passed = pass.recv() => Ok(Wake::Passed(passed)),
+                () = self.relay.until_used_up() => Ok(Wake::UsedUp),
+                announced = announced => announced.map(|()| Wake::Announced),
+            }
+        });
+        match woke.await {
             Ok(Err(reason)) => Err(Error::LockLost {
                 key: self.queue_key(),
                 reason,
             }),
-            Ok(Ok(())) | Err(_) => Ok(true),
+            Ok(Ok(woke)) => Ok(woke),
+            Err(_) if tokio::time::Instant::now() >= deadline => Ok(Wake::TimedOut),
+            Err(_) => Ok(Wake::Fallback),
         }
     }
 
-    /// Gives back the queue after a wait that timed out (1 round trip, at
-    /// most [`ANSWER_GRACE`]): a confirmed unlock by the same backend
-    /// returns the connection to the pool; anything else closes it, which
-    /// frees the queue on the server.
-    async fn leave(&self, mut conn: HeldConn, waiting: &Waiting) {
+    /// Gives back the queue, its marker and the session's idle timeout on
+    /// `conn` (1 round trip, at most [`ANSWER_GRACE`]): `true` when the same
+    /// backend confirmed the unlock; otherwise the caller closes the
+    /// connection, which frees the queue on the server.
+    async fn give_back(&self, conn: &mut HeldConn, waiting: &Waiting) -> bool {
         let unlock = sqlx::query(LEAVE)
             .bind(self.namespace)
             .bind(self.queue.as_str())
             .bind(waiting.idle_timeout.as_str())
             .fetch_one(conn.conn());
-        if let Ok(Ok(row)) = tokio::time::timeout(ANSWER_GRACE, unlock).await
-            && row.try_get::<bool, _>(0).ok() == Some(true)
-            && row.try_get::<i32, _>(1).ok() == Some(waiting.pid)
-        {
+        matches!(
+            tokio::time::timeout(ANSWER_GRACE, unlock).await,
+            Ok(Ok(row)) if row.try_get::<bool, _>(0).ok() == Some(true)
+                && row.try_get::<i32, _>(1).ok() == Some(waiting.pid)
+        )
+    }
+
+    /// Ends the turn after a wait that timed out: the queue given back, the
+    /// connection returns to the pool; anything else closes it.
+    async fn leave(&self, tenure: Tenure) {
+        let (mut conn, waiting) = tenure.close();
+        if self.give_back(&mut conn, &waiting).await {
             conn.into_pool();
         }
     }
@@ -407,11 +703,11 @@ impl PgSlots {
         Ok(total.saturating_sub(u32::try_from(held).unwrap_or(u32::MAX)))
     }
 
-    fn bind<'q>(&'q self, query: PgQuery<'q>) -> PgQuery<'q> {
+    fn bind<'q>(&'q self, slots: &'q [String], query: PgQuery<'q>) -> PgQuery<'q> {
         query
             .bind(self.namespace)
             .bind(self.queue.as_str())
-            .bind(&*self.slots)
+            .bind(slots)
     }
 
     /// Reads a row of a try statement.
@@ -468,6 +764,16 @@ impl PgSlots {
             (self.locker.config(), &self.locker.inner.keepers),
         );
         Ok((slot, lock))
+    }
+}
+
+/// How many hand-overs one turn of a process allows: none with fencing
+/// (each holder draws its own token on the server).
+fn turn(permits: u32, fencing: bool) -> u32 {
+    if fencing {
+        0
+    } else {
+        permits.saturating_mul(TURN)
     }
 }
 
@@ -593,7 +899,24 @@ macro_rules! head_try {
     };
 }
 
+/// A try on another connection while this process holds the queue: no
+/// queue step, the process is first in line.
+macro_rules! ahead_try {
+    ($token:literal) => {
+        slot_statement!(
+            concat!(session_marker!(unmarked), " THEN true END"),
+            "NULL::pg_catalog.bool",
+            "t.slot IS NOT NULL",
+            $token,
+            "NULL::pg_catalog.text"
+        )
+    };
+}
+
 const TRY: &str = plain_try!("NULL::pg_catalog.int8");
+const AHEAD: &str = ahead_try!("NULL::pg_catalog.int8");
+const AHEAD_FENCED: &str =
+    ahead_try!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
 const TRY_FENCED: &str = plain_try!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
 const LINE_UP: &str = line_up!("NULL::pg_catalog.int8");
 const LINE_UP_FENCED: &str =
@@ -601,6 +924,26 @@ const LINE_UP_FENCED: &str =
 const HEAD_TRY: &str = head_try!("NULL::pg_catalog.int8");
 const HEAD_TRY_FENCED: &str =
     head_try!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
+
+/// The head gives the queue back and waits for it again (`$3` its backend,
+/// which the marker check confirms, `$4` the `lock_timeout`): PostgreSQL
+/// grants it to the sessions that waited for it first. Columns: taken
+/// again (NULL: the marker refused, nothing was given back).
+const ROTATE: &str = concat!(
+    "WITH g AS MATERIALIZED (SELECT ",
+    session_marker!(held, "$3"),
+    " AND pg_catalog.set_config('lock_timeout', $4, true) IS NOT NULL \
+     THEN pg_catalog.pg_advisory_unlock($1::pg_catalog.int4, pg_catalog.hashtext($2)) END AS ok OFFSET 0) \
+     SELECT CASE WHEN g.ok THEN (SELECT true FROM pg_catalog.pg_advisory_lock($1::pg_catalog.int4, pg_catalog.hashtext($2))) END FROM g"
+);
+
+/// Whether a session waits for the queue `$2` (in namespace `$1`) of this
+/// database: a head of another process (a plain try never waits).
+const OTHERS_WAIT: &str = "SELECT pg_catalog.count(*) OPERATOR(pg_catalog.>) 0 FROM pg_catalog.pg_locks l \
+     WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory' AND NOT l.granted AND l.objsubid OPERATOR(pg_catalog.=) 2 \
+     AND l.database OPERATOR(pg_catalog.=) (SELECT oid FROM pg_catalog.pg_database WHERE datname OPERATOR(pg_catalog.=) pg_catalog.current_database()) \
+     AND l.classid OPERATOR(pg_catalog.=) ($1::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295)::pg_catalog.oid \
+     AND l.objid OPERATOR(pg_catalog.=) (pg_catalog.hashtext($2)::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295)::pg_catalog.oid";
 
 /// The head gives back the queue, its marker and the session's idle
 /// timeout (`$3`) after a wait that timed out. Columns: unlocked, pid.
@@ -635,6 +978,9 @@ mod tests {
             HEAD_TRY_FENCED,
             LINE_UP,
             LINE_UP_FENCED,
+            AHEAD,
+            AHEAD_FENCED,
+            ROTATE,
         ] {
             assert!(!sql.contains("pg_sleep"), "{sql}");
         }

@@ -154,6 +154,12 @@ impl SessionLock {
         }
     }
 
+    /// The lock changes hands within the process (a semaphore permit
+    /// handed to a waiter, see `permit_relay.rs`): its hold starts again.
+    pub(crate) fn handed_over(&mut self) {
+        self.acquired_at = Instant::now();
+    }
+
     /// The key this lock holds.
     pub fn key(&self) -> &LockKey {
         &self.key

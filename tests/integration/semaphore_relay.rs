@@ -1,0 +1,316 @@
+//! A permit given up while a waiter of the same process holds the
+//! semaphore's queue is handed to that waiter as it is (the slot stays
+//! locked by the same backend), and only then: not to a waiter behind
+//! another process's, not when the permit is lost, not with fencing.
+
+use std::time::{Duration, Instant};
+
+use distlock::{PgLocker, Semaphore, SemaphorePermit};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+/// A pool of `size` connections, all open: run beside other tests, a pool
+/// that opens connections mid-test can meet the server's connection limit.
+async fn pool_of(opts: &PgConnectOptions, size: u32) -> PgPool {
+    let pool = PgPoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(opts.clone())
+        .await
+        .expect("pool");
+    let mut open = Vec::new();
+    for _ in 0..size {
+        open.push(pool.acquire().await.expect("a connection"));
+    }
+    drop(open);
+    pool
+}
+
+/// The backend that holds slot 0 of `name`, if one does.
+async fn slot_holder(pool: &PgPool, name: &str) -> Option<i32> {
+    sqlx::query_scalar(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2 \
+         AND classid = ($1::int8 & 4294967295)::oid \
+         AND objid = (hashtext($2)::int8 & 4294967295)::oid",
+    )
+    .bind(i64::from(Semaphore::SLOT_NAMESPACE))
+    .bind(format!("{name}#0"))
+    .fetch_optional(pool)
+    .await
+    .expect("pg_locks")
+}
+
+/// Whether some session holds the queue lock of `name`.
+async fn queue_held(pool: &PgPool, name: &str) -> bool {
+    sqlx::query_scalar(
+        "SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND granted \
+         AND objsubid = 2 AND classid = ($1::int8 & 4294967295)::oid \
+         AND objid = (hashtext($2)::int8 & 4294967295)::oid",
+    )
+    .bind(i64::from(Semaphore::SLOT_NAMESPACE))
+    .bind(format!("{name}#queue"))
+    .fetch_one(pool)
+    .await
+    .expect("pg_locks")
+}
+
+/// Waits (up to 5 s) until a head holds the queue of `name`.
+async fn until_queued(pool: &PgPool, name: &str) {
+    let started = Instant::now();
+    while !queue_held(pool, name).await {
+        assert!(started.elapsed() < Duration::from_secs(5), "no head queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// How the holder gives its permit up.
+#[derive(Clone, Copy, Debug)]
+enum GiveUp {
+    Release,
+    Drop,
+}
+
+/// A 1-permit semaphore, held; a clone waits; the holder gives the permit
+/// up: the waiter's permit and the backend that holds the slot before and
+/// after.
+async fn hand_over(pool: &PgPool, locker: &PgLocker, name: &str, how: GiveUp) -> Handed {
+    let sem = locker.semaphore(name, 1).expect("valid");
+    let held = sem.try_acquire().await.expect("try").expect("free");
+    let before = slot_holder(pool, name).await.expect("held");
+    let waiter = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire(Duration::from_secs(10)).await }
+    });
+    until_queued(pool, name).await;
+    match how {
+        GiveUp::Release => held.release().await.expect("release"),
+        GiveUp::Drop => drop(held),
+    }
+    let permit = waiter.await.expect("task").expect("the waiter is served");
+    let after = slot_holder(pool, name).await.expect("held");
+    Handed {
+        permit,
+        before,
+        after,
+    }
+}
+
+struct Handed {
+    permit: SemaphorePermit,
+    before: i32,
+    after: i32,
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_permit_given_up_goes_to_the_waiting_head_as_it_is(
+    _pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let pool = pool_of(&opts, 6).await;
+    let locker = PgLocker::new(pool.clone());
+    for how in [GiveUp::Release, GiveUp::Drop] {
+        let name = format!("relay:{how:?}");
+        let handed = hand_over(&pool, &locker, &name, how).await;
+        assert_eq!(
+            handed.before, handed.after,
+            "{how:?}: the slot changed backends, so it was unlocked and taken again"
+        );
+        assert!(!handed.permit.is_lost());
+        // The waiter's queue is given back (in the background), so a
+        // later try of another process finds the slot once it is free.
+        handed.permit.release().await.expect("release");
+        let other = PgLocker::new(pool_of(&opts, 2).await)
+            .semaphore(&name, 1)
+            .expect("valid");
+        let started = Instant::now();
+        let again = loop {
+            if let Some(permit) = other.try_acquire().await.expect("try") {
+                break permit;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{how:?}: the queue was kept after the hand-over"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        again.release().await.expect("release");
+    }
+}
+
+/// Another process's waiter holds the queue: a permit given up here is
+/// unlocked for it, not handed to this process's waiter behind it.
+#[sqlx::test(migrations = false)]
+async fn a_permit_goes_to_the_process_first_in_line(
+    _pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let name = "relay:order";
+    let here = PgLocker::new(pool_of(&opts, 6).await)
+        .semaphore(name, 1)
+        .expect("valid");
+    let there = PgLocker::new(pool_of(&opts, 6).await)
+        .semaphore(name, 1)
+        .expect("valid");
+    let observer = pool_of(&opts, 1).await;
+    let held = here.try_acquire().await.expect("try").expect("free");
+    let first = tokio::spawn({
+        let there = there.clone();
+        async move { there.acquire(Duration::from_secs(10)).await }
+    });
+    until_queued(&observer, name).await;
+    let second = tokio::spawn({
+        let here = here.clone();
+        async move { here.acquire(Duration::from_secs(10)).await }
+    });
+    // The second waiter is lined up on the server behind the first.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    held.release().await.expect("release");
+    let permit = first
+        .await
+        .expect("task")
+        .expect("the first in line is served");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !second.is_finished(),
+        "the process's own waiter took the permit ahead of the other process's"
+    );
+    permit.release().await.expect("release");
+    let last = second.await.expect("task").expect("then the second");
+    last.release().await.expect("release");
+}
+
+/// A lost permit is not handed over: the waiter gets the slot from the
+/// server, on a backend that holds it.
+#[sqlx::test(migrations = false)]
+async fn a_lost_permit_is_not_handed_over(_pool_opts: PgPoolOptions, opts: PgConnectOptions) {
+    let name = "relay:lost";
+    let pool = pool_of(&opts, 6).await;
+    let sem = PgLocker::new(pool.clone())
+        .semaphore(name, 1)
+        .expect("valid");
+    let held = sem.try_acquire().await.expect("try").expect("free");
+    let pid = slot_holder(&pool, name).await.expect("held");
+    let waiter = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire(Duration::from_secs(10)).await }
+    });
+    until_queued(&pool, name).await;
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(&pool)
+        .await
+        .expect("terminate");
+    tokio::time::timeout(Duration::from_secs(5), held.lost())
+        .await
+        .expect("the loss is seen");
+    drop(held);
+    let permit = waiter.await.expect("task").expect("the waiter is served");
+    assert!(!permit.is_lost(), "the waiter was handed a lost permit");
+    let now = slot_holder(&pool, name).await.expect("held");
+    assert_ne!(now, pid);
+    permit.release().await.expect("release");
+}
+
+/// With fencing, each holder draws its own token: a permit given up is not
+/// handed over, or two holders in a row would carry one token.
+#[sqlx::test(migrations = false)]
+async fn fenced_permits_are_not_handed_over(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let locker = PgLocker::builder(pool.clone())
+        .fencing(true)
+        .build()
+        .expect("valid settings");
+    let handed = hand_over(&pool, &locker, "relay:fenced", GiveUp::Release).await;
+    let token = handed.permit.fencing_token().expect("fencing on");
+    assert_ne!(
+        handed.before, handed.after,
+        "the fenced permit was handed over"
+    );
+    handed.permit.release().await.expect("release");
+    let next = locker.semaphore("relay:fenced", 1).expect("valid");
+    let later = next.try_acquire().await.expect("try").expect("free");
+    assert!(later.fencing_token().expect("fencing on") > token);
+    later.release().await.expect("release");
+}
+
+/// Whether a session waits for the queue of `name` (a head of some process
+/// in PostgreSQL's lock queue).
+async fn queue_waited_for(pool: &PgPool, name: &str) -> bool {
+    sqlx::query_scalar(
+        "SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+         AND objsubid = 2 AND classid = ($1::int8 & 4294967295)::oid \
+         AND objid = (hashtext($2)::int8 & 4294967295)::oid",
+    )
+    .bind(i64::from(Semaphore::SLOT_NAMESPACE))
+    .bind(format!("{name}#queue"))
+    .fetch_one(pool)
+    .await
+    .expect("pg_locks")
+}
+
+/// A process keeps its turn for a bounded number of hand-overs while
+/// another process waits: here one permit, 24 waiters of this process
+/// that pass it on from one to the next, and a waiter of another process
+/// that queues on the server once the hand-overs have begun. From then on
+/// it is served after at most `4 × permits` hand-overs and a few in flight,
+/// not after the whole line. (Without the bound it would come last.)
+#[sqlx::test(migrations = false)]
+async fn another_process_gets_its_turn_within_the_bound(
+    _pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    const LOCAL: usize = 24;
+    let name = "relay:turns";
+    let here = PgLocker::new(pool_of(&opts, 4).await)
+        .semaphore(name, 1)
+        .expect("valid");
+    let there = PgLocker::new(pool_of(&opts, 3).await)
+        .semaphore(name, 1)
+        .expect("valid");
+    let observer = pool_of(&opts, 1).await;
+    let order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let held = here.try_acquire().await.expect("try").expect("free");
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..LOCAL {
+        let (here, order) = (here.clone(), order.clone());
+        tasks.spawn(async move {
+            let permit = here.acquire(Duration::from_secs(30)).await?;
+            order.lock().unwrap().push(format!("here {i}"));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            permit.release().await
+        });
+        tokio::task::yield_now().await;
+    }
+    until_queued(&observer, name).await;
+    held.release().await.expect("release");
+    let other = {
+        let order = order.clone();
+        tokio::spawn(async move {
+            let permit = there.acquire(Duration::from_secs(30)).await?;
+            order.lock().unwrap().push("there".to_owned());
+            permit.release().await
+        })
+    };
+    // The other process's head waits on the server from here on.
+    let started = Instant::now();
+    while !queue_waited_for(&observer, name).await {
+        assert!(started.elapsed() < Duration::from_secs(5), "never queued");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let queued_at = order.lock().unwrap().len();
+    while let Some(done) = tasks.join_next().await {
+        done.expect("task").expect("every local waiter is served");
+    }
+    other
+        .await
+        .expect("task")
+        .expect("the other process is served");
+    let order = order.lock().unwrap().clone();
+    let at = order.iter().position(|who| who == "there").expect("served");
+    println!("queued after {queued_at} grants; served: {order:?}");
+    assert!(
+        at <= queued_at + 4 + 2,
+        "the other process waited for {} hand-overs: {order:?}",
+        at - queued_at
+    );
+}

@@ -113,7 +113,9 @@ pub(crate) struct Pass {
     id: u64,
     /// How many waiters of the process were ahead of it on arrival.
     ahead: usize,
-    passed: oneshot::Receiver<Passed>,
+    /// `None` once it has completed (a oneshot receiver must not be
+    /// polled again then).
+    passed: Option<oneshot::Receiver<Passed>>,
 }
 
 fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -153,7 +155,7 @@ impl Relay {
             relay: self.clone(),
             id,
             ahead,
-            passed,
+            passed: Some(passed),
         }
     }
 
@@ -320,9 +322,29 @@ impl Pass {
     /// Cancel safe: a permit sent meanwhile stays in the channel for the
     /// next call or [`take`](Self::take).
     pub(crate) async fn recv(&mut self) -> Passed {
-        match (&mut self.passed).await {
-            Ok(passed) => passed,
-            Err(_) => std::future::pending().await,
+        if let Some(passed) = self.passed.as_mut() {
+            let outcome = passed.await;
+            self.passed = None;
+            if let Ok(passed) = outcome {
+                return passed;
+            }
+        }
+        std::future::pending().await
+    }
+
+    /// A permit handed over already, if one is: the registration stays.
+    pub(crate) fn ready(&mut self) -> Option<Passed> {
+        let passed = self.passed.as_mut()?;
+        match passed.try_recv() {
+            Ok(passed) => {
+                self.passed = None;
+                Some(passed)
+            }
+            Err(oneshot::error::TryRecvError::Closed) => {
+                self.passed = None;
+                None
+            }
+            Err(oneshot::error::TryRecvError::Empty) => None,
         }
     }
 
@@ -330,7 +352,7 @@ impl Pass {
     /// returned.
     pub(crate) fn take(&mut self) -> Option<Passed> {
         self.end();
-        self.passed.try_recv().ok()
+        self.ready()
     }
 
     fn end(&self) {

@@ -109,6 +109,17 @@ enum Wake {
     OnQueue,
 }
 
+/// What a rotation came to.
+enum Rotated {
+    /// The queue is held again: the turn starts over.
+    Kept(Tenure),
+    /// A permit was handed to the head before the turn closed: it is
+    /// served, and the queue is still held.
+    Served(Tenure, Passed),
+    /// The queue's connection is closed (the deadline, a failure).
+    Lost,
+}
+
 /// A permit handed over, as a head's grant: its hold starts now.
 fn handed(passed: Passed) -> (u32, SessionLock) {
     let Passed { slot, mut lock } = passed;
@@ -362,6 +373,14 @@ impl PgSlots {
             None => self.take_queue(name, started, deadline).await?,
         };
         loop {
+            // A permit handed over while the head was busy (a check, a
+            // statement, a wake that won the race) is served first: the
+            // head must not give the queue back and wait for it again
+            // holding one.
+            if let Some(passed) = pass.ready() {
+                self.hand_on(tenure).await;
+                return Ok(handed(passed));
+            }
             if let Some(err) = self.relay.take_failure() {
                 self.hand_on(tenure).await;
                 return Err(err);
@@ -371,12 +390,16 @@ impl PgSlots {
                 self.relay.renew();
             }
             if self.relay.used_up() {
-                tenure = match self.rotate(tenure, deadline).await {
-                    Some(tenure) => tenure,
-                    None if tokio::time::Instant::now() >= deadline => {
+                tenure = match self.rotate(tenure, pass, deadline).await {
+                    Rotated::Kept(tenure) => tenure,
+                    Rotated::Served(tenure, passed) => {
+                        self.hand_on(tenure).await;
+                        return Ok(handed(passed));
+                    }
+                    Rotated::Lost if tokio::time::Instant::now() >= deadline => {
                         return Err(timeout(name, started));
                     }
-                    None => self.take_queue(name, started, deadline).await?,
+                    Rotated::Lost => self.take_queue(name, started, deadline).await?,
                 };
             }
             let woke = if !std::mem::take(&mut tenure.fresh) || self.fill(deadline) {
@@ -466,8 +489,19 @@ impl PgSlots {
     /// process waits) the queue is given back, which lets a head of
     /// another process that waits for it go first, and taken again, behind
     /// it. The turn starts over once it is.
-    async fn rotate(&self, tenure: Tenure, deadline: tokio::time::Instant) -> Option<Tenure> {
+    async fn rotate(
+        &self,
+        tenure: Tenure,
+        pass: &mut Pass,
+        deadline: tokio::time::Instant,
+    ) -> Rotated {
         let (mut conn, waiting) = tenure.close();
+        // Closed, the turn hands nothing over any more; a permit handed to
+        // this head before is served first. Holding it, the head must not
+        // wait behind another process, which would wait for it.
+        if let Some(passed) = pass.ready() {
+            return Rotated::Served(self.relay.open(conn, waiting), passed);
+        }
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
         let statement = sqlx::query(ROTATE)
             .bind(self.namespace)
@@ -481,7 +515,11 @@ impl PgSlots {
         let taken = matches!(answer, Ok(Ok(row)) if row.try_get::<Option<bool>, _>(0).ok().flatten() == Some(true));
         // Anything else (the deadline, another session, a broken
         // connection): the connection is closed, which frees the queue.
-        taken.then(|| self.relay.open(conn, waiting))
+        if taken {
+            Rotated::Kept(self.relay.open(conn, waiting))
+        } else {
+            Rotated::Lost
+        }
     }
 
     /// Whether a session of another process waits for the queue (1 round
@@ -610,6 +648,7 @@ impl PgSlots {
         let wake = crate::deadline::after(tenure.used, FALLBACK).min(deadline);
         let Some(watched) = tenure.conn.watched_mut() else {
             return Ok(tokio::select! {
+                biased;
                 passed = pass.recv() => Wake::Passed(passed),
                 () = self.relay.until_used_up() => Wake::UsedUp,
                 () = tokio::time::sleep_until(wake) => Wake::Fallback,
@@ -625,6 +664,7 @@ impl PgSlots {
         };
         let woke = tokio::time::timeout_at(wake, async {
             tokio::select! {
+                biased;
                 passed = pass.recv() => Ok(Wake::Passed(passed)),
                 () = self.relay.until_used_up() => Ok(Wake::UsedUp),
                 announced = announced => announced.map(|()| Wake::Announced),

@@ -40,15 +40,17 @@ async fn slot_holder(pool: &PgPool, name: &str) -> Option<i32> {
     .expect("pg_locks")
 }
 
-/// Whether some session holds the queue lock of `name`.
-async fn queue_held(pool: &PgPool, name: &str) -> bool {
+/// Whether some session holds (`granted`) or waits for (not `granted`)
+/// the queue lock of `name`.
+async fn queue_lock(pool: &PgPool, name: &str, granted: bool) -> bool {
     sqlx::query_scalar(
-        "SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND granted \
+        "SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND granted = $3 \
          AND objsubid = 2 AND classid = ($1::int8 & 4294967295)::oid \
          AND objid = (hashtext($2)::int8 & 4294967295)::oid",
     )
     .bind(i64::from(Semaphore::SLOT_NAMESPACE))
     .bind(format!("{name}#queue"))
+    .bind(granted)
     .fetch_one(pool)
     .await
     .expect("pg_locks")
@@ -57,7 +59,7 @@ async fn queue_held(pool: &PgPool, name: &str) -> bool {
 /// Waits (up to 5 s) until a head holds the queue of `name`.
 async fn until_queued(pool: &PgPool, name: &str) {
     let started = Instant::now();
-    while !queue_held(pool, name).await {
+    while !queue_lock(pool, name, true).await {
         assert!(started.elapsed() < Duration::from_secs(5), "no head queued");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -233,21 +235,6 @@ async fn fenced_permits_are_not_handed_over(pool: PgPool) {
     later.release().await.expect("release");
 }
 
-/// Whether a session waits for the queue of `name` (a head of some process
-/// in PostgreSQL's lock queue).
-async fn queue_waited_for(pool: &PgPool, name: &str) -> bool {
-    sqlx::query_scalar(
-        "SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-         AND objsubid = 2 AND classid = ($1::int8 & 4294967295)::oid \
-         AND objid = (hashtext($2)::int8 & 4294967295)::oid",
-    )
-    .bind(i64::from(Semaphore::SLOT_NAMESPACE))
-    .bind(format!("{name}#queue"))
-    .fetch_one(pool)
-    .await
-    .expect("pg_locks")
-}
-
 /// A process keeps its turn for a bounded number of hand-overs while
 /// another process waits: here one permit, 24 waiters of this process
 /// that pass it on from one to the next, and a waiter of another process
@@ -293,7 +280,7 @@ async fn another_process_gets_its_turn_within_the_bound(
     };
     // The other process's head waits on the server from here on.
     let started = Instant::now();
-    while !queue_waited_for(&observer, name).await {
+    while !queue_lock(&observer, name, false).await {
         assert!(started.elapsed() < Duration::from_secs(5), "never queued");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }

@@ -79,6 +79,25 @@ async fn behind<T>(held: SessionLock, wait: impl Future<Output = T>) -> T {
     waited
 }
 
+/// Returns once a session holds the advisory lock of `key` (in the
+/// semaphore's namespace).
+async fn queue_held(pool: &PgPool, key: &str) {
+    loop {
+        let held: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND granted \
+             AND objsubid = 2 AND objid = (hashtext($1)::int8 & 4294967295)::oid)",
+        )
+        .bind(key)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if held {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 #[sqlx::test(migrations = false)]
 async fn lock_waits_are_told_from_slow_queries_and_can_be_filtered(
     _pool_opts: PgPoolOptions,
@@ -184,22 +203,26 @@ async fn scenario(connect_opts: PgConnectOptions) {
         .unwrap();
     let lock = behind(held("w-mux").await, mux.lock("w-mux", WAIT)).await;
     lock.unwrap().release().await.unwrap();
-    // Two waiters of one process: the first is its head and waits for a
-    // freed permit (not in a statement); the second lines up behind it on
-    // the server, a statement that waits until the first is served.
+    // The waiters of one process wait in the process, not in a statement;
+    // a process waits on the server for the queue while another process's
+    // head holds it. The holder's process holds the permit and has a
+    // waiter (its head, holding the queue); this process's waiter lines up
+    // behind it, a statement that waits until the holder's waiter is
+    // served and done.
+    let held_semaphore = holder.semaphore("w-semaphore", 1).unwrap();
     let exports = locker.semaphore("w-semaphore", 1).unwrap();
-    let permit = exports.try_acquire().await.unwrap().unwrap();
+    let permit = held_semaphore.try_acquire().await.unwrap().unwrap();
     let release = async {
         tokio::time::sleep(HOLD * 2).await;
         permit.release().await.unwrap();
     };
-    let first = async {
-        let permit = exports.acquire(WAIT).await.unwrap();
+    let holders_waiter = async {
+        let permit = held_semaphore.acquire(WAIT).await.unwrap();
         tokio::time::sleep(HOLD).await;
         permit.release().await.unwrap();
     };
-    let second = async {
-        tokio::time::sleep(HOLD / 10).await;
+    let waiter = async {
+        queue_held(&quiet, "w-semaphore#queue").await;
         exports
             .acquire(WAIT)
             .await
@@ -208,7 +231,7 @@ async fn scenario(connect_opts: PgConnectOptions) {
             .await
             .unwrap();
     };
-    tokio::join!(Box::pin(first), Box::pin(second), release);
+    tokio::join!(Box::pin(holders_waiter), Box::pin(waiter), release);
 
     // The caller's own slow query.
     sqlx::query("SELECT pg_sleep(0.1)")

@@ -65,6 +65,10 @@ struct State {
     /// A fill runs (see `PgSlots::filling`); `.1`: another was asked for
     /// meanwhile.
     filling: (bool, bool),
+    /// The latest deadline of the heads that asked for the running fill:
+    /// its tries wait for a pooled connection until then, not until the
+    /// deadline of the head that started it, which may have left.
+    fill_until: Option<tokio::time::Instant>,
     /// What the last fill failed with, for the head to report.
     failure: Option<crate::Error>,
     /// Hand-overs a turn allows before the head asks whether another
@@ -134,6 +138,7 @@ impl Relay {
                 open: false,
                 passes: 0,
                 filling: (false, false),
+                fill_until: None,
                 failure: None,
                 limit,
                 parked: None,
@@ -195,6 +200,8 @@ impl Relay {
         let mut state = lock(&self.state);
         state.open = true;
         state.passes = 0;
+        // A failure of an earlier turn's fill is not this turn's.
+        state.failure = None;
         Tenure {
             conn,
             waiting,
@@ -228,10 +235,16 @@ impl Relay {
         lock(&self.state).waiters.len()
     }
 
-    /// Marks a fill as running: `true` when the caller starts it, `false`
-    /// when one runs already (which then runs once more).
-    pub(crate) fn begin_fill(&self) -> bool {
+    /// Marks a fill as running for a head whose wait ends at `deadline`:
+    /// `true` when the caller starts it, `false` when one runs already
+    /// (which then runs once more, until the later deadline).
+    pub(crate) fn begin_fill(&self, deadline: tokio::time::Instant) -> bool {
         let mut state = lock(&self.state);
+        state.fill_until = Some(
+            state
+                .fill_until
+                .map_or(deadline, |until| until.max(deadline)),
+        );
         if state.filling.0 {
             state.filling.1 = true;
             return false;
@@ -246,7 +259,16 @@ impl Relay {
         let mut state = lock(&self.state);
         let more = (again || state.filling.1) && state.open && !state.waiters.is_empty();
         state.filling = (more, false);
+        if !more {
+            state.fill_until = None;
+        }
         more
+    }
+
+    /// Until when the running fill's tries wait for a pooled connection
+    /// (see [`begin_fill`](Self::begin_fill)).
+    pub(crate) fn fill_until(&self) -> Option<tokio::time::Instant> {
+        lock(&self.state).fill_until
     }
 
     /// Keeps a fill's failure for the head.

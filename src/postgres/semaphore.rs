@@ -310,7 +310,7 @@ impl PgSlots {
         started: Instant,
         deadline: tokio::time::Instant,
     ) -> Result<(u32, SessionLock), Error> {
-        if let Some(taken) = self.arrival_try(pass.ahead(), started, deadline).await? {
+        if let Some(taken) = self.arrival_try(pass, started, deadline).await? {
             return Ok(taken);
         }
         let head = tokio::select! {
@@ -330,15 +330,22 @@ impl PgSlots {
     /// process holds it, the try skips the queue step.
     async fn arrival_try(
         &self,
-        ahead: usize,
+        pass: &mut Pass,
         started: Instant,
         deadline: tokio::time::Instant,
     ) -> Result<Option<(u32, SessionLock)>, Error> {
         // Waiters ahead of it are served first.
-        if ahead > 0 {
+        if pass.ahead() > 0 {
             return Ok(None);
         }
-        let mut conn = self.connection(started, deadline).await?;
+        // A permit can be handed to it while it waits for a connection (a
+        // turn of the process is open): it takes that one rather than
+        // leave it idle until the pool has room.
+        let mut conn = tokio::select! {
+            biased;
+            passed = pass.recv() => return Ok(Some(handed(passed))),
+            conn = self.connection(started, deadline) => conn?,
+        };
         // While this process holds the queue its waiters are first: they
         // try without the queue step (which the queue's holder refuses).
         let kind = if self.relay.is_open() {
@@ -416,12 +423,12 @@ impl PgSlots {
                 }
                 Ok(Wake::UsedUp) => continue,
                 Ok(Wake::TimedOut) => {
-                    if let Some(passed) = pass.take() {
-                        self.hand_on(tenure).await;
-                        return Ok(handed(passed));
-                    }
-                    self.leave(tenure).await;
-                    return Err(timeout(name, started));
+                    let passed = pass.take();
+                    // Its registration ended: the turn goes on for the
+                    // process's next waiter, which arrived before any
+                    // waiter of another process that the queue would go to.
+                    self.hand_on(tenure).await;
+                    return passed.map(handed).ok_or_else(|| timeout(name, started));
                 }
                 Ok(Wake::Announced) => {
                     tenure.fresh = true;
@@ -543,9 +550,9 @@ impl PgSlots {
         if self.room() == 0 {
             return false;
         }
-        if self.relay.begin_fill() {
+        if self.relay.begin_fill(deadline) {
             let slots = self.clone();
-            tokio::spawn(async move { slots.filling(deadline).await });
+            tokio::spawn(async move { slots.filling().await });
         }
         true
     }
@@ -569,17 +576,21 @@ impl PgSlots {
     /// long as every try took a slot, or another fill was asked for
     /// meanwhile. Off the waiters' path: they keep taking permits handed
     /// over while it runs.
-    async fn filling(&self, deadline: tokio::time::Instant) {
+    async fn filling(&self) {
         loop {
             let tries = self.relay.waiters().min(TRIES).min(self.room());
+            let deadline = self.relay.fill_until();
             let mut all = tries > 0 && self.relay.is_open();
-            if all {
+            if let (true, Some(deadline)) = (all, deadline) {
                 let started = Instant::now();
                 let tried = (0..tries).map(|_| self.try_other(started, deadline));
                 for outcome in futures_util::future::join_all(tried).await {
                     match outcome {
                         Ok(Some((slot, lock))) => drop(self.relay.offer(slot, lock, true)),
                         Ok(None) => all = false,
+                        // Past the deadline every head that asked for this
+                        // round has left: nobody waits for its error.
+                        Err(_) if tokio::time::Instant::now() >= deadline => all = false,
                         Err(err) => {
                             all = false;
                             self.relay.fail(err);
@@ -698,8 +709,8 @@ impl PgSlots {
         )
     }
 
-    /// Ends the turn after a wait that timed out: the queue given back, the
-    /// connection returns to the pool; anything else closes it.
+    /// Ends the turn when no waiter of the process is left: the queue given
+    /// back, the connection returns to the pool; anything else closes it.
     async fn leave(&self, tenure: Tenure) {
         let (mut conn, waiting) = tenure.close();
         if self.give_back(&mut conn, &waiting).await {

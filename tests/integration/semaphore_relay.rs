@@ -301,3 +301,113 @@ async fn another_process_gets_its_turn_within_the_bound(
         at - queued_at
     );
 }
+
+/// A head whose wait times out leaves the queue to its process's next
+/// waiter, which arrived before the other process's: that waiter is served
+/// first. (Giving the queue back would let the other process's head, which
+/// waits on the server, take it first.)
+#[sqlx::test(migrations = false)]
+async fn a_timed_out_head_leaves_the_turn_to_the_next_waiter(
+    _pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let name = "relay:timeout";
+    let here = PgLocker::new(pool_of(&opts, 4).await)
+        .semaphore(name, 1)
+        .expect("valid");
+    let there = PgLocker::new(pool_of(&opts, 4).await)
+        .semaphore(name, 1)
+        .expect("valid");
+    let holder = PgLocker::new(pool_of(&opts, 1).await)
+        .semaphore(name, 1)
+        .expect("valid");
+    let observer = pool_of(&opts, 1).await;
+    let held = holder.try_acquire().await.expect("try").expect("free");
+    let short = tokio::spawn({
+        let here = here.clone();
+        async move { here.acquire(Duration::from_millis(600)).await }
+    });
+    until_queued(&observer, name).await;
+    let next = tokio::spawn({
+        let here = here.clone();
+        async move { here.acquire(Duration::from_secs(10)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let other = tokio::spawn(async move { there.acquire(Duration::from_secs(10)).await });
+    let started = Instant::now();
+    while !queue_lock(&observer, name, false).await {
+        assert!(started.elapsed() < Duration::from_secs(5), "never queued");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        matches!(
+            short.await.expect("task"),
+            Err(distlock::Error::Timeout { .. })
+        ),
+        "the head times out"
+    );
+    // The queue changes hands (or not) as the head leaves.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    held.release().await.expect("release");
+    let (mut next, mut other) = (next, other);
+    let first = tokio::select! {
+        permit = &mut next => ("here", permit.expect("task")),
+        permit = &mut other => ("there", permit.expect("task")),
+    };
+    assert_eq!(
+        first.0, "here",
+        "the other process took the queue from the timed-out head's process"
+    );
+    first.1.expect("served").release().await.expect("release");
+    let last = other.await.expect("task").expect("then the other process");
+    last.release().await.expect("release");
+}
+
+/// A first waiter that waits for a pooled connection (the pool is taken by
+/// the permits and the queue) while its process's turn is open takes a
+/// permit handed to it at once: it does not wait for a connection that
+/// only a release would free (before the fix it was served at its
+/// deadline, from the permit left in its channel).
+#[sqlx::test(migrations = false)]
+async fn a_waiter_waiting_for_a_connection_takes_a_permit_handed_to_it(
+    _pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use std::future::Future;
+    use std::task::Poll;
+    let name = "relay:no-room";
+    let here = PgLocker::new(pool_of(&opts, 3).await)
+        .semaphore(name, 2)
+        .expect("valid");
+    let observer = pool_of(&opts, 1).await;
+    let first = here.try_acquire().await.expect("try").expect("free");
+    let second = here.try_acquire().await.expect("try").expect("free");
+    // The head: it takes the queue on the pool's last connection.
+    let head = tokio::spawn({
+        let here = here.clone();
+        async move { here.acquire(Duration::from_secs(30)).await }
+    });
+    until_queued(&observer, name).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Handed to the head, which has not run yet (one thread): no waiter of
+    // the process is registered, so the next one tries as it arrives, and
+    // waits for a connection (the permits hold two, the queue the third).
+    first.release().await.expect("release");
+    let mut waiter = Box::pin({
+        let here = here.clone();
+        async move { here.acquire(Duration::from_secs(30)).await }
+    });
+    let polled = std::future::poll_fn(|cx| Poll::Ready(waiter.as_mut().poll(cx))).await;
+    assert!(polled.is_pending(), "the pool has no connection for it");
+    let waiter = tokio::spawn(waiter);
+    let head = head.await.expect("task").expect("the head is served");
+    // The head left the turn to the waiter; this permit is handed to it.
+    second.release().await.expect("release");
+    let served = tokio::time::timeout(Duration::from_secs(5), waiter).await;
+    let permit = served
+        .expect("served without a connection of its own, long before its deadline")
+        .expect("task")
+        .expect("served");
+    permit.release().await.expect("release");
+    head.release().await.expect("release");
+}

@@ -140,7 +140,9 @@ async fn a_permit_given_up_goes_to_the_waiting_head_as_it_is(
 }
 
 /// Another process's waiter holds the queue: a permit given up here is
-/// unlocked for it, not handed to this process's waiter behind it.
+/// unlocked for it, not handed to this process's waiter behind it. (A relay
+/// that hands permits over without its process's turn fails it: the other
+/// process's head is never served.)
 #[sqlx::test(migrations = false)]
 async fn a_permit_goes_to_the_process_first_in_line(
     _pool_opts: PgPoolOptions,

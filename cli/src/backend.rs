@@ -134,11 +134,23 @@ fn lease_ttl(heartbeat: Duration) -> Result<Duration, Failure> {
             humantime::format_duration(heartbeat),
             humantime::format_duration(MIN_TTL),
             humantime::format_duration(MAX_TTL),
-            humantime::format_duration(MIN_TTL / 3),
-            humantime::format_duration(MAX_TTL / 3),
+            humantime::format_duration(whole_millis(MIN_TTL / 3, true)),
+            humantime::format_duration(whole_millis(MAX_TTL / 3, false)),
         )));
     }
     Ok(ttl)
+}
+
+/// `duration` in whole milliseconds, rounded `up` or down, so that a range
+/// reads `34ms`, not `33ms 333us 333ns`.
+fn whole_millis(duration: Duration, up: bool) -> Duration {
+    let millis = duration.as_millis();
+    let rounded = if up && duration.subsec_nanos() % 1_000_000 != 0 {
+        millis.saturating_add(1)
+    } else {
+        millis
+    };
+    Duration::from_millis(u64::try_from(rounded).unwrap_or(u64::MAX))
 }
 
 /// Refuses, as usage errors (before connecting), Redis URLs that are empty

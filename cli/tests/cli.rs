@@ -1299,6 +1299,15 @@ async fn with_lease_table_a_heartbeat_out_of_range_is_refused(pool: PgPool) {
             text(&out)
         );
         assert!(text(&out).contains("--heartbeat"), "{}", text(&out));
+        // The range it names reads in whole milliseconds, not
+        // `33ms 333us 333ns`.
+        let sub_ms = text(&out).split_whitespace().any(|word| {
+            let word = word.trim_end_matches([')', ',']);
+            (word.ends_with("us") || word.ends_with("ns"))
+                && word[..word.len() - 2].chars().all(|c| c.is_ascii_digit())
+                && word.len() > 2
+        });
+        assert!(!sub_ms, "{}", text(&out));
     }
 }
 

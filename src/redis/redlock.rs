@@ -88,7 +88,7 @@ pub struct Redlock {
 }
 
 /// The settings of a [`Redlock`], checked by its builder.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub(super) struct Config {
     pub(super) ttl: Duration,
     pub(super) node_timeout: Duration,
@@ -108,6 +108,24 @@ impl Default for Config {
             retry_jitter: DEFAULT_RETRY_JITTER,
             poll_interval: DEFAULT_POLL_INTERVAL,
         }
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // `u32::MAX` is how "no limit" is kept, not a count anyone set.
+        let retry_count: &dyn fmt::Debug = match self.retry_count {
+            u32::MAX => &format_args!("unlimited"),
+            _ => &self.retry_count,
+        };
+        f.debug_struct("Config")
+            .field("ttl", &self.ttl)
+            .field("node_timeout", &self.node_timeout)
+            .field("retry_count", retry_count)
+            .field("retry_delay", &self.retry_delay)
+            .field("retry_jitter", &self.retry_jitter)
+            .field("poll_interval", &self.poll_interval)
+            .finish()
     }
 }
 

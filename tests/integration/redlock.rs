@@ -760,3 +760,15 @@ async fn a_node_restarted_after_a_ttl_never_grants_the_key_twice() -> anyhow::Re
     );
     Ok(())
 }
+
+/// The builder's and the lock's `Debug` print the default retry count as
+/// what it means (no limit), not as `u32::MAX`; a count set prints as set.
+#[test]
+fn the_retry_count_prints_as_no_limit_by_default() {
+    let url = "redis://127.0.0.1:1";
+    let default = format!("{:?}", Redlock::builder([url]));
+    assert!(default.contains("retry_count: unlimited"), "{default}");
+    assert!(!default.contains("4294967295"), "{default}");
+    let set = format!("{:?}", Redlock::builder([url]).retry_count(3));
+    assert!(set.contains("retry_count: 3"), "{set}");
+}

@@ -145,8 +145,10 @@ pub enum Error {
         key: LockKey,
         /// How long the caller waited.
         waited: Duration,
-        /// Backend pid of a session holding the lock, when PostgreSQL shows
-        /// it: the first link of `chain`.
+        /// Backend pid of the session the caller waited for, when PostgreSQL
+        /// shows it: the first link of `chain`. A session holding the key;
+        /// for a shared wait, a writer holding it or queued ahead of it,
+        /// never a reader.
         holder_pid: Option<i32>,
         /// `application_name` of that session, when set.
         holder_application: Option<String>,

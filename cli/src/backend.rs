@@ -145,7 +145,7 @@ fn lease_ttl(heartbeat: Duration) -> Result<Duration, Failure> {
 /// reads `34ms`, not `33ms 333us 333ns`.
 fn whole_millis(duration: Duration, up: bool) -> Duration {
     let millis = duration.as_millis();
-    let rounded = if up && duration.subsec_nanos() % 1_000_000 != 0 {
+    let rounded = if up && !duration.subsec_nanos().is_multiple_of(1_000_000) {
         millis.saturating_add(1)
     } else {
         millis

@@ -86,8 +86,9 @@ pub(crate) struct Snapshot {
     pub(crate) me: i32,
 }
 
-/// From `h` and the wanted keys `w`: `reach`, the sessions holding a wanted
-/// key and, transitively, those they wait behind (`UNION` ends at a cycle);
+/// From `h` and the wanted keys `w`: `reach`, the sessions holding or
+/// awaiting a wanted key (a shared wait queues behind an awaiting writer)
+/// and, transitively, those they wait behind (`UNION` ends at a cycle);
 /// `wt`, their waiting rows with their blockers; `xs`, the rows a chain
 /// needs; `x`, those with every wanted key (a FULL JOIN, so that a key
 /// nobody holds still comes back, resolved: a name's hash is the server's
@@ -97,7 +98,7 @@ pub(crate) struct Snapshot {
 /// `reach` would make every `NOT pid = ANY (reach)` NULL and drop the
 /// other waiters' rows.
 const AROUND: &str = ", reach(pid) AS (\
-       SELECT h.pid FROM h JOIN w ON h.s OPERATOR(pg_catalog.=) w.s AND h.c OPERATOR(pg_catalog.=) w.c AND h.o OPERATOR(pg_catalog.=) w.o WHERE h.granted AND h.pid IS NOT NULL \
+       SELECT h.pid FROM h JOIN w ON h.s OPERATOR(pg_catalog.=) w.s AND h.c OPERATOR(pg_catalog.=) w.c AND h.o OPERATOR(pg_catalog.=) w.o WHERE h.pid IS NOT NULL \
        UNION SELECT b.pid FROM reach r JOIN h ON h.pid OPERATOR(pg_catalog.=) r.pid AND NOT h.granted, \
          pg_catalog.unnest(pg_catalog.pg_blocking_pids(r.pid)) AS b(pid)), \
      wt AS MATERIALIZED (SELECT h.c, h.o, h.s, h.pid, h.mode, h.granted, h.waitstart, \

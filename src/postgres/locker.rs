@@ -6,7 +6,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 
 use crate::postgres::config::Config;
-use crate::postgres::holder::Holder;
+use crate::postgres::holder::{Holder, LockMode};
 use crate::{Error, LockKey};
 
 /// Hands out PostgreSQL advisory locks from a connection pool.
@@ -107,15 +107,29 @@ impl PgLocker {
     }
 
     /// Builds [`Error::Timeout`](crate::Error::Timeout) for a missed
-    /// deadline, naming the holder where PostgreSQL shows it.
+    /// exclusive deadline, naming the holder where PostgreSQL shows it.
     pub(crate) async fn timeout_error(
         &self,
         key: &crate::LockKey,
         started: std::time::Instant,
         conn: Option<crate::postgres::conn::held::HeldConn>,
     ) -> crate::Error {
+        self.timeout_error_as(key, LockMode::Exclusive, started, conn)
+            .await
+    }
+
+    /// Builds [`Error::Timeout`](crate::Error::Timeout) for a missed
+    /// deadline of a wait in `mode`, naming whom it waited for.
+    pub(crate) async fn timeout_error_as(
+        &self,
+        key: &crate::LockKey,
+        mode: LockMode,
+        started: std::time::Instant,
+        conn: Option<crate::postgres::conn::held::HeldConn>,
+    ) -> crate::Error {
         let within = self.config().heartbeat_timeout;
-        crate::postgres::timeout::timeout_error(self.pool(), within, key, started, conn).await
+        crate::postgres::timeout::timeout_error(self.pool(), within, (key, mode), started, conn)
+            .await
     }
 
     pub(crate) fn config(&self) -> &Config {

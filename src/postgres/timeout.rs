@@ -16,20 +16,20 @@ use std::time::{Duration, Instant};
 use sqlx::PgPool;
 
 use crate::postgres::conn::held::HeldConn;
-use crate::postgres::holder::AdvisoryKey;
+use crate::postgres::holder::{AdvisoryKey, Holder, LockMode};
 use crate::postgres::holders::{self, Snapshot};
 use crate::postgres::request::key::BoundAll;
 use crate::postgres::wait_chain::{WaitChain, chain_from};
 use crate::{Error, LockKey};
 
-/// Builds [`Error::Timeout`] for `key` with the chain behind its holder:
-/// looked up on `conn` when the caller still has a usable connection (it
-/// must hold nothing), else on one from `pool`. Only a connection that
-/// answered goes back to the pool.
+/// Builds [`Error::Timeout`] for `key`, wanted in `mode`, with the chain
+/// behind whom it waited for: looked up on `conn` when the caller still has
+/// a usable connection (it must hold nothing), else on one from `pool`.
+/// Only a connection that answered goes back to the pool.
 pub(crate) async fn timeout_error(
     pool: &PgPool,
     within: Duration,
-    key: &LockKey,
+    (key, mode): (&LockKey, LockMode),
     started: Instant,
     conn: Option<HeldConn>,
 ) -> Error {
@@ -46,7 +46,7 @@ pub(crate) async fn timeout_error(
             if found.is_some() {
                 conn.into_pool();
             }
-            found.map(|snapshot| blocked(&snapshot, 1).1)
+            found.map(|snapshot| blocked(&snapshot, 1, mode).1)
         }
         None => None,
     };
@@ -72,7 +72,7 @@ pub(crate) async fn timeout_error_all(
         drop(conn);
     }
     let (at, chain) = found
-        .map(|snapshot| blocked(&snapshot, keys.len()))
+        .map(|snapshot| blocked(&snapshot, keys.len(), LockMode::Exclusive))
         .unwrap_or_default();
     let key = keys.get(at).or(keys.first());
     let Some(key) = key else {
@@ -138,18 +138,37 @@ async fn look(conn: &mut HeldConn, keys: &[LockKey], within: Duration) -> Option
 }
 
 /// Of the first `n` wanted keys, the one the caller was not granted, and the
-/// chain behind its holder. That is a key the looking session does not hold
-/// (in a multi-key wait the keys before the blocked one were granted and are
-/// still held: session locks outlive the statement's error), preferring one
-/// that another session holds, first in the canonical order (key space, then
-/// value: [`AdvisoryKey`]'s order). With no holder seen, the first such key
-/// and an empty chain.
-fn blocked(snapshot: &Snapshot, n: usize) -> (usize, WaitChain) {
+/// chain behind whom it waited for. That is a key the looking session does
+/// not hold (in a multi-key wait the keys before the blocked one were granted
+/// and are still held: session locks outlive the statement's error),
+/// preferring one that another session holds, first in the canonical order
+/// (key space, then value: [`AdvisoryKey`]'s order). With no holder seen,
+/// the first such key and an empty chain.
+///
+/// Wanted `Shared`, the key waited for a writer: one that holds it, or one
+/// queued for it (PostgreSQL queues a shared request behind a waiting
+/// exclusive one), never a reader, whose read it would share.
+fn blocked(snapshot: &Snapshot, n: usize, mode: LockMode) -> (usize, WaitChain) {
     let granted_on = |key: AdvisoryKey| {
         snapshot
             .holders
             .iter()
             .filter(move |h| h.granted && h.key == key)
+    };
+    let conflicts = |h: &Holder| {
+        h.pid != snapshot.me && (mode == LockMode::Exclusive || h.mode == LockMode::Exclusive)
+    };
+    let blocker = |key: AdvisoryKey| {
+        let writer_queued = || {
+            snapshot
+                .holders
+                .iter()
+                .filter(|h| !h.granted && h.key == key && conflicts(h))
+                .min_by_key(|h| h.since)
+        };
+        granted_on(key)
+            .find(|h| conflicts(h))
+            .or_else(|| (mode == LockMode::Shared).then(writer_queued).flatten())
     };
     let mut open: Vec<(AdvisoryKey, usize)> = snapshot
         .wanted
@@ -159,7 +178,7 @@ fn blocked(snapshot: &Snapshot, n: usize) -> (usize, WaitChain) {
         .collect();
     open.sort_unstable();
     let held = open.iter().find_map(|&(key, place)| {
-        let holder = granted_on(key).find(|h| h.pid != snapshot.me)?;
+        let holder = blocker(key)?;
         Some((place, chain_from(&snapshot.holders, holder)))
     });
     held.unwrap_or_else(|| {
@@ -214,11 +233,11 @@ mod tests {
             // The caller listed P first, B second, A third.
             vec![(0, P), (1, B), (2, A)],
         );
-        let (at, chain) = blocked(&s, 3);
+        let (at, chain) = blocked(&s, 3, LockMode::Exclusive);
         // B comes before P in the canonical order; A is the looker's own.
         assert_eq!(at, 1);
         assert_eq!(chain.pids(), [8]);
-        let (at, chain) = blocked(&s, 1);
+        let (at, chain) = blocked(&s, 1, LockMode::Exclusive);
         assert_eq!(at, 0);
         assert_eq!(chain.pids(), [7, 8], "P's holder waits behind 8");
         assert!(
@@ -232,7 +251,7 @@ mod tests {
     #[test]
     fn with_no_holder_seen_the_chain_is_empty() {
         let s = snapshot(vec![row(100, A, vec![])], vec![(0, A), (1, P), (2, B)]);
-        let (at, chain) = blocked(&s, 3);
+        let (at, chain) = blocked(&s, 3, LockMode::Exclusive);
         assert_eq!(at, 2, "B, the first open key in the canonical order");
         assert!(chain.is_empty());
     }
@@ -243,7 +262,7 @@ mod tests {
             vec![row(7, A, vec![]), row(8, B, vec![]), row(7, B, vec![8])],
             vec![(0, A)],
         );
-        let (_, chain) = blocked(&s, 1);
+        let (_, chain) = blocked(&s, 1, LockMode::Exclusive);
         match timeout_of(&LockKey::id(1), Instant::now(), chain) {
             Error::Timeout {
                 holder_pid,

@@ -235,6 +235,54 @@ async fn every_waiting_path_times_out_with_the_chain_to_the_root(pool: PgPool) {
     muxed.pool().close().await;
 }
 
+/// A reader R holds `rw:k` shared and a writer W waits for it: a shared
+/// wait queues behind W, so one that times out names W (its chain leads to
+/// R), never R, whose read it would share.
+#[sqlx::test(migrations = false)]
+async fn a_shared_wait_names_the_writer_ahead_not_a_reader(pool: PgPool) {
+    let (mut conn_r, r) = session(&pool, "reader").await;
+    let (conn_w, w) = session(&pool, "writer").await;
+    let read: bool =
+        sqlx::query_scalar("SELECT pg_try_advisory_lock_shared(hashtext('rw:k')::int8)")
+            .fetch_one(&mut conn_r)
+            .await
+            .expect("read");
+    assert!(read);
+    let k = i64::from(hashtext(&mut conn_r, "rw:k").await);
+    let locker = PgLocker::new(pool.clone());
+    let w_waits = waits_for(conn_w, k);
+    with_waiters(&locker, 1).await;
+    let t = Duration::from_millis(300);
+    let shared = locker.lock_shared("rw:k", t).await.map(drop);
+    let shared_xact = locker
+        .with_shared_advisory_lock_wait("rw:k", t, async |_| Ok::<_, Error>(()))
+        .await;
+    for (what, result) in [
+        ("lock_shared", shared),
+        ("with_shared_advisory_lock_wait", shared_xact),
+    ] {
+        let Err(Error::Timeout {
+            holder_pid, chain, ..
+        }) = result
+        else {
+            panic!("{what}: expected a timeout, got {result:?}");
+        };
+        assert_eq!(holder_pid, Some(w), "{what}: {chain:?}");
+        assert_eq!(chain.pids(), [w, r], "{what}: {chain:?}");
+        assert!(!chain.links[0].granted, "{what}: W waits: {chain:?}");
+    }
+    sqlx::query("SELECT pg_advisory_unlock_shared(hashtext('rw:k')::int8)")
+        .execute(&mut conn_r)
+        .await
+        .expect("unlock");
+    let conn_w = bounded("W gets the key", Duration::from_secs(10), w_waits)
+        .await
+        .expect("W");
+    for conn in [conn_r, conn_w] {
+        close(conn).await;
+    }
+}
+
 /// Two sessions that wait for each other, as in a deadlock the server has
 /// not broken yet: `wait_chain` goes round once and marks the cycle, and a
 /// timeout behind it carries the cycle too.

@@ -34,6 +34,17 @@ pub(crate) enum Lock {
     Shared,
 }
 
+impl Lock {
+    /// The mode of a `pg_locks` row that this lock's wait wants (a missed
+    /// deadline names whom it waited for by it).
+    pub(crate) fn wanted(self) -> crate::postgres::holder::LockMode {
+        match self {
+            Lock::Exclusive => crate::postgres::holder::LockMode::Exclusive,
+            Lock::Shared => crate::postgres::holder::LockMode::Shared,
+        }
+    }
+}
+
 /// What a statement does about a busy key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Step {

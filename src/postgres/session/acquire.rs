@@ -241,19 +241,23 @@ impl PgLocker {
                 (self.config(), &self.inner.keepers),
             )),
             // Busy and out of time after the try: nothing was granted.
-            Ok(Ok((conn, None))) => Err(self.timeout_error(&key, started, Some(conn)).await),
+            Ok(Ok((conn, None))) => Err(self
+                .timeout_error_as(&key, hold.wanted(), started, Some(conn))
+                .await),
             // The wait statement failed, and it may have been granted first:
             // the token write can time out after the grant, and PostgreSQL
             // can grant the lock at the instant lock_timeout fires and still
             // fail the statement. Session locks outlive the statement's
             // error, so the connection was closed, never pooled.
-            Ok(Err(err)) if is_lock_timeout(&err) => {
-                Err(self.timeout_error(&key, started, None).await)
-            }
+            Ok(Err(err)) if is_lock_timeout(&err) => Err(self
+                .timeout_error_as(&key, hold.wanted(), started, None)
+                .await),
             Ok(Err(err)) => Err(err),
             // The server did not answer in time: the connection was dropped
             // (closed) with the attempt.
-            Err(_) => Err(self.timeout_error(&key, started, None).await),
+            Err(_) => Err(self
+                .timeout_error_as(&key, hold.wanted(), started, None)
+                .await),
         }
     }
 

@@ -24,6 +24,15 @@ pub(crate) enum Hold {
 }
 
 impl Hold {
+    /// The mode its wait wants the key in, for naming whom a missed
+    /// deadline waited for: only a shared hold shares the key with readers.
+    pub(crate) fn wanted(self) -> crate::postgres::holder::LockMode {
+        match self {
+            Hold::Shared => crate::postgres::holder::LockMode::Shared,
+            _ => crate::postgres::holder::LockMode::Exclusive,
+        }
+    }
+
     /// How spans and metrics name an acquisition of this hold: a try
     /// (`waits == false`) or a wait.
     pub(crate) fn mode(self, waits: bool) -> &'static str {

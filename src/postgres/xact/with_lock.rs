@@ -294,7 +294,8 @@ impl PgLocker {
                     Err(_) => {
                         drop(tx);
                         held.close();
-                        let err = self.timeout_error(&key, started, None).await;
+                        let wanted = mode.lock().wanted();
+                        let err = self.timeout_error_as(&key, wanted, started, None).await;
                         return Err(span::failed(&key, "postgres", started, err).into());
                     }
                 }
@@ -314,7 +315,10 @@ impl PgLocker {
                 return Err(span::failed(&key, "postgres", started, err.into()).into());
             }
             if deadline.is_some() {
-                let err = self.timeout_error(&key, started, Some(held)).await;
+                let wanted = mode.lock().wanted();
+                let err = self
+                    .timeout_error_as(&key, wanted, started, Some(held))
+                    .await;
                 return Err(span::failed(&key, "postgres", started, err).into());
             }
             span::ended(&key, "postgres", started, false);
@@ -397,7 +401,12 @@ impl PgLocker {
     ) -> Error {
         if let (Some(_), Some(LOCK_NOT_AVAILABLE)) = (mode.timeout(), sqlstate(&err).as_deref()) {
             return self
-                .timeout_error(key, started, rolled_back.then_some(held))
+                .timeout_error_as(
+                    key,
+                    mode.lock().wanted(),
+                    started,
+                    rolled_back.then_some(held),
+                )
                 .await;
         }
         locking_error(err, key)

@@ -379,6 +379,7 @@ impl PgSlots {
             Some(tenure) => tenure,
             None => self.take_queue(name, started, deadline).await?,
         };
+        let mut announced = false;
         loop {
             // A permit handed over while the head was busy (a check, a
             // statement, a wake that won the race) is served first: the
@@ -409,11 +410,19 @@ impl PgSlots {
                     Rotated::Lost => self.take_queue(name, started, deadline).await?,
                 };
             }
-            let woke = if !std::mem::take(&mut tenure.fresh) || self.fill(deadline) {
+            // A release announced to a head that waits alone is tried on the
+            // queue's own connection (1 round trip; granted, the statement
+            // gives the queue back and the connection becomes the permit's):
+            // a background try would cost a pool checkout, a task hop, and
+            // giving the queue back. Not at the turn's start, where more
+            // waiters of the process are often about to line up behind it.
+            let alone = std::mem::take(&mut announced) && self.relay.waiters() <= 1;
+            let fresh = std::mem::take(&mut tenure.fresh);
+            let woke = if !fresh || (!alone && self.fill(deadline)) {
                 self.until_freed(&mut tenure, deadline, pass).await
             } else {
-                // The pool has no connection to spare: the head tries on
-                // the queue's own connection, which becomes the permit's.
+                // Alone, or the pool has no connection to spare: the head
+                // tries on the queue's own connection.
                 Ok(Wake::OnQueue)
             };
             let tried = match woke {
@@ -432,6 +441,7 @@ impl PgSlots {
                 }
                 Ok(Wake::Announced) => {
                     tenure.fresh = true;
+                    announced = true;
                     continue;
                 }
                 // A statement on the queue's connection, so that its

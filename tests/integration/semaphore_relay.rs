@@ -28,13 +28,18 @@ async fn pool_of(opts: &PgConnectOptions, size: u32) -> PgPool {
 
 /// The backend that holds slot 0 of `name`, if one does.
 async fn slot_holder(pool: &PgPool, name: &str) -> Option<i32> {
+    holder_of(pool, format!("{name}#0")).await
+}
+
+/// The backend that holds `key` in the semaphore's namespace, if one does.
+async fn holder_of(pool: &PgPool, key: String) -> Option<i32> {
     sqlx::query_scalar(
         "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2 \
          AND classid = ($1::int8 & 4294967295)::oid \
          AND objid = (hashtext($2)::int8 & 4294967295)::oid",
     )
     .bind(i64::from(Semaphore::SLOT_NAMESPACE))
-    .bind(format!("{name}#0"))
+    .bind(key)
     .fetch_optional(pool)
     .await
     .expect("pg_locks")
@@ -412,4 +417,46 @@ async fn a_waiter_waiting_for_a_connection_takes_a_permit_handed_to_it(
         .expect("served");
     permit.release().await.expect("release");
     head.release().await.expect("release");
+}
+
+/// The backend that holds the queue lock of `name`, if one does.
+async fn queue_holder(pool: &PgPool, name: &str) -> Option<i32> {
+    holder_of(pool, format!("{name}#queue")).await
+}
+
+/// A head that waits alone takes a permit another process releases on the
+/// queue's own connection (one statement takes the slot and gives the
+/// queue back), not through a try on another pooled connection.
+#[sqlx::test(migrations = false)]
+async fn a_lone_head_takes_an_announced_permit_on_the_queues_connection(
+    _pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let name = "relay:lone";
+    let there = PgLocker::new(pool_of(&opts, 2).await)
+        .semaphore(name, 1)
+        .expect("valid");
+    let here = PgLocker::new(pool_of(&opts, 4).await)
+        .semaphore(name, 1)
+        .expect("valid");
+    let observer = pool_of(&opts, 1).await;
+    let held = there.try_acquire().await.expect("try").expect("free");
+    let waiter = tokio::spawn(async move { here.acquire(Duration::from_secs(10)).await });
+    until_queued(&observer, name).await;
+    // Past the turn's first tries.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let head = queue_holder(&observer, name).await.expect("the head");
+    held.release().await.expect("release");
+    let permit = waiter.await.expect("task").expect("served");
+    assert_eq!(
+        slot_holder(&observer, name).await,
+        Some(head),
+        "the permit is held by the connection that held the queue"
+    );
+    assert_eq!(
+        queue_holder(&observer, name).await,
+        None,
+        "queue given back"
+    );
+    permit.release().await.expect("release");
 }

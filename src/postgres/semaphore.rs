@@ -590,7 +590,9 @@ impl PgSlots {
         loop {
             let tries = self.relay.waiters().min(TRIES).min(self.room());
             let deadline = self.relay.fill_until();
-            let mut all = tries > 0 && self.relay.is_open();
+            // No deadline (never while a fill runs) is no round, so that the
+            // loop cannot spin without an await.
+            let mut all = tries > 0 && self.relay.is_open() && deadline.is_some();
             if let (true, Some(deadline)) = (all, deadline) {
                 let started = Instant::now();
                 let tried = (0..tries).map(|_| self.try_other(started, deadline));

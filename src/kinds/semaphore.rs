@@ -274,8 +274,10 @@ impl Semaphore {
     /// On PostgreSQL ([`PgLocker::semaphore`](crate::PgLocker::semaphore)):
     /// 1 round trip when a permit is free and no waiter of the process is
     /// ahead; otherwise none for a permit handed over, and for a head 2 to
-    /// take the queue, 1 to give it back if it is the last waiter, and the
-    /// background tries (see "Waiting on PostgreSQL"), in arrival order.
+    /// take the queue, 1 to give it back if it is the last waiter (none when
+    /// its own try on the queue's connection takes the slot: that statement
+    /// gives the queue back), and the background tries (see "Waiting on
+    /// PostgreSQL"), in arrival order.
     /// Elsewhere: tries every slot and polls (see the type's documentation).
     ///
     /// # Cancel safety

@@ -183,6 +183,18 @@ pub struct SemaphoreScale {
     pub most_holders: usize,
     /// Permit-time held over permits × the time waiters queued.
     pub utilisation: f64,
+    /// The same from the grant that took the last free permit on: the
+    /// first grants go through the server while the 200 tasks start, so
+    /// this leaves out the ramp.
+    pub utilisation_after_ramp: f64,
+    /// The slots taken on the server (sampled from `pg_locks` on a
+    /// connection of its own) over permits, averaged over the samples taken
+    /// while waiters queued after the ramp. A permit handed from a holder
+    /// to a waiter of its process stays taken on the server throughout.
+    pub server_taken: f64,
+    /// The ramp: from the first grant to the grant that took the last free
+    /// permit.
+    pub ramp: Duration,
     /// The furthest a waiter was served from its ticket's place (see
     /// [`Arrival`]).
     pub displaced: usize,
@@ -224,7 +236,21 @@ pub async fn semaphore_scale(
         open.push(pool.acquire().await?);
     }
     drop(open);
-    let semaphore = PgLocker::new(pool.clone()).semaphore("bench-semaphore-scale", permits)?;
+    let name = "bench-semaphore-scale";
+    let semaphore = PgLocker::new(pool.clone()).semaphore(name, permits)?;
+    let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    // On a thread and runtime of its own, so that its polls take no turn
+    // of the waiters' worker threads.
+    let sampler = {
+        let (opts, queue, sampling) =
+            (opts.clone(), format!("{name}#queue"), Arc::clone(&sampling));
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?
+                .block_on(sample_slots(opts, queue, sampling))
+        })
+    };
     let started = Instant::now();
     let tickets = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tasks = tokio::task::JoinSet::new();
@@ -271,6 +297,10 @@ pub async fn semaphore_scale(
         }
     }
     let took = started.elapsed();
+    sampling.store(false, std::sync::atomic::Ordering::SeqCst);
+    let samples = sampler
+        .join()
+        .map_err(|_| anyhow::anyhow!("the pg_locks sampler panicked"))??;
     pool.close().await;
     let mut grants: Vec<Instant> = spans.iter().map(|s| s.1).collect();
     let mut releases: Vec<Instant> = spans.iter().map(|s| s.3).collect();
@@ -304,6 +334,32 @@ pub async fn semaphore_scale(
         })
         .sum();
     let utilisation = held.as_secs_f64() / (queued.as_secs_f64() * f64::from(permits)).max(1e-9);
+    // After the ramp: from the permits-th grant to the last.
+    let ramped = grants.get(permits_n.saturating_sub(1)).copied();
+    let utilisation_after_ramp = match (ramped, grants.last()) {
+        (Some(from), Some(last)) => {
+            let held: Duration = spans
+                .iter()
+                .map(|s| s.2.min(*last).saturating_duration_since(s.1.max(from)))
+                .sum();
+            held.as_secs_f64()
+                / (last.saturating_duration_since(from).as_secs_f64() * f64::from(permits))
+                    .max(1e-9)
+        }
+        _ => 0.0,
+    };
+    let server_taken = match (ramped, grants.last()) {
+        (Some(from), Some(last)) => {
+            let within: Vec<u32> = samples
+                .iter()
+                .filter(|(at, _)| *at >= from && *at <= *last)
+                .map(|(_, taken)| *taken)
+                .collect();
+            f64::from(within.iter().sum::<u32>())
+                / (within.len() as f64 * f64::from(permits)).max(1e-9)
+        }
+        _ => 0.0,
+    };
     let mut order: Vec<(Instant, usize)> = spans.iter().map(|s| (s.1, s.0.ticket)).collect();
     order.sort();
     let displaced = order
@@ -334,12 +390,49 @@ pub async fn semaphore_scale(
         ),
         most_holders: usize::try_from(most).unwrap_or(0),
         utilisation,
+        utilisation_after_ramp,
+        server_taken,
+        ramp: ramped
+            .zip(grants.first())
+            .map_or(Duration::ZERO, |(to, from)| {
+                to.saturating_duration_since(*from)
+            }),
         displaced,
         overtaken,
         errors,
         first_error,
         took,
     })
+}
+
+/// Counts the semaphore's slots taken on the server every 5 ms, on a
+/// connection outside the pool, until `sampling` turns false: each sample is
+/// the moment its answer came and the count of exclusive advisory locks held
+/// in the database other than the queue (`queue`: its name).
+async fn sample_slots(
+    opts: PgConnectOptions,
+    queue: String,
+    sampling: Arc<std::sync::atomic::AtomicBool>,
+) -> anyhow::Result<Vec<(Instant, u32)>> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect_with(&opts).await?;
+    let mut samples = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(5));
+    while sampling.load(std::sync::atomic::Ordering::SeqCst) {
+        tick.tick().await;
+        let taken: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_catalog.pg_locks \
+             WHERE locktype = 'advisory' AND granted AND mode = 'ExclusiveLock' \
+             AND database = (SELECT oid FROM pg_catalog.pg_database \
+                             WHERE datname = pg_catalog.current_database()) \
+             AND objid::bigint <> pg_catalog.hashtext($1)::bigint & 4294967295",
+        )
+        .bind(&queue)
+        .fetch_one(&mut conn)
+        .await?;
+        samples.push((Instant::now(), u32::try_from(taken).unwrap_or(u32::MAX)));
+    }
+    Ok(samples)
 }
 
 /// The report's table of [`semaphore_scale`].
@@ -351,12 +444,12 @@ pub fn scale_table(runs: &[SemaphoreScale]) -> String {
          in between joins the line late); overtaken, the most waiters that surely came \
          after one waiter (their call's first poll began after its first poll ended) and \
          were served before it.\n\n\
-         | waiters | permits | pool | hold | errors | most holders | permits in use while waiters queued | furthest from arrival order, by ticket | overtaken by later arrivals | hand-off p50 µs | p99 µs | max µs | took |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | waiters | permits | pool | hold | errors | most holders | permits in use while waiters queued | ramp ms | … after the ramp | slots taken on the server after the ramp | furthest from arrival order, by ticket | overtaken by later arrivals | hand-off p50 µs | p99 µs | max µs | took |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for run in runs {
         out.push_str(&format!(
-            "| {} | {} | {} | {} ms | {}{} | {} | {:.0}% | {} places | {} | {:.0} | {:.0} | {:.0} | {:.2} s |\n",
+            "| {} | {} | {} | {} ms | {}{} | {} | {:.1}% | {:.1} | {:.1}% | {:.1}% | {} places | {} | {:.0} | {:.0} | {:.0} | {:.2} s |\n",
             run.waiters,
             run.permits,
             run.pool,
@@ -368,6 +461,9 @@ pub fn scale_table(runs: &[SemaphoreScale]) -> String {
                 .unwrap_or_default(),
             run.most_holders,
             run.utilisation * 100.0,
+            run.ramp.as_secs_f64() * 1000.0,
+            run.utilisation_after_ramp * 100.0,
+            run.server_taken * 100.0,
             run.displaced,
             run.overtaken,
             run.handoff.at(0.5),

@@ -173,6 +173,9 @@ pub async fn leader_takeover(
 
 /// What the semaphore at scale did: 200 waiters, 10 permits, one pool.
 pub struct SemaphoreScale {
+    /// "new": the pool's connections had run no statement of the semaphore
+    /// before the burst; "used": they had (a burst ran before).
+    pub connections: &'static str,
     pub waiters: usize,
     pub permits: u32,
     pub pool: u32,
@@ -222,15 +225,20 @@ struct Arrival {
 
 /// `waiters` tasks of one process call `acquire` on one semaphore of
 /// `permits` permits over one pool of `pool` connections, each keeping its
-/// permit for `hold`; every acquisition and release is time-stamped.
+/// permit for `hold`; every acquisition and release is time-stamped. Two
+/// bursts on the same pool, one after the other: the first on connections
+/// that have run no statement of the semaphore yet (a new backend's first
+/// statements read the catalog and plan each statement, ms each), the
+/// second on the same connections, as a service's pool is after its first
+/// minutes.
 pub async fn semaphore_scale(
     opts: &PgConnectOptions,
     (waiters, permits, pool_size): (usize, u32, u32),
     hold: Duration,
-) -> anyhow::Result<SemaphoreScale> {
+) -> anyhow::Result<[SemaphoreScale; 2]> {
     let pool = pool(opts, pool_size).await?;
-    // Steady state: every connection of the pool is open before the run
-    // (opening one takes tens of ms, and would be counted as a hand-off).
+    // Every connection of the pool is open before the run (opening one
+    // takes tens of ms, and would be counted as a hand-off).
     let mut open = Vec::new();
     for _ in 0..pool_size {
         open.push(pool.acquire().await?);
@@ -238,171 +246,211 @@ pub async fn semaphore_scale(
     drop(open);
     let name = "bench-semaphore-scale";
     let semaphore = PgLocker::new(pool.clone()).semaphore(name, permits)?;
-    let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    // On a thread and runtime of its own, so that its polls take no turn
-    // of the waiters' worker threads.
-    let sampler = {
-        let (opts, queue, sampling) =
-            (opts.clone(), format!("{name}#queue"), Arc::clone(&sampling));
-        std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?
-                .block_on(sample_slots(opts, queue, sampling))
-        })
-    };
-    let started = Instant::now();
-    let tickets = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..waiters {
-        let (semaphore, tickets) = (semaphore.clone(), Arc::clone(&tickets));
-        tasks.spawn(async move {
-            // The place in line: a ticket taken just before joining it, and
-            // the moments just before and just after the call's first poll,
-            // in which it joins the line. The thread can be preempted
-            // between the ticket and the poll, so only the moments say
-            // for sure that one waiter came before another.
-            let ticket = tickets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let arrived_from = Instant::now();
-            let mut acquire = std::pin::pin!(semaphore.acquire(Duration::from_secs(120)));
-            let first = std::future::poll_fn(|cx| Poll::Ready(acquire.as_mut().poll(cx))).await;
-            let arrived_by = Instant::now();
-            let permit = match first {
-                Poll::Ready(permit) => permit?,
-                Poll::Pending => acquire.await?,
-            };
-            let granted = Instant::now();
-            tokio::time::sleep(hold).await;
-            // Stops using it: held from `granted` to here, at most.
-            let done = Instant::now();
-            permit.release().await?;
-            let arrived = Arrival {
-                ticket,
-                from: arrived_from,
-                by: arrived_by,
-            };
-            Ok::<_, distlock::Error>((arrived, granted, done, Instant::now()))
-        });
-        // Arrival order is the order of the first polls.
-        tokio::task::yield_now().await;
-    }
-    let (mut spans, mut errors, mut first_error) = (Vec::new(), 0, None);
-    while let Some(done) = tasks.join_next().await {
-        match done? {
-            Ok(span) => spans.push(span),
-            Err(err) => {
-                errors += 1;
-                first_error.get_or_insert_with(|| err.to_string());
-            }
-        }
-    }
-    let took = started.elapsed();
-    sampling.store(false, std::sync::atomic::Ordering::SeqCst);
-    let samples = sampler
-        .join()
-        .map_err(|_| anyhow::anyhow!("the pg_locks sampler panicked"))??;
-    pool.close().await;
-    let mut grants: Vec<Instant> = spans.iter().map(|s| s.1).collect();
-    let mut releases: Vec<Instant> = spans.iter().map(|s| s.3).collect();
-    grants.sort();
-    releases.sort();
-    let permits_n = permits as usize;
-    let handoffs = releases
-        .iter()
-        .zip(grants.iter().skip(permits_n))
-        .map(|(freed, granted)| granted.saturating_duration_since(*freed))
-        .collect();
-    // Most holders at once, from the time-stamps.
-    let mut events: Vec<(Instant, i32)> =
-        spans.iter().flat_map(|s| [(s.1, 1), (s.2, -1)]).collect();
-    events.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)));
-    let (mut inside, mut most) = (0, 0);
-    for (_, change) in events {
-        inside += change;
-        most = most.max(inside);
-    }
-    // While waiters queued: from the first grant to the last grant.
-    let queued = match (grants.first(), grants.last()) {
-        (Some(first), Some(last)) => last.saturating_duration_since(*first),
-        _ => Duration::ZERO,
-    };
-    let held: Duration = spans
-        .iter()
-        .map(|s| {
-            s.2.min(*grants.last().unwrap_or(&s.2))
-                .saturating_duration_since(s.1)
-        })
-        .sum();
-    let utilisation = held.as_secs_f64() / (queued.as_secs_f64() * f64::from(permits)).max(1e-9);
-    // After the ramp: from the permits-th grant to the last.
-    let ramped = grants.get(permits_n.saturating_sub(1)).copied();
-    let utilisation_after_ramp = match (ramped, grants.last()) {
-        (Some(from), Some(last)) => {
-            let held: Duration = spans
-                .iter()
-                .map(|s| s.2.min(*last).saturating_duration_since(s.1.max(from)))
-                .sum();
-            held.as_secs_f64()
-                / (last.saturating_duration_since(from).as_secs_f64() * f64::from(permits))
-                    .max(1e-9)
-        }
-        _ => 0.0,
-    };
-    let server_taken = match (ramped, grants.last()) {
-        (Some(from), Some(last)) => {
-            let within: Vec<u32> = samples
-                .iter()
-                .filter(|(at, _)| *at >= from && *at <= *last)
-                .map(|(_, taken)| *taken)
-                .collect();
-            f64::from(within.iter().sum::<u32>())
-                / (within.len() as f64 * f64::from(permits)).max(1e-9)
-        }
-        _ => 0.0,
-    };
-    let mut order: Vec<(Instant, usize)> = spans.iter().map(|s| (s.1, s.0.ticket)).collect();
-    order.sort();
-    let displaced = order
-        .iter()
-        .enumerate()
-        .map(|(at, (_, i))| at.abs_diff(*i))
-        .max()
-        .unwrap_or(0);
-    let overtaken = spans
-        .iter()
-        .map(|x| {
-            spans
-                .iter()
-                .filter(|y| y.0.from > x.0.by && y.1 < x.1)
-                .count()
-        })
-        .max()
-        .unwrap_or(0);
-    Ok(SemaphoreScale {
+    let burst = Burst {
+        opts,
+        semaphore: &semaphore,
+        name,
         waiters,
         permits,
         pool: pool_size,
         hold,
-        handoff: Latencies::new(
-            "Semaphore(10) at scale: a release to the grant it made room for",
-            "the holder's release() returned",
-            handoffs,
-        ),
-        most_holders: usize::try_from(most).unwrap_or(0),
-        utilisation,
-        utilisation_after_ramp,
-        server_taken,
-        ramp: ramped
-            .zip(grants.first())
-            .map_or(Duration::ZERO, |(to, from)| {
-                to.saturating_duration_since(*from)
-            }),
-        displaced,
-        overtaken,
-        errors,
-        first_error,
-        took,
-    })
+    };
+    let new = burst.run("new").await?;
+    let used = burst.run("used").await?;
+    pool.close().await;
+    Ok([new, used])
+}
+
+/// One burst of [`semaphore_scale`].
+struct Burst<'a> {
+    opts: &'a PgConnectOptions,
+    semaphore: &'a Semaphore,
+    name: &'a str,
+    waiters: usize,
+    permits: u32,
+    pool: u32,
+    hold: Duration,
+}
+
+impl Burst<'_> {
+    /// `connections`: whether the pool's connections are new or used.
+    async fn run(&self, connections: &'static str) -> anyhow::Result<SemaphoreScale> {
+        let Self {
+            opts,
+            semaphore,
+            name,
+            waiters,
+            permits,
+            pool: pool_size,
+            hold,
+        } = *self;
+        let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        // On a thread and runtime of its own, so that its polls take no turn
+        // of the waiters' worker threads.
+        let sampler = {
+            let (opts, queue, sampling) =
+                (opts.clone(), format!("{name}#queue"), Arc::clone(&sampling));
+            std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?
+                    .block_on(sample_slots(opts, queue, sampling))
+            })
+        };
+        let started = Instant::now();
+        let tickets = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..waiters {
+            let (semaphore, tickets) = (semaphore.clone(), Arc::clone(&tickets));
+            tasks.spawn(async move {
+                // The place in line: a ticket taken just before joining it, and
+                // the moments just before and just after the call's first poll,
+                // in which it joins the line. The thread can be preempted
+                // between the ticket and the poll, so only the moments say
+                // for sure that one waiter came before another.
+                let ticket = tickets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let arrived_from = Instant::now();
+                let mut acquire = std::pin::pin!(semaphore.acquire(Duration::from_secs(120)));
+                let first = std::future::poll_fn(|cx| Poll::Ready(acquire.as_mut().poll(cx))).await;
+                let arrived_by = Instant::now();
+                let permit = match first {
+                    Poll::Ready(permit) => permit?,
+                    Poll::Pending => acquire.await?,
+                };
+                let granted = Instant::now();
+                tokio::time::sleep(hold).await;
+                // Stops using it: held from `granted` to here, at most.
+                let done = Instant::now();
+                permit.release().await?;
+                let arrived = Arrival {
+                    ticket,
+                    from: arrived_from,
+                    by: arrived_by,
+                };
+                Ok::<_, distlock::Error>((arrived, granted, done, Instant::now()))
+            });
+            // Arrival order is the order of the first polls.
+            tokio::task::yield_now().await;
+        }
+        let (mut spans, mut errors, mut first_error) = (Vec::new(), 0, None);
+        while let Some(done) = tasks.join_next().await {
+            match done? {
+                Ok(span) => spans.push(span),
+                Err(err) => {
+                    errors += 1;
+                    first_error.get_or_insert_with(|| err.to_string());
+                }
+            }
+        }
+        let took = started.elapsed();
+        sampling.store(false, std::sync::atomic::Ordering::SeqCst);
+        let samples = sampler
+            .join()
+            .map_err(|_| anyhow::anyhow!("the pg_locks sampler panicked"))??;
+        let mut grants: Vec<Instant> = spans.iter().map(|s| s.1).collect();
+        let mut releases: Vec<Instant> = spans.iter().map(|s| s.3).collect();
+        grants.sort();
+        releases.sort();
+        let permits_n = permits as usize;
+        let handoffs = releases
+            .iter()
+            .zip(grants.iter().skip(permits_n))
+            .map(|(freed, granted)| granted.saturating_duration_since(*freed))
+            .collect();
+        // Most holders at once, from the time-stamps.
+        let mut events: Vec<(Instant, i32)> =
+            spans.iter().flat_map(|s| [(s.1, 1), (s.2, -1)]).collect();
+        events.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)));
+        let (mut inside, mut most) = (0, 0);
+        for (_, change) in events {
+            inside += change;
+            most = most.max(inside);
+        }
+        // While waiters queued: from the first grant to the last grant.
+        let queued = match (grants.first(), grants.last()) {
+            (Some(first), Some(last)) => last.saturating_duration_since(*first),
+            _ => Duration::ZERO,
+        };
+        let held: Duration = spans
+            .iter()
+            .map(|s| {
+                s.2.min(*grants.last().unwrap_or(&s.2))
+                    .saturating_duration_since(s.1)
+            })
+            .sum();
+        let utilisation =
+            held.as_secs_f64() / (queued.as_secs_f64() * f64::from(permits)).max(1e-9);
+        // After the ramp: from the permits-th grant to the last.
+        let ramped = grants.get(permits_n.saturating_sub(1)).copied();
+        let utilisation_after_ramp = match (ramped, grants.last()) {
+            (Some(from), Some(last)) => {
+                let held: Duration = spans
+                    .iter()
+                    .map(|s| s.2.min(*last).saturating_duration_since(s.1.max(from)))
+                    .sum();
+                held.as_secs_f64()
+                    / (last.saturating_duration_since(from).as_secs_f64() * f64::from(permits))
+                        .max(1e-9)
+            }
+            _ => 0.0,
+        };
+        let server_taken = match (ramped, grants.last()) {
+            (Some(from), Some(last)) => {
+                let within: Vec<u32> = samples
+                    .iter()
+                    .filter(|(at, _)| *at >= from && *at <= *last)
+                    .map(|(_, taken)| *taken)
+                    .collect();
+                f64::from(within.iter().sum::<u32>())
+                    / (within.len() as f64 * f64::from(permits)).max(1e-9)
+            }
+            _ => 0.0,
+        };
+        let mut order: Vec<(Instant, usize)> = spans.iter().map(|s| (s.1, s.0.ticket)).collect();
+        order.sort();
+        let displaced = order
+            .iter()
+            .enumerate()
+            .map(|(at, (_, i))| at.abs_diff(*i))
+            .max()
+            .unwrap_or(0);
+        let overtaken = spans
+            .iter()
+            .map(|x| {
+                spans
+                    .iter()
+                    .filter(|y| y.0.from > x.0.by && y.1 < x.1)
+                    .count()
+            })
+            .max()
+            .unwrap_or(0);
+        Ok(SemaphoreScale {
+            connections,
+            waiters,
+            permits,
+            pool: pool_size,
+            hold,
+            handoff: Latencies::new(
+                "Semaphore(10) at scale: a release to the grant it made room for",
+                "the holder's release() returned",
+                handoffs,
+            ),
+            most_holders: usize::try_from(most).unwrap_or(0),
+            utilisation,
+            utilisation_after_ramp,
+            server_taken,
+            ramp: ramped
+                .zip(grants.first())
+                .map_or(Duration::ZERO, |(to, from)| {
+                    to.saturating_duration_since(*from)
+                }),
+            displaced,
+            overtaken,
+            errors,
+            first_error,
+            took,
+        })
+    }
 }
 
 /// Counts the semaphore's slots taken on the server every 5 ms, on a
@@ -443,13 +491,19 @@ pub fn scale_table(runs: &[SemaphoreScale]) -> String {
          its ticket's place (a ticket is taken just before the call, and a thread preempted \
          in between joins the line late); overtaken, the most waiters that surely came \
          after one waiter (their call's first poll began after its first poll ended) and \
-         were served before it.\n\n\
-         | waiters | permits | pool | hold | errors | most holders | permits in use while waiters queued | ramp ms | … after the ramp | slots taken on the server after the ramp | furthest from arrival order, by ticket | overtaken by later arrivals | hand-off p50 µs | p99 µs | max µs | took |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         were served before it. Connections: new, the pool's connections had run no \
+         statement of the semaphore before the burst (a new backend reads the catalog and \
+         plans each statement on first use); used, a burst ran on them before. The ramp: \
+         from the first grant to the one that took the last free permit. After the ramp: \
+         the permits in use from then to the last grant, and the semaphore's slots taken \
+         on the server then (pg_locks, sampled every 5 ms).\n\n\
+         | connections | waiters | permits | pool | hold | errors | most holders | permits in use while waiters queued | ramp ms | … after the ramp | slots taken on the server after the ramp | furthest from arrival order, by ticket | overtaken by later arrivals | hand-off p50 µs | p99 µs | max µs | took |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for run in runs {
         out.push_str(&format!(
-            "| {} | {} | {} | {} ms | {}{} | {} | {:.1}% | {:.1} | {:.1}% | {:.1}% | {} places | {} | {:.0} | {:.0} | {:.0} | {:.2} s |\n",
+            "| {} | {} | {} | {} | {} ms | {}{} | {} | {:.1}% | {:.1} | {:.1}% | {:.1}% | {} places | {} | {:.0} | {:.0} | {:.0} | {:.2} s |\n",
+            run.connections,
             run.waiters,
             run.permits,
             run.pool,

@@ -299,7 +299,8 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// The semaphore target's scale: 200 waiters, 10 permits, a pool of 20,
-/// each holder keeping its permit 10 ms; 3 runs (1 with `--quick`).
+/// each holder keeping its permit 10 ms; 3 runs (1 with `--quick`), each a
+/// burst on a new pool and a second burst on the same pool.
 async fn semaphore_scale_table(
     opts: &PgConnectOptions,
     settings: &Settings,
@@ -307,7 +308,7 @@ async fn semaphore_scale_table(
     let mut runs = Vec::new();
     for _ in 0..if settings.quick { 1 } else { 3 } {
         let scale = (200, 10, 20);
-        runs.push(kinds::semaphore_scale(opts, scale, Duration::from_millis(10)).await?);
+        runs.extend(kinds::semaphore_scale(opts, scale, Duration::from_millis(10)).await?);
     }
     Ok(kinds::scale_table(&runs))
 }

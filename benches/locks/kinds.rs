@@ -366,34 +366,15 @@ impl Burst<'_> {
             inside += change;
             most = most.max(inside);
         }
-        // While waiters queued: from the first grant to the last grant.
-        let queued = match (grants.first(), grants.last()) {
-            (Some(first), Some(last)) => last.saturating_duration_since(*first),
-            _ => Duration::ZERO,
-        };
-        let held: Duration = spans
-            .iter()
-            .map(|s| {
-                s.2.min(*grants.last().unwrap_or(&s.2))
-                    .saturating_duration_since(s.1)
-            })
-            .sum();
-        let utilisation =
-            held.as_secs_f64() / (queued.as_secs_f64() * f64::from(permits)).max(1e-9);
-        // After the ramp: from the permits-th grant to the last.
+        // While waiters queued: from the first grant to the last grant; and
+        // after the ramp, from the permits-th grant to the last.
         let ramped = grants.get(permits_n.saturating_sub(1)).copied();
-        let utilisation_after_ramp = match (ramped, grants.last()) {
-            (Some(from), Some(last)) => {
-                let held: Duration = spans
-                    .iter()
-                    .map(|s| s.2.min(*last).saturating_duration_since(s.1.max(from)))
-                    .sum();
-                held.as_secs_f64()
-                    / (last.saturating_duration_since(from).as_secs_f64() * f64::from(permits))
-                        .max(1e-9)
-            }
+        let in_use_from = |from: Option<Instant>| match (from, grants.last()) {
+            (Some(from), Some(last)) => in_use(&spans, from, *last, permits),
             _ => 0.0,
         };
+        let utilisation = in_use_from(grants.first().copied());
+        let utilisation_after_ramp = in_use_from(ramped);
         let server_taken = match (ramped, grants.last()) {
             (Some(from), Some(last)) => {
                 let within: Vec<u32> = samples
@@ -451,6 +432,22 @@ impl Burst<'_> {
             took,
         })
     }
+}
+
+/// Permit-time held between `from` and `last` over `permits` × that
+/// interval; a span is `(arrival, granted, done using it, released)`.
+fn in_use(
+    spans: &[(Arrival, Instant, Instant, Instant)],
+    from: Instant,
+    last: Instant,
+    permits: u32,
+) -> f64 {
+    let held: Duration = spans
+        .iter()
+        .map(|s| s.2.min(last).saturating_duration_since(s.1.max(from)))
+        .sum();
+    held.as_secs_f64()
+        / (last.saturating_duration_since(from).as_secs_f64() * f64::from(permits)).max(1e-9)
 }
 
 /// Counts the semaphore's slots taken on the server every 5 ms, on a

@@ -65,6 +65,9 @@ struct State {
     /// A fill runs (see `PgSlots::filling`); `.1`: another was asked for
     /// meanwhile.
     filling: (bool, bool),
+    /// The fill's next round may try every slot: it was asked for as the
+    /// turn began, when any number of slots may be free.
+    wide: bool,
     /// The latest deadline of the heads that asked for the running fill:
     /// its tries wait for a pooled connection until then, not until the
     /// deadline of the head that started it, which may have left.
@@ -90,6 +93,8 @@ pub(crate) struct Tenure {
     /// began, or the last head took a free slot): the next head tries at
     /// once.
     pub(crate) fresh: bool,
+    /// The turn just began: its first fill may try every slot.
+    pub(crate) began: bool,
     turn: Turn,
 }
 
@@ -138,6 +143,7 @@ impl Relay {
                 open: false,
                 passes: 0,
                 filling: (false, false),
+                wide: false,
                 fill_until: None,
                 failure: None,
                 limit,
@@ -207,6 +213,7 @@ impl Relay {
             waiting,
             used: tokio::time::Instant::now(),
             fresh: true,
+            began: true,
             turn: Turn {
                 state: Arc::downgrade(&self.state),
             },
@@ -235,11 +242,13 @@ impl Relay {
         lock(&self.state).waiters.len()
     }
 
-    /// Marks a fill as running for a head whose wait ends at `deadline`:
-    /// `true` when the caller starts it, `false` when one runs already
-    /// (which then runs once more, until the later deadline).
-    pub(crate) fn begin_fill(&self, deadline: tokio::time::Instant) -> bool {
+    /// Marks a fill as running for a head whose wait ends at `deadline`
+    /// (`wide`: its next round may try every slot): `true` when the caller
+    /// starts it, `false` when one runs already (which then runs once
+    /// more, until the later deadline).
+    pub(crate) fn begin_fill(&self, deadline: tokio::time::Instant, wide: bool) -> bool {
         let mut state = lock(&self.state);
+        state.wide |= wide;
         state.fill_until = Some(
             state
                 .fill_until
@@ -261,8 +270,14 @@ impl Relay {
         state.filling = (more, false);
         if !more {
             state.fill_until = None;
+            state.wide = false;
         }
         more
+    }
+
+    /// Whether the fill's round about to start may try every slot (once).
+    pub(crate) fn take_wide(&self) -> bool {
+        std::mem::take(&mut lock(&self.state).wide)
     }
 
     /// Until when the running fill's tries wait for a pooled connection

@@ -32,7 +32,9 @@
 //!   semaphore, and every [`FALLBACK`] (for a holder that vanished without
 //!   unlocking), a background fill tries the slots on other pooled
 //!   connections, as many at once as the process has waiters (up to
-//!   [`TRIES`]), and hands every permit taken to the earliest waiters.
+//!   [`TRIES`]; at the start of the turn, when any number of slots may be
+//!   free, up to the permits), and hands every permit taken to the
+//!   earliest waiters.
 //!
 //! The head is a waiter too: served, it leaves the connection holding the
 //! queue to the next head, or gives the queue back when no waiter is left.
@@ -40,7 +42,10 @@
 //! another process waits for the queue (1 round trip); if one does, it
 //! gives the queue back and takes it again, behind it. A process's waiters
 //! hold one connection between them, however many they are, plus up to
-//! [`TRIES`] for the moment of a fill.
+//! [`TRIES`] for the moment of a fill (up to the permits, and never more
+//! than the pool has idle or may open, at the start of a turn: a try that
+//! takes a slot keeps its connection as the permit's, one that finds the
+//! slots taken gives it back after 1 round trip).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -73,7 +78,10 @@ const FALLBACK: Duration = Duration::from_millis(200);
 
 /// How many tries a head runs at once while its process holds the queue
 /// and slots may be free (each on a pooled connection): enough to fill free
-/// permits in parallel, few enough to leave the pool to others.
+/// permits in parallel, few enough to leave the pool to others. Not at the
+/// start of a turn: then any number of slots may be free (a burst of
+/// waiters on an idle semaphore), and rounds of this many left permits idle
+/// for a round trip each (3 rounds for 9 free permits).
 const TRIES: usize = 4;
 
 /// The PostgreSQL side of a semaphore built by `PgLocker::semaphore`.
@@ -418,7 +426,8 @@ impl PgSlots {
             // waiters of the process are often about to line up behind it.
             let alone = std::mem::take(&mut announced) && self.relay.waiters() <= 1;
             let fresh = std::mem::take(&mut tenure.fresh);
-            let woke = if !fresh || (!alone && self.fill(deadline)) {
+            let began = std::mem::take(&mut tenure.began);
+            let woke = if !fresh || (!alone && self.fill(deadline, began)) {
                 self.until_freed(&mut tenure, deadline, pass).await
             } else {
                 // Alone, or the pool has no connection to spare: the head
@@ -555,12 +564,13 @@ impl PgSlots {
     }
 
     /// Starts the process's fill if none runs (see [`filling`](Self::filling));
+    /// `began`: the turn just began, so its next round may try every slot.
     /// `false` when the pool has no connection to spare for it.
-    fn fill(&self, deadline: tokio::time::Instant) -> bool {
+    fn fill(&self, deadline: tokio::time::Instant, began: bool) -> bool {
         if self.room() == 0 {
             return false;
         }
-        if self.relay.begin_fill(deadline) {
+        if self.relay.begin_fill(deadline, began) {
             let slots = self.clone();
             tokio::spawn(async move { slots.filling().await });
         }
@@ -581,14 +591,19 @@ impl PgSlots {
 
     /// While this process holds the queue: tries the slots on other pooled
     /// connections, as many at once as the process has waiters (up to
-    /// [`TRIES`], and as the pool has room), 1 round trip each, and hands
-    /// every permit taken to the process's earliest waiter. Runs again as
-    /// long as every try took a slot, or another fill was asked for
-    /// meanwhile. Off the waiters' path: they keep taking permits handed
-    /// over while it runs.
+    /// [`TRIES`], or up to the permits in the first round of a turn, and as
+    /// the pool has room), 1 round trip each, and hands every permit taken
+    /// to the process's earliest waiter. Runs again as long as every try
+    /// took a slot, or another fill was asked for meanwhile. Off the
+    /// waiters' path: they keep taking permits handed over while it runs.
     async fn filling(&self) {
         loop {
-            let tries = self.relay.waiters().min(TRIES).min(self.room());
+            let most = if self.relay.take_wide() {
+                self.slots.len()
+            } else {
+                TRIES
+            };
+            let tries = self.relay.waiters().min(most).min(self.room());
             let deadline = self.relay.fill_until();
             // No deadline (never while a fill runs) is no round, so that the
             // loop cannot spin without an await.

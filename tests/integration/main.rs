@@ -33,6 +33,7 @@ mod redlock;
 mod search_path;
 mod security;
 mod semaphore;
+mod semaphore_fill;
 mod semaphore_relay;
 mod session;
 mod statement_timeout;

@@ -11,7 +11,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 /// A pool of `size` connections, all open: run beside other tests, a pool
 /// that opens connections mid-test can meet the server's connection limit.
-async fn pool_of(opts: &PgConnectOptions, size: u32) -> PgPool {
+pub(crate) async fn pool_of(opts: &PgConnectOptions, size: u32) -> PgPool {
     let pool = PgPoolOptions::new()
         .max_connections(size)
         .acquire_timeout(Duration::from_secs(5))

@@ -591,18 +591,19 @@ impl PgSlots {
 
     /// While this process holds the queue: tries the slots on other pooled
     /// connections, as many at once as the process has waiters (up to
-    /// [`TRIES`], or up to the permits in the first round of a turn, and as
-    /// the pool has room), 1 round trip each, and hands every permit taken
-    /// to the process's earliest waiter. Runs again as long as every try
-    /// took a slot, or another fill was asked for meanwhile. Off the
-    /// waiters' path: they keep taking permits handed over while it runs.
+    /// [`TRIES`], or up to the permits from the start of a turn for as long
+    /// as every try takes a slot, and as the pool has room), 1 round trip
+    /// each, and hands every permit taken to the process's earliest waiter.
+    /// Runs again as long as every try took a slot, or another fill was
+    /// asked for meanwhile. Off the waiters' path: they keep taking permits
+    /// handed over while it runs.
     async fn filling(&self) {
+        // Wide rounds go on while every try takes a slot: as a burst of
+        // waiters arrives, the first round sees only the first few of them.
+        let mut wide = false;
         loop {
-            let most = if self.relay.take_wide() {
-                self.slots.len()
-            } else {
-                TRIES
-            };
+            wide |= self.relay.take_wide();
+            let most = if wide { self.slots.len() } else { TRIES };
             let tries = self.relay.waiters().min(most).min(self.room());
             let deadline = self.relay.fill_until();
             // No deadline (never while a fill runs) is no round, so that the
@@ -625,6 +626,7 @@ impl PgSlots {
                     }
                 }
             }
+            wide &= all;
             if !self.relay.end_fill(all) {
                 return;
             }

@@ -21,7 +21,10 @@
 //! Both on a multi-thread runtime (2 workers) and on a current-thread
 //! runtime. Options: `--rounds N` (20), `--per-round N` (300), `--warmup N`
 //! (200), `--blocks N` (60), `--block N` (100), `--quick`, `--keep-dbs`,
-//! `--detail` (every back-to-back block's median).
+//! `--detail` (every back-to-back block's median), `--only ALT` with
+//! `--cycles N` (5000): one alternative back to back on the current-thread
+//! runtime only, e.g. `--only NewSession`, to run under `strace -c` or
+//! `perf`.
 //! The server: `SBS_DATABASE_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/postgres`); the two databases are
 //! created on it (dropped first if they exist) and dropped at the end.
@@ -403,6 +406,11 @@ struct Opts {
     keep_dbs: bool,
     /// Also print every back-to-back block's median, in order.
     detail: bool,
+    /// Only this alternative (its `Debug` name, e.g. `NewSession`), back to
+    /// back, `cycles` times, on the current-thread runtime: a loop to run
+    /// under `strace -c` or `perf`.
+    only: Option<String>,
+    cycles: usize,
 }
 
 impl Opts {
@@ -415,6 +423,8 @@ impl Opts {
             block: 100,
             keep_dbs: false,
             detail: false,
+            only: None,
+            cycles: 5000,
         };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
@@ -432,6 +442,8 @@ impl Opts {
                 "--block" => o.block = num("--block")?,
                 "--keep-dbs" => o.keep_dbs = true,
                 "--detail" => o.detail = true,
+                "--cycles" => o.cycles = num("--cycles")?,
+                "--only" => o.only = Some(args.next().context("--only needs an alternative")?),
                 "--quick" => {
                     o.rounds = 2;
                     o.per_round = 50;
@@ -445,6 +457,31 @@ impl Opts {
         }
         Ok(o)
     }
+}
+
+/// `--only`: `warmup` cycles, then `cycles` timed cycles of one
+/// alternative, back to back.
+async fn only_one(ctx: &Ctx, o: &Opts, only: &str, seq: &mut u64) -> anyhow::Result<String> {
+    let alt = ALL
+        .into_iter()
+        .find(|alt| format!("{alt:?}") == only)
+        .with_context(|| format!("no alternative {only}"))?;
+    for _ in 0..o.warmup {
+        ctx.cycle(alt, key(*seq, alt)).await?;
+        *seq += 1;
+    }
+    let started = Instant::now();
+    let mut t = Vec::with_capacity(o.cycles);
+    for _ in 0..o.cycles {
+        t.push(us(ctx.cycle(alt, key(*seq, alt)).await?));
+        *seq += 1;
+    }
+    let per_cycle = started.elapsed().as_secs_f64() * 1e6 / o.cycles.max(1) as f64;
+    Ok(format!(
+        "{only}: {} cycles back to back, {per_cycle:.1} µs per cycle, median {:.1} µs",
+        o.cycles,
+        median(&t)
+    ))
 }
 
 /// Interleaved: warm-up, then `rounds` rounds of `per_round` cycles of
@@ -573,6 +610,11 @@ fn table(title: &str, alts: &[Alt], samples: &[Samples], unit: &str) -> String {
 async fn run(base: &PgConnectOptions, o: &Opts, runtime: &str) -> anyhow::Result<String> {
     let ctx = Ctx::new(base).await?;
     let mut seq = 0;
+    if let Some(only) = &o.only {
+        let out = only_one(&ctx, o, only, &mut seq).await;
+        ctx.close().await;
+        return out;
+    }
     let started = Instant::now();
     let inter = interleaved(&ctx, o, &mut seq).await?;
     let inter_took = started.elapsed();
@@ -680,9 +722,11 @@ fn main() -> anyhow::Result<()> {
             .worker_threads(2)
             .enable_all()
             .build()?;
-        let out = multi.block_on(run(&base, &o, "multi-thread (2 workers)"))?;
-        multi.shutdown_timeout(Duration::from_secs(5));
-        println!("{out}");
+        if o.only.is_none() {
+            let out = multi.block_on(run(&base, &o, "multi-thread (2 workers)"))?;
+            multi.shutdown_timeout(Duration::from_secs(5));
+            println!("{out}");
+        }
         let current = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;

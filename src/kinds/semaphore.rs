@@ -75,9 +75,14 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 ///   200 ms (for a holder whose session ended without an unlock), the
 ///   process tries the slots in the background, on up to four pooled
 ///   connections at once (1 round trip each), and hands every permit taken
-///   to its earliest waiters. A release announced to a head that waits
-///   alone is tried on the queue's own connection instead (1 round trip:
-///   the statement takes the slot and gives the queue back).
+///   to its earliest waiters. At the start of the turn, when any number of
+///   permits may be free, it tries on as many connections at once as it
+///   has waiters, up to `permits` and never more than the pool has idle or
+///   may open, for as long as every try takes one: a burst of waiters on
+///   an idle semaphore fills it in one round. A release announced to a
+///   head that waits alone is tried on the queue's own connection instead
+///   (1 round trip: the statement takes the slot and gives the queue
+///   back).
 ///
 /// A served head leaves the queue's connection to the next head; the last
 /// waiter gives the queue back before its `acquire` returns (1 round trip).

@@ -52,7 +52,8 @@ async fn head_waits_for_queue(obs: &mut sqlx::PgConnection) -> bool {
 async fn a_turn_begins_by_trying_every_free_slot_at_once(pool: PgPool) {
     distlock::migrate(&pool).await.expect("migrate");
     let opts = pool.connect_options().as_ref().clone();
-    let locker = PgLocker::builder(pool_of(&opts, 16).await)
+    // 12 connections: the head's, and room for a try on every slot.
+    let locker = PgLocker::builder(pool_of(&opts, 12).await)
         .fencing(true)
         .build()
         .expect("valid settings");

@@ -61,13 +61,33 @@ async fn queue_lock(pool: &PgPool, name: &str, granted: bool) -> bool {
     .expect("pg_locks")
 }
 
-/// Waits (up to 5 s) until a head holds the queue of `name`.
+/// Waits (up to 5 s) until a head holds the queue of `name` and its
+/// statement has ended (its backend is idle), then 50 ms more: the server
+/// grants the queue before the head's process reads the answer and opens
+/// its turn, and a permit given up in between is unlocked, not handed over
+/// (seen once under a loaded `cargo test`).
 async fn until_queued(pool: &PgPool, name: &str) {
     let started = Instant::now();
-    while !queue_lock(pool, name, true).await {
+    while !(queue_lock(pool, name, true).await && queue_holder_idle(pool, name).await) {
         assert!(started.elapsed() < Duration::from_secs(5), "no head queued");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+/// Whether the session that holds the queue lock of `name` is idle.
+async fn queue_holder_idle(pool: &PgPool, name: &str) -> bool {
+    sqlx::query_scalar(
+        "SELECT count(*) > 0 FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 \
+         AND l.classid = ($1::int8 & 4294967295)::oid \
+         AND l.objid = (hashtext($2)::int8 & 4294967295)::oid AND a.state = 'idle'",
+    )
+    .bind(i64::from(Semaphore::SLOT_NAMESPACE))
+    .bind(format!("{name}#queue"))
+    .fetch_one(pool)
+    .await
+    .expect("pg_stat_activity")
 }
 
 /// How the holder gives its permit up.

@@ -78,11 +78,11 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 ///   to its earliest waiters. At the start of the turn, when any number of
 ///   permits may be free, it tries on as many connections at once as it
 ///   has waiters, up to `permits` and never more than the pool has idle or
-///   may open, for as long as every try takes one: a burst of waiters on
-///   an idle semaphore fills it in one round. A release announced to a
-///   head that waits alone is tried on the queue's own connection instead
-///   (1 round trip: the statement takes the slot and gives the queue
-///   back).
+///   may open, for as long as every try takes one, so that a burst of
+///   waiters on an idle semaphore is not filled four permits at a time. A
+///   release announced to a head that waits alone is tried on the queue's
+///   own connection instead (1 round trip: the statement takes the slot and
+///   gives the queue back).
 ///
 /// A served head leaves the queue's connection to the next head; the last
 /// waiter gives the queue back before its `acquire` returns (1 round trip).

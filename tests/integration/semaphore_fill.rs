@@ -12,7 +12,7 @@
 //! shows only its first round: the next starts when the first has answered.
 
 use crate::common;
-use crate::semaphore_relay::pool_of;
+use crate::semaphore_relay::{pool_of, queue_lock};
 
 use std::time::Duration;
 
@@ -34,18 +34,15 @@ async fn waiting_for_tokens(obs: &mut sqlx::PgConnection) -> i64 {
     .expect("pg_locks")
 }
 
-/// Whether a session waits for the queue lock of [`NAME`].
-async fn head_waits_for_queue(obs: &mut sqlx::PgConnection) -> bool {
-    sqlx::query_scalar(
-        "SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-         AND objsubid = 2 AND classid = ($1::int8 & 4294967295)::oid \
-         AND objid = (hashtext($2)::int8 & 4294967295)::oid",
-    )
-    .bind(i64::from(Semaphore::SLOT_NAMESPACE))
-    .bind(format!("{NAME}#queue"))
-    .fetch_one(obs)
-    .await
-    .expect("pg_locks")
+/// Runs `statement` (`$1` the namespace, `$2` the name) on the queue lock
+/// of [`NAME`], as another process's head would.
+async fn on_queue(conn: &mut sqlx::PgConnection, statement: &'static str) {
+    sqlx::query(statement)
+        .bind(Semaphore::SLOT_NAMESPACE)
+        .bind(format!("{NAME}#queue"))
+        .execute(conn)
+        .await
+        .expect("the queue lock");
 }
 
 #[sqlx::test(migrations = false)]
@@ -63,12 +60,7 @@ async fn a_turn_begins_by_trying_every_free_slot_at_once(pool: PgPool) {
     // Another process's head holds the queue: this process's waiters line
     // up behind it, and every slot stays free.
     let mut other = common::observer_for(&pool).await;
-    sqlx::query("SELECT pg_advisory_lock($1, hashtext($2))")
-        .bind(Semaphore::SLOT_NAMESPACE)
-        .bind(format!("{NAME}#queue"))
-        .execute(&mut other)
-        .await
-        .expect("queue");
+    on_queue(&mut other, "SELECT pg_advisory_lock($1, hashtext($2))").await;
     let (served, mut permits) = tokio::sync::mpsc::unbounded_channel();
     for _ in 0..WAITERS {
         let (semaphore, served) = (semaphore.clone(), served.clone());
@@ -82,7 +74,7 @@ async fn a_turn_begins_by_trying_every_free_slot_at_once(pool: PgPool) {
     common::eventually(
         "the head waits for the queue",
         Duration::from_secs(10),
-        async || head_waits_for_queue(&mut obs).await,
+        async || queue_lock(&pool, NAME, false).await,
     )
     .await;
     // The other waiters only register in the process; give them time to.
@@ -95,12 +87,7 @@ async fn a_turn_begins_by_trying_every_free_slot_at_once(pool: PgPool) {
         .execute(&mut *held)
         .await
         .expect("lock the token epoch");
-    sqlx::query("SELECT pg_advisory_unlock($1, hashtext($2))")
-        .bind(Semaphore::SLOT_NAMESPACE)
-        .bind(format!("{NAME}#queue"))
-        .execute(&mut other)
-        .await
-        .expect("unlock the queue");
+    on_queue(&mut other, "SELECT pg_advisory_unlock($1, hashtext($2))").await;
 
     // A fill in rounds stays at its first round's size: give it time to
     // show more, then count (never more tries than permits).

@@ -47,7 +47,7 @@ async fn holder_of(pool: &PgPool, key: String) -> Option<i32> {
 
 /// Whether some session holds (`granted`) or waits for (not `granted`)
 /// the queue lock of `name`.
-async fn queue_lock(pool: &PgPool, name: &str, granted: bool) -> bool {
+pub(crate) async fn queue_lock(pool: &PgPool, name: &str, granted: bool) -> bool {
     sqlx::query_scalar(
         "SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND granted = $3 \
          AND objsubid = 2 AND classid = ($1::int8 & 4294967295)::oid \

@@ -411,7 +411,7 @@ impl PgLocker {
     /// Cancel safe: a read on a pooled connection; no lock is taken.
     pub async fn holders_of(&self, key: impl Into<LockKey>) -> Result<Vec<Holder>, Error> {
         let key = key.into();
-        let mut conn = self.pool().acquire().await?;
+        let mut conn = crate::postgres::conn::pooled::acquire(self.pool()).await?;
         crate::postgres::holders::holders_of(&mut conn, &key).await
     }
 }

@@ -35,10 +35,12 @@ pub(crate) async fn timeout_error(
 ) -> Error {
     let conn = match conn {
         Some(conn) => Some(conn),
-        None => match tokio::time::timeout(within, pool.acquire()).await {
-            Ok(Ok(pooled)) => Some(HeldConn::new(pooled, true)),
-            _ => None,
-        },
+        None => {
+            match tokio::time::timeout(within, crate::postgres::conn::pooled::acquire(pool)).await {
+                Ok(Ok(pooled)) => Some(HeldConn::new(pooled, true)),
+                _ => None,
+            }
+        }
     };
     let chain = match conn {
         Some(mut conn) => {

@@ -18,6 +18,7 @@ mod config;
 mod errors;
 mod examples;
 mod fencing;
+mod future_size;
 mod holders;
 mod idempotency;
 mod job;

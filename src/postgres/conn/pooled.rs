@@ -1,6 +1,8 @@
 //! A pooled connection within a waiting call's deadline, or an error that
 //! says why there was none: shared by every waiting lock path.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Instant;
 
 use sqlx::pool::PoolConnection;
@@ -15,6 +17,18 @@ use crate::{Error, LockKey};
 /// already due would otherwise never allow.
 pub(crate) const ACQUIRE_FLOOR: std::time::Duration = std::time::Duration::from_millis(250);
 
+/// `pool.acquire()`, boxed. sqlx's acquisition future is about 17 KB; kept
+/// inline it would make every lock call's future that size (a `try_lock`'s
+/// was 18 KB), copied whole each time a caller moves it, even when the call
+/// takes a warm connection and never awaits the pool. Boxed, the common
+/// path's future stays small and the allocation happens only when the pool
+/// is asked, beside that call's ping round trip.
+pub(crate) fn acquire(
+    pool: &PgPool,
+) -> Pin<Box<dyn Future<Output = Result<PoolConnection<Postgres>, sqlx::Error>> + Send + '_>> {
+    Box::pin(pool.acquire())
+}
+
 /// A connection from `pool` before `deadline`.
 ///
 /// A deadline that passes while the pool has no connection to give is not a
@@ -26,7 +40,7 @@ pub(crate) async fn pooled_before(
     started: Instant,
     deadline: tokio::time::Instant,
 ) -> Result<PoolConnection<Postgres>, Error> {
-    before(pool, key, (started, deadline), pool.acquire()).await
+    before(pool, key, (started, deadline), acquire(pool)).await
 }
 
 /// A connection from `pool` that can be read while idle (see

@@ -47,7 +47,10 @@ impl WatchedConn {
     ///
     /// As `pool.acquire()`: dropped before it completes, nothing is taken.
     pub(crate) async fn acquire(pool: &PgPool) -> Result<Self, sqlx::Error> {
-        let mut listener = PgListener::connect_with(pool).await?;
+        // Boxed: the pool's acquisition future is large (see
+        // `pooled::acquire`), and a lock call that takes a warm connection
+        // should not carry it.
+        let mut listener = Box::pin(PgListener::connect_with(pool)).await?;
         // A held lock keeps its connection while the pool closes, as a plain
         // pooled connection would; the pool's closing is no loss.
         listener.ignore_pool_close_event(true);
@@ -119,7 +122,8 @@ impl WatchedConn {
     /// Not cancel safe: the caller closes the connection if it is dropped.
     pub(crate) async fn listen(&mut self, channel: &str) -> Result<(), sqlx::Error> {
         match self.listener.as_mut() {
-            Some(listener) => listener.listen(channel).await,
+            // Boxed, as the listener's futures are large (about 9 KB).
+            Some(listener) => Box::pin(listener.listen(channel)).await,
             None => Err(sqlx::Error::Io(std::io::Error::new(
                 std::io::ErrorKind::ConnectionAborted,
                 "the server ended the session",
@@ -139,7 +143,9 @@ impl WatchedConn {
         let Some(listener) = self.listener.as_mut() else {
             return Err(closed());
         };
-        match listener.try_recv().await {
+        // Boxed: the listener's receive future is about 9 KB, and a
+        // waiting caller's future holds this one across its whole wait.
+        match Box::pin(listener.try_recv()).await {
             Ok(Some(notification)) => Ok(notification.payload().to_owned()),
             Ok(None) => {
                 self.listener = None;

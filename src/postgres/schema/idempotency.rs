@@ -104,7 +104,9 @@ where
     E: From<Error>,
 {
     validate(scope, key)?;
-    let mut conn = pool.acquire().await.map_err(Error::from)?;
+    let mut conn = crate::postgres::conn::pooled::acquire(pool)
+        .await
+        .map_err(Error::from)?;
     once_in(&mut conn, scope, key, f).await
 }
 

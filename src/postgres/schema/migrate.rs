@@ -140,7 +140,7 @@ impl Migrator {
     /// As [`migrate`].
     pub async fn run(&self, pool: &PgPool) -> Result<(), Error> {
         // Armed: if this future is dropped, the session (and its lock) ends.
-        let mut conn = HeldConn::new(pool.acquire().await?, true);
+        let mut conn = HeldConn::new(crate::postgres::conn::pooled::acquire(pool).await?, true);
         let locked = sqlx::query("SELECT pg_catalog.pg_advisory_lock($1, $2)")
             .bind(MIGRATE_LOCK.0)
             .bind(MIGRATE_LOCK.1)

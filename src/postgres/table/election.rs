@@ -21,7 +21,10 @@ impl TableLocker {
     /// Runs one simple-query statement; its rows. Only a connection that
     /// answered goes back to the pool.
     async fn simple(&self, sql: String) -> Result<Vec<PgRow>, Error> {
-        let mut conn = HeldConn::new(self.pool().acquire().await?, true);
+        let mut conn = HeldConn::new(
+            crate::postgres::conn::pooled::acquire(self.pool()).await?,
+            true,
+        );
         let rows = sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_all(conn.conn())
             .await?;

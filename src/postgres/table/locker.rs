@@ -513,7 +513,10 @@ impl TableLocker {
     /// Cancel safe: it deletes only rows whose leases have expired, all or
     /// none of them.
     pub async fn purge_expired(&self, limit: u32) -> Result<u64, Error> {
-        let mut conn = HeldConn::new(self.pool().acquire().await?, true);
+        let mut conn = HeldConn::new(
+            crate::postgres::conn::pooled::acquire(self.pool()).await?,
+            true,
+        );
         let row = sqlx::raw_sql(AssertSqlSafe(sql::purge(limit)))
             .fetch_one(conn.conn())
             .await?;

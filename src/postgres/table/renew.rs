@@ -111,7 +111,10 @@ impl Renewal {
     async fn renew_once(&self) -> Result<bool, Error> {
         // Armed: a renewal abandoned at its timeout closes its connection
         // rather than hand a stalled one back to the pool.
-        let mut conn = HeldConn::new(self.inner.pool.acquire().await?, true);
+        let mut conn = HeldConn::new(
+            crate::postgres::conn::pooled::acquire(&self.inner.pool).await?,
+            true,
+        );
         let sql = sql::renew(&self.expr, self.owner, self.inner.ttl);
         let row = sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_one(conn.conn())

@@ -66,8 +66,8 @@ pub(super) fn decode_try(
 ) -> Result<TryRow, Error> {
     let row = SessionRow::decode(row, asked, fencing)?;
     let key = match row.resolved {
-        (1, a, _) => ServerKey::BigInt(a),
-        (_, a, b) => match (i32::try_from(a), i32::try_from(b)) {
+        Some((1, a, _)) => ServerKey::BigInt(a),
+        Some((_, a, b)) => match (i32::try_from(a), i32::try_from(b)) {
             (Ok(a), Ok(b)) => ServerKey::Pair(a, b),
             _ => {
                 return Err(Error::InvalidKey {
@@ -76,6 +76,13 @@ pub(super) fn decode_try(
                 });
             }
         },
+        // The multiplexed try always returns the resolved key.
+        None => {
+            return Err(Error::InvalidKey {
+                key: asked.clone(),
+                reason: "the server did not say how it resolved it",
+            });
+        }
     };
     Ok(TryRow {
         locked: row.taken,

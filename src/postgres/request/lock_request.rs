@@ -73,11 +73,11 @@ impl<'k> Request<'k> {
 
     /// The try inside a transaction that `with_advisory_lock*` opened;
     /// `waits`: a wait follows a busy key (so the try lifts a session
-    /// `statement_timeout` for it). Columns: taken, the `statement_timeout`.
+    /// `statement_timeout` for it). Columns: taken, then (`waits` only) the
+    /// `statement_timeout`.
     pub(crate) fn xact_try(self, waits: bool) -> PgQuery<'k> {
-        self.key
-            .bind(sqlx::query(sql::xact_try(self.lock)))
-            .bind(waits)
+        let query = self.key.bind(sqlx::query(sql::xact_try(self.lock, waits)));
+        if waits { query.bind(true) } else { query }
     }
 
     /// The wait inside an open transaction, under `timeout`, putting the

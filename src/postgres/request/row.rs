@@ -20,8 +20,9 @@ pub(crate) struct SessionRow {
     pub(crate) token: Option<FencingToken>,
     /// Whether the session's `statement_timeout` would cut a wait short.
     pub(crate) limited: bool,
-    /// The key as the server resolved it: space, a, b.
-    pub(crate) resolved: (i32, i64, i64),
+    /// The key as the server resolved it: space, a, b (`None` from a try
+    /// that resolves it in place, which no caller of it reads).
+    pub(crate) resolved: Option<(i32, i64, i64)>,
 }
 
 impl SessionRow {
@@ -44,7 +45,7 @@ impl SessionRow {
             pid: row.try_get(1)?,
             token,
             limited: unlimited::limited(limit.as_deref()),
-            resolved: (row.try_get(5)?, row.try_get(6)?, row.try_get(7)?),
+            resolved: resolved(row)?,
         })
     }
 
@@ -55,4 +56,15 @@ impl SessionRow {
         self.taken
             .ok_or_else(|| crate::postgres::pooler::marker_seen(self.pid))
     }
+}
+
+/// Columns 5–7, the resolved key, or `None` where the statement left them
+/// NULL.
+fn resolved(row: &PgRow) -> Result<Option<(i32, i64, i64)>, Error> {
+    let space: Option<i32> = row.try_get(5)?;
+    let (a, b): (Option<i64>, Option<i64>) = (row.try_get(6)?, row.try_get(7)?);
+    Ok(match (space, a, b) {
+        (Some(space), Some(a), Some(b)) => Some((space, a, b)),
+        _ => None,
+    })
 }

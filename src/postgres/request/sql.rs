@@ -22,6 +22,24 @@ macro_rules! resolved {
     };
 }
 
+/// The advisory-lock function `$f` called on the key `$1`–`$3` resolved in
+/// place, as [`resolved`] resolves it (`pg_advisory_lock(a)` in space 1,
+/// `pg_advisory_lock(a, b)` in space 2), for a statement that reads the
+/// key once and needs no CTE: a CTE scan costs the server more than the
+/// lock itself on a short try (BENCHMARKS, "The try statements").
+macro_rules! call_in_place {
+    ($f:literal) => {
+        concat!(
+            "CASE WHEN $1::pg_catalog.int4 OPERATOR(pg_catalog.=) 1 THEN pg_catalog.",
+            $f,
+            "(coalesce($2::pg_catalog.int8, pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8)) \
+             ELSE pg_catalog.",
+            $f,
+            "(($2::pg_catalog.int8)::pg_catalog.int4, pg_catalog.hashtext($3::pg_catalog.text)) END"
+        )
+    };
+}
+
 /// The CTEs `k` ([`resolved`]) and `e`: the key as `distlock.leaders`
 /// keys an election, `(space int2, lock_id int8)`, `lock_id` the one
 /// `bigint` of space 1 or the two `int4`s of space 2 as one `bigint` (as
@@ -262,6 +280,26 @@ macro_rules! session_try {
     };
 }
 
+/// The try of an unfenced lock on a fresh session, in one flat select (no
+/// CTE): the marker counted in by the expression that took the lock, so
+/// "taken" is read once. Columns as [`session_sql`]'s, with the token, the
+/// `statement_timeout` and the resolved key NULL (a try that waits for
+/// nothing reads none of them), then the session's settings.
+macro_rules! session_try_in_place {
+    ($f:literal) => {
+        concat!(
+            "SELECT ",
+            on_session!(fresh, test),
+            " THEN CASE WHEN ",
+            call_in_place!($f),
+            " THEN pg_catalog.set_config('distlock.locks', '1', false) IS NOT NULL ELSE false END END, \
+             pg_catalog.pg_backend_pid(), NULL::pg_catalog.int8, NULL::pg_catalog.text, NULL::pg_catalog.text, \
+             NULL::pg_catalog.int4, NULL::pg_catalog.int8, NULL::pg_catalog.int8",
+            session_settings!()
+        )
+    };
+}
+
 /// The first statement of a wait: waits at once on a connection that
 /// already checks for a vanished client (so a dropped caller's wait ends
 /// within 100 ms) and has no `statement_timeout` (which would cut it
@@ -354,6 +392,15 @@ macro_rules! by_lock {
 /// [`session_sql`]'s. Binds the key, then (waiting steps) `$4` the
 /// `lock_timeout`.
 pub(crate) fn session(step: Step, lock: Lock, fencing: bool) -> &'static str {
+    match (step, lock, fencing) {
+        (Step::Try, Lock::Shared, _) => session_try_in_place!("pg_try_advisory_lock_shared"),
+        (Step::Try, Lock::Exclusive, false) => session_try_in_place!("pg_try_advisory_lock"),
+        _ => session_statement(step, lock, fencing),
+    }
+}
+
+/// The session statements that read the key from the CTE `k`.
+fn session_statement(step: Step, lock: Lock, fencing: bool) -> &'static str {
     match step {
         Step::Try => by_lock!(session_try, lock, fencing),
         Step::TryOrWait => by_lock!(session_try_or_wait, lock, fencing),
@@ -598,12 +645,33 @@ macro_rules! xact_wait {
     };
 }
 
-/// The try of `with_advisory_lock*`; binds the key and `$4`, whether a
-/// wait follows a busy key.
-pub(crate) fn xact_try(lock: Lock) -> &'static str {
-    match lock {
-        Lock::Exclusive => xact_try!("pg_try_advisory_xact_lock"),
-        Lock::Shared => xact_try!("pg_try_advisory_xact_lock_shared"),
+/// The transaction-scoped try when no wait follows (`with_advisory_lock`,
+/// `with_shared_advisory_lock`): what [`xact_try`] does but the
+/// `statement_timeout`, in one flat select with the key resolved in place.
+/// Column 0: taken.
+macro_rules! xact_try_only {
+    ($try:literal) => {
+        concat!(
+            "SELECT ",
+            call_in_place!($try),
+            ", ",
+            client_check!(xact),
+            ", pg_catalog.set_config('distlock.xact_lock', 'held', true), ",
+            keepalives!(xact),
+            ", ",
+            standby_check!()
+        )
+    };
+}
+
+/// The try of `with_advisory_lock*`; binds the key, and `$4` (true) if a
+/// wait follows a busy key (`waits`), which only that form reads.
+pub(crate) fn xact_try(lock: Lock, waits: bool) -> &'static str {
+    match (lock, waits) {
+        (Lock::Exclusive, false) => xact_try_only!("pg_try_advisory_xact_lock"),
+        (Lock::Shared, false) => xact_try_only!("pg_try_advisory_xact_lock_shared"),
+        (Lock::Exclusive, true) => xact_try!("pg_try_advisory_xact_lock"),
+        (Lock::Shared, true) => xact_try!("pg_try_advisory_xact_lock_shared"),
     }
 }
 
@@ -683,7 +751,8 @@ mod tests {
             ]);
         }
         for lock in [Lock::Exclusive, Lock::Shared] {
-            all.push(xact_try(lock));
+            all.push(xact_try(lock, false));
+            all.push(xact_try(lock, true));
             all.push(xact_wait(lock));
         }
         for sql in all {
@@ -691,10 +760,13 @@ mod tests {
             assert!(!sql.contains("(pg_advisory"), "{sql}");
             assert!(!sql.contains(" hashtext"), "{sql}");
             assert!(!sql.contains("(hashtext"), "{sql}");
-            // The key is resolved once, in one CTE.
+            // The key is resolved once: in one CTE, or in place.
             assert_eq!(
                 sql.matches("pg_catalog.int4 AS space").count()
-                    + sql.matches("x(space, v, n, i)").count(),
+                    + sql.matches("x(space, v, n, i)").count()
+                    + sql
+                        .matches("CASE WHEN $1::pg_catalog.int4 OPERATOR(pg_catalog.=) 1 THEN")
+                        .count(),
                 1,
                 "{sql}"
             );

@@ -503,10 +503,10 @@ async fn lock_in_xact(
         .fetch_one(&mut *conn)
         .await?;
     let locked: bool = sqlx::Row::try_get(&row, 0)?;
-    let limit: Option<String> = sqlx::Row::try_get(&row, 1)?;
     let Some(deadline) = deadline.filter(|_| !locked) else {
         return Ok(locked);
     };
+    let limit: Option<String> = sqlx::Row::try_get(&row, 1)?;
     let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
     if remaining.is_zero() {
         // The caller rolls back, which puts a lifted statement_timeout back.

@@ -6,8 +6,9 @@
 //! time, and more cache misses when the lock is taken between other work.
 //! sqlx's pool acquisition future (about 17 KB) and `PgListener`'s receive
 //! future (about 9 KB) made them that size while inline; they are boxed
-//! (`postgres::conn::pooled::acquire`, `WatchedConn`), and only a call that
-//! goes to the pool pays the allocation.
+//! (`postgres::conn::pooled::acquire`, `WatchedConn`): only a call that
+//! goes to the pool pays that allocation (and a semaphore's waiting
+//! connection one per `LISTEN` and per notification read).
 //!
 //! Nothing here is timed: the bound is on the futures' sizes, which the
 //! compiler fixes. Before the boxing it failed for 16 of the 17 calls:

@@ -1,5 +1,6 @@
-//! A pooled connection within a waiting call's deadline, or an error that
-//! says why there was none: shared by every waiting lock path.
+//! Taking a connection from the pool: boxed ([`acquire`], for every call
+//! that goes to the pool), within a waiting call's deadline, or an error
+//! that says why there was none (shared by every waiting lock path).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -21,8 +22,8 @@ pub(crate) const ACQUIRE_FLOOR: std::time::Duration = std::time::Duration::from_
 /// inline it would make every lock call's future that size (a `try_lock`'s
 /// was 18 KB), copied whole each time a caller moves it, even when the call
 /// takes a warm connection and never awaits the pool. Boxed, the common
-/// path's future stays small and the allocation happens only when the pool
-/// is asked, beside that call's ping round trip.
+/// path's future stays small and this allocation happens only when the
+/// pool is asked, beside that call's ping round trip.
 pub(crate) fn acquire(
     pool: &PgPool,
 ) -> Pin<Box<dyn Future<Output = Result<PoolConnection<Postgres>, sqlx::Error>> + Send + '_>> {

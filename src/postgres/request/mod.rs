@@ -3,8 +3,9 @@
 //! multiplexed, transaction-scoped and caller's-transaction locks) is
 //! composed here, from one normalised key shape and one set of fragments.
 //!
-//! A request says what it wants: which keys ([`key`]: each resolved once,
-//! in SQL, to `(space, a, b)`, bound as parameters), exclusive or shared
+//! A request says what it wants: which keys ([`key`]: bound as parameters,
+//! each resolved once, in SQL, to `(space, a, b)`, in a CTE or in place in
+//! the short tries), exclusive or shared
 //! ([`Lock`]), try or wait ([`Step`]), fenced or not, on which kind of
 //! connection ([`lock_request`]). [`sql`] turns it into a `&'static str` (so the driver's
 //! prepared-statement cache keeps working), composing the guarantees once:

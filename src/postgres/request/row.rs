@@ -18,7 +18,9 @@ pub(crate) struct SessionRow {
     pub(crate) pid: i32,
     /// The fencing token, when the lock was taken with fencing on.
     pub(crate) token: Option<FencingToken>,
-    /// Whether the session's `statement_timeout` would cut a wait short.
+    /// Whether the session's `statement_timeout` would cut a wait short
+    /// (`false` from a plain try, which does not read it: only the first
+    /// statement of a wait, `Step::TryOrWait`, answers for a wait).
     pub(crate) limited: bool,
     /// The key as the server resolved it: space, a, b (`None` from a try
     /// that resolves it in place, which no caller of it reads).

@@ -26,7 +26,10 @@ macro_rules! resolved {
 /// place, as [`resolved`] resolves it (`pg_advisory_lock(a)` in space 1,
 /// `pg_advisory_lock(a, b)` in space 2), for a statement that reads the
 /// key once and needs no CTE: a CTE scan costs the server more than the
-/// lock itself on a short try (BENCHMARKS, "The try statements").
+/// lock itself on a short try (BENCHMARKS, "The try statements"). Space 2
+/// takes `$2` as it is: a two-part key always binds its namespace there
+/// ([`key`](super::key)), where [`resolved`] would fall back to the name's
+/// hash.
 macro_rules! call_in_place {
     ($f:literal) => {
         concat!(
@@ -283,8 +286,9 @@ macro_rules! session_try {
 /// The try of an unfenced lock on a fresh session, in one flat select (no
 /// CTE): the marker counted in by the expression that took the lock, so
 /// "taken" is read once. Columns as [`session_sql`]'s, with the token, the
-/// `statement_timeout` and the resolved key NULL (a try that waits for
-/// nothing reads none of them), then the session's settings.
+/// marker, the `statement_timeout` and the resolved key NULL (a try that
+/// waits for nothing reads none of them: a NULL `statement_timeout` reads
+/// as "not limited"), then the session's settings.
 macro_rules! session_try_in_place {
     ($f:literal) => {
         concat!(
@@ -597,12 +601,13 @@ pub(crate) const KEYS_AS_LOCKED: &str = concat!(
        FROM given g)"
 );
 
-/// The transaction-scoped try of `with_advisory_lock*`, inside the
+/// The transaction-scoped try of `with_advisory_lock_wait*` (a wait follows
+/// a busy key; `with_advisory_lock` uses [`xact_try_only`]), inside the
 /// transaction it opened: the lock, the client check and keepalives for the
 /// transaction, the transaction-local marker `distlock.xact_lock` (read by
-/// the checked commit), the standby check. A busy key about to be waited
-/// for (`$4`) on a session with a `statement_timeout` lifts it for the
-/// transaction; the wait statement puts it back. Columns: taken, the
+/// the checked commit), the standby check. A busy key on a session with a
+/// `statement_timeout` lifts it for the transaction (`$4` is always bound
+/// true); the wait statement puts it back. Columns: taken, the
 /// `statement_timeout` before.
 macro_rules! xact_try {
     ($try:literal) => {

@@ -289,6 +289,14 @@ macro_rules! session_try {
 /// marker, the `statement_timeout` and the resolved key NULL (a try that
 /// waits for nothing reads none of them: a NULL `statement_timeout` reads
 /// as "not limited"), then the session's settings.
+///
+/// Guarded by the suites, each seen failing on a broken variant: without
+/// the marker test, `faults` `pooler::two_clients_behind_a_single_connection_*`
+/// (two holders through one pooled backend); with the pair's arguments
+/// swapped in [`call_in_place`], `keys::namespaced_key_locks_the_int_pair_*`
+/// and the `holders` tests (here and in [`xact_try_only`]); without the
+/// transaction marker in [`xact_try_only`], the `xact` tests of the checked
+/// commit (`a_closure_that_ends_the_transaction_itself_is_an_error`, ...).
 macro_rules! session_try_in_place {
     ($f:literal) => {
         concat!(

@@ -173,6 +173,29 @@ async fn busy_try_issues_no_token(pool: PgPool) {
     assert_eq!(token_of(&locker, "fence:busy").await, first + 1);
 }
 
+/// A try refused on a connection whose last try was granted draws no
+/// token either: what told that grant's token column to draw lasted for
+/// that one statement, not for the connection.
+#[sqlx::test(migrations = false)]
+async fn busy_try_on_a_connection_that_granted_before_issues_no_token(pool: PgPool) {
+    let locker = fenced(&pool).await;
+    // Leaves its connection in `locker`'s warm stash, where the next try
+    // takes it from.
+    let first = token_of(&locker, "fence:again").await;
+    let other = PgLocker::builder(pool.clone())
+        .fencing(true)
+        .build()
+        .expect("valid settings");
+    let held = other.try_lock("fence:again").await.unwrap().unwrap();
+    assert_eq!(
+        held.fencing_token().map(FencingToken::value),
+        Some(first + 1)
+    );
+    assert!(locker.try_lock("fence:again").await.unwrap().is_none());
+    held.release().await.unwrap();
+    assert_eq!(token_of(&locker, "fence:again").await, first + 2);
+}
+
 #[sqlx::test(migrations = false)]
 async fn no_token_without_fencing(pool: PgPool) {
     let locker = PgLocker::new(pool.clone());

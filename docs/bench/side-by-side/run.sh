@@ -66,6 +66,5 @@ echo "server: $(psql "${SBS_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/pos
 
 cd "$work/crate"
 cargo build --release
-echo "load before: $(cat /proc/loadavg)"
+# The binary prints the load before and after its run itself.
 "$CARGO_TARGET_DIR/release/distlock-side-by-side" "$@"
-echo "load after: $(cat /proc/loadavg)"

@@ -283,12 +283,14 @@ macro_rules! session_try {
     };
 }
 
-/// The try of an unfenced lock on a fresh session, in one flat select (no
-/// CTE): the marker counted in by the expression that took the lock, so
-/// "taken" is read once. Columns as [`session_sql`]'s, with the token, the
-/// marker, the `statement_timeout` and the resolved key NULL (a try that
-/// waits for nothing reads none of them: a NULL `statement_timeout` reads
-/// as "not limited"), then the session's settings.
+/// The try on a fresh session, in one flat select (no CTE): the marker
+/// counted in by the expression that took the lock, so "taken" is read
+/// once. Columns as [`session_sql`]'s, with the marker, the
+/// `statement_timeout` and the resolved key NULL (a try that waits for
+/// nothing reads none of them: a NULL `statement_timeout` reads as "not
+/// limited"), then the session's settings. `fenced`: the token is drawn
+/// only after this statement's own grant (`distlock.granted`, local to the
+/// statement), `unfenced`: NULL.
 ///
 /// Guarded by the suites, each seen failing on a broken variant: without
 /// the marker test, `faults` `pooler::two_clients_behind_a_single_connection_*`
@@ -296,16 +298,39 @@ macro_rules! session_try {
 /// swapped in [`call_in_place`], `keys::namespaced_key_locks_the_int_pair_*`
 /// and the `holders` tests (here and in [`xact_try_only`]); without the
 /// transaction marker in [`xact_try_only`], the `xact` tests of the checked
-/// commit (`a_closure_that_ends_the_transaction_itself_is_an_error`, ...).
+/// commit (`a_closure_that_ends_the_transaction_itself_is_an_error`, ...);
+/// with the token drawn unconditionally, `fencing::busy_try_issues_no_token`;
+/// with the grant's flag set for the session rather than the statement,
+/// `fencing::busy_try_on_a_connection_that_granted_before_issues_no_token`.
 macro_rules! session_try_in_place {
-    ($f:literal) => {
+    ($f:literal, unfenced) => {
+        session_try_in_place!($f, "", token!(unfenced))
+    };
+    // The token column cannot read "taken" (that needs the CTE this form
+    // saves), so the grant also sets a transaction-local flag, which the
+    // token column, evaluated after it (left to right, as in `l`), reads.
+    // Outside a transaction block the flag lasts for this one statement; a
+    // stray session-wide value could at most draw a token for a refused
+    // try, which `SessionRow::decode` never reads.
+    ($f:literal, fenced) => {
+        session_try_in_place!(
+            $f,
+            " AND pg_catalog.set_config('distlock.granted', '1', true) IS NOT NULL",
+            "CASE WHEN pg_catalog.current_setting('distlock.granted', true) OPERATOR(pg_catalog.=) '1' \
+             THEN distlock.next_token() END"
+        )
+    };
+    ($f:literal, $granted:expr, $token:expr) => {
         concat!(
             "SELECT ",
             on_session!(fresh, test),
             " THEN CASE WHEN ",
             call_in_place!($f),
-            " THEN pg_catalog.set_config('distlock.locks', '1', false) IS NOT NULL ELSE false END END, \
-             pg_catalog.pg_backend_pid(), NULL::pg_catalog.int8, NULL::pg_catalog.text, NULL::pg_catalog.text, \
+            " THEN pg_catalog.set_config('distlock.locks', '1', false) IS NOT NULL",
+            $granted,
+            " ELSE false END END, pg_catalog.pg_backend_pid(), ",
+            $token,
+            ", NULL::pg_catalog.text, NULL::pg_catalog.text, \
              NULL::pg_catalog.int4, NULL::pg_catalog.int8, NULL::pg_catalog.int8",
             session_settings!()
         )
@@ -402,21 +427,19 @@ macro_rules! by_lock {
 
 /// A session lock statement on a dedicated connection; columns as
 /// [`session_sql`]'s. Binds the key, then (waiting steps) `$4` the
-/// `lock_timeout`.
+/// `lock_timeout`. A try is one flat select ([`session_try_in_place`]);
+/// the waits read the key from the CTE `k`.
 pub(crate) fn session(step: Step, lock: Lock, fencing: bool) -> &'static str {
     match (step, lock, fencing) {
-        (Step::Try, Lock::Shared, _) => session_try_in_place!("pg_try_advisory_lock_shared"),
-        (Step::Try, Lock::Exclusive, false) => session_try_in_place!("pg_try_advisory_lock"),
-        _ => session_statement(step, lock, fencing),
-    }
-}
-
-/// The session statements that read the key from the CTE `k`.
-fn session_statement(step: Step, lock: Lock, fencing: bool) -> &'static str {
-    match step {
-        Step::Try => by_lock!(session_try, lock, fencing),
-        Step::TryOrWait => by_lock!(session_try_or_wait, lock, fencing),
-        Step::Wait => by_lock!(session_wait, lock, fencing),
+        (Step::Try, Lock::Shared, _) => {
+            session_try_in_place!("pg_try_advisory_lock_shared", unfenced)
+        }
+        (Step::Try, Lock::Exclusive, false) => {
+            session_try_in_place!("pg_try_advisory_lock", unfenced)
+        }
+        (Step::Try, Lock::Exclusive, true) => session_try_in_place!("pg_try_advisory_lock", fenced),
+        (Step::TryOrWait, ..) => by_lock!(session_try_or_wait, lock, fencing),
+        (Step::Wait, ..) => by_lock!(session_wait, lock, fencing),
     }
 }
 

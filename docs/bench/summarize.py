@@ -2,7 +2,9 @@
 """Ranges over bench runs, as BENCHMARKS.md reports them.
 
 Usage: python3 docs/bench/summarize.py docs/bench/runs/run-12.md docs/bench/runs/run-13.md ...
-Prints, per section, each ratio or median as "min-max (med m)" over the runs given."""
+Prints, per section, each ratio or median as "min-max (med m)" over the runs given:
+the interleaved cycles and where their time goes, the back-to-back cycles (loopback,
+current-thread, 0.5 ms), hand-offs, lock kinds and many keys."""
 import sys,re
 def tables(path):
     sec=None; out={}
@@ -50,6 +52,14 @@ for r in runs:
     for row in t.get('Many keys held at once by one process',[]):
         if len(row)>=3 and row[0]=='10000': many[row[1]]=num(row[2])
     m['many']=many
+    # The interleaved cycles (the headline): each alternative's median and
+    # its ratios to PgAdvisoryLock and to its hand-written counterpart.
+    for sec,key in [('Multi-thread runtime','imt'),('Current-thread runtime','ict')]:
+        rows={row[0]:row for row in t.get(sec,[]) if len(row)>4 and row[0]!='alternative'}
+        m[key]={name:(num(row[1]),num(row[3]),num(row[4])) for name,row in rows.items()}
+        d=rows.get('distlock try_lock+release'); f=rows.get('distlock try_lock+release, fencing on')
+        m[key+'fenced']=num(f[1])/num(d[1]) if d and f else None
+    m['cold']={row[0]:(num(row[1]),num(row[2])) for row in t.get('Where an interleaved cycle\'s time goes (current-thread runtime)',[]) if len(row)>=3 and row[0]!='step'}
     res[r]=m
 def rng(vals,fmt='{:.2f}'):
     vals=[v for v in vals if v is not None]
@@ -59,6 +69,16 @@ def rng(vals,fmt='{:.2f}'):
     vals.sort()
     med=vals[len(vals)//2]
     return (fmt+'–'+fmt+' (med '+fmt+')').format(vals[0],vals[-1],med)
+for key,name in [('imt','interleaved, multi-thread'),('ict','interleaved, current-thread')]:
+    print('==',name,': median µs | vs PgAdvisoryLock | vs hand-written')
+    for alt in res[runs[0]][key]:
+        get=lambda r,i: res[r][key].get(alt,(None,None,None))[i]
+        print(alt,'|',rng([get(r,0) for r in runs],'{:.0f}'),'|',rng([get(r,1) for r in runs]),'|',rng([get(r,2) for r in runs]))
+    print('fenced vs unfenced', rng([res[r][key+'fenced'] for r in runs]))
+print('== where an interleaved cycle\'s time goes: after 1 ms idle | right after another round trip, µs')
+for step in res[runs[0]]['cold']:
+    get=lambda r,i: res[r]['cold'].get(step,(None,None))[i]
+    print(step,'|',rng([get(r,0) for r in runs],'{:.0f}'),'|',rng([get(r,1) for r in runs],'{:.0f}'))
 for key in ['loop','ct','net']:
     print('==',key)
     for f in res[runs[0]][key]:

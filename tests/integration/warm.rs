@@ -385,3 +385,45 @@ async fn a_multi_key_lock_on_a_kept_connection_the_server_ended_goes_to_the_pool
         next.release().await.unwrap();
     }
 }
+
+/// `with_advisory_lock` commits with `COMMIT; BEGIN`, so that sqlx's
+/// `Transaction` still finds a transaction to roll back when it drops, and
+/// that `ROLLBACK` waits in sqlx's buffer. Left there, the next statement on
+/// the kept connection sends it first and waits for its answer: a round
+/// trip more for the next lock, whenever it comes. Sent as the closure's
+/// transaction ends, it is answered by then: a try on the kept connection a
+/// moment later takes the 1 round trip of its own statement, and meanwhile
+/// the kept session is idle, not idle in a transaction.
+#[sqlx::test(migrations = false)]
+async fn the_next_lock_after_with_advisory_lock_pays_no_round_trip_for_its_rollback(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (proxy, pool) = counted_pool(&connect).await;
+    let locker = keeping_locker(&pool);
+    let mut obs = observer(&connect).await;
+    let key = "warm:after-xact";
+    // The locker's first lock probes for a transaction pooler, and the
+    // connection prepares the statements once.
+    for _ in 0..2 {
+        xact_backend_pid(&locker, key).await;
+        let lock = locker.try_lock(key).await.unwrap().expect("free");
+        lock.release().await.unwrap();
+    }
+    for round in 0..3 {
+        let pid = xact_backend_pid(&locker, key).await;
+        // Other work between two locks; the proxy has seen all that was sent.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let state: String = sqlx::query_scalar("SELECT state FROM pg_stat_activity WHERE pid = $1")
+            .bind(pid)
+            .fetch_one(&mut obs)
+            .await
+            .unwrap();
+        assert_eq!(state, "idle", "round {round}: the kept session");
+        let before = proxy.round_trips();
+        let lock = locker.try_lock(key).await.unwrap().expect("free");
+        assert_eq!(proxy.round_trips() - before, 1, "round {round}: try_lock");
+        assert_eq!(lock.backend_pid(), pid, "on the kept connection");
+        lock.release().await.unwrap();
+    }
+}

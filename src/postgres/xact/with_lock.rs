@@ -80,7 +80,10 @@ impl PgLocker {
     ///
     /// Costs 3 round trips plus the closure's own (`BEGIN`, the lock attempt,
     /// `COMMIT`/`ROLLBACK`); contention costs the same 3. The check above
-    /// rides in the `COMMIT` round trip. On a connection borrowed from the
+    /// rides in the `COMMIT` round trip. After a commit, one more statement
+    /// (the `ROLLBACK` of the empty transaction sqlx's `Transaction` needs
+    /// to end) is sent without waiting for its answer, which the
+    /// connection's next user reads. On a connection borrowed from the
     /// pool, sqlx adds its 2 pings; a [warm connection](crate::PgLockerBuilder::keep_warm)
     /// (the default after the first call) skips them.
     ///
@@ -352,6 +355,8 @@ impl PgLocker {
         };
         match end {
             End::Committed => {
+                // The `ROLLBACK` that `commit_checked` leaves queued.
+                held.send_queued();
                 held.into_pool();
                 Ok(Some(value))
             }
@@ -459,9 +464,10 @@ const ENDED_IN_CLOSURE: &str = "distlock.lock_transaction_ended_inside_the_closu
 /// transaction-local marker is gone (a setting that does not exist is asked
 /// for, 42704); then `COMMIT`; then `BEGIN`, so that the connection is in a
 /// transaction again as sqlx's `Transaction` still believes. Dropping that
-/// `Transaction` queues a `ROLLBACK` of the empty transaction, which sqlx
-/// sends with its next message on the connection (the pool's check when the
-/// connection is returned), so it costs the caller no round trip. An error
+/// `Transaction` queues a `ROLLBACK` of the empty transaction, which the
+/// caller sends without waiting for its answer
+/// ([`HeldConn::send_queued`]): it costs the caller no round trip, and the
+/// next lock on the kept connection finds it answered. An error
 /// skips the rest of the query string, so nothing after a failed check runs.
 async fn commit_checked(mut tx: sqlx::Transaction<'_, sqlx::Postgres>) -> End {
     // `distlock.xact_lock` is set transaction-locally by the lock

@@ -116,8 +116,10 @@ impl HeldConn {
     /// queued, it goes out with the connection's next statement, which waits
     /// for its answer first: a round trip more for the next lock on a kept
     /// connection, however long after. Sent now, the answer is usually there
-    /// by then and is read without waiting. A connection whose socket fails
-    /// here is closed instead of kept. Never waits.
+    /// by then and is read without waiting. Never waits. If the socket fails
+    /// here, the connection's next statement fails too, and is run again on
+    /// a pooled connection as for any kept connection found broken
+    /// ([`retry_on_pool`](crate::postgres::conn::warm::retry_on_pool)).
     pub(crate) fn send_queued(&mut self) {
         use sqlx::Connection;
         // `flush` writes out what is queued, then reads until it is
@@ -129,8 +131,7 @@ impl HeldConn {
         let mut cx = Context::from_waker(std::task::Waker::noop());
         let sent = std::pin::pin!(self.conn().flush()).poll(&mut cx);
         if let Poll::Ready(Err(err)) = sent {
-            tracing::debug!(%err, "distlock: a connection failed as its transaction ended; closed");
-            self.armed = true;
+            tracing::debug!(%err, "distlock: sending a queued statement failed");
         }
     }
 

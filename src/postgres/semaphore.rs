@@ -59,7 +59,7 @@ use crate::postgres::conn::watched::WatchedConn;
 use crate::postgres::locker::PgLocker;
 use crate::postgres::permit_relay::{Pass, Passed, Relay, TURN, Tenure, Waiting};
 use crate::postgres::request::fragments::{
-    PgQuery, client_check, keepalives, millis_setting, permit_channel, session_marker,
+    PgQuery, client_check, keepalives, millis_setting, permit_channel, session_marker, token_draw,
 };
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
@@ -898,7 +898,7 @@ macro_rules! first_free_slot {
 /// back, marker, token. It also sets the client check and the keepalives,
 /// as every lock statement does.
 macro_rules! slot_statement {
-    ($may:expr, $leave:literal, $mark:literal, $token:literal, $guard:literal) => {
+    ($may:expr, $leave:literal, $mark:literal, $token:expr, $guard:literal) => {
         concat!(
             "WITH q AS MATERIALIZED (SELECT ",
             $may,
@@ -931,7 +931,7 @@ macro_rules! slot_statement {
 /// a process's head holds the queue or is queued for it, so a plain try
 /// takes no slot ahead of a waiter. It gives the queue back at once.
 macro_rules! plain_try {
-    ($token:literal) => {
+    ($token:expr) => {
         slot_statement!(
             concat!(session_marker!(unmarked),
                 " THEN pg_catalog.pg_try_advisory_lock_shared($1::pg_catalog.int4, pg_catalog.hashtext($2)) END"),
@@ -949,7 +949,7 @@ macro_rules! plain_try {
 /// lets go of the queue; otherwise the connection keeps it (and the marker
 /// counts it) until a later head try takes a slot.
 macro_rules! line_up {
-    ($token:literal) => {
+    ($token:expr) => {
         slot_statement!(
             concat!(session_marker!(unmarked),
                 " AND pg_catalog.set_config('lock_timeout', $4, true) IS NOT NULL \
@@ -967,7 +967,7 @@ macro_rules! line_up {
 /// backend, which the marker check confirms); a taken slot lets go of the
 /// queue.
 macro_rules! head_try {
-    ($token:literal) => {
+    ($token:expr) => {
         slot_statement!(
             concat!(session_marker!(held, "$4"), " THEN true END"),
             "CASE WHEN t.slot IS NOT NULL THEN pg_catalog.pg_advisory_unlock($1::pg_catalog.int4, pg_catalog.hashtext($2)) END",
@@ -982,7 +982,7 @@ macro_rules! head_try {
 /// A try on another connection while this process holds the queue: no
 /// queue step, the process is first in line.
 macro_rules! ahead_try {
-    ($token:literal) => {
+    ($token:expr) => {
         slot_statement!(
             concat!(session_marker!(unmarked), " THEN true END"),
             "NULL::pg_catalog.bool",
@@ -993,17 +993,21 @@ macro_rules! ahead_try {
     };
 }
 
+/// The token of a slot taken by this statement ([`token_draw`]).
+macro_rules! slot_token {
+    () => {
+        concat!("CASE WHEN t.slot IS NOT NULL THEN ", token_draw!(), " END")
+    };
+}
+
 const TRY: &str = plain_try!("NULL::pg_catalog.int8");
 const AHEAD: &str = ahead_try!("NULL::pg_catalog.int8");
-const AHEAD_FENCED: &str =
-    ahead_try!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
-const TRY_FENCED: &str = plain_try!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
+const AHEAD_FENCED: &str = ahead_try!(slot_token!());
+const TRY_FENCED: &str = plain_try!(slot_token!());
 const LINE_UP: &str = line_up!("NULL::pg_catalog.int8");
-const LINE_UP_FENCED: &str =
-    line_up!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
+const LINE_UP_FENCED: &str = line_up!(slot_token!());
 const HEAD_TRY: &str = head_try!("NULL::pg_catalog.int8");
-const HEAD_TRY_FENCED: &str =
-    head_try!("CASE WHEN t.slot IS NOT NULL THEN distlock.next_token() END");
+const HEAD_TRY_FENCED: &str = head_try!(slot_token!());
 
 /// The head gives the queue back and waits for it again (`$3` its backend,
 /// which the marker check confirms, `$4` the `lock_timeout`): PostgreSQL

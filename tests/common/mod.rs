@@ -308,17 +308,22 @@ pub async fn close(conn: PgConnection) {
 /// A transaction on its own connection that keeps fencing tokens from being
 /// issued (until the connection is dropped or the transaction ends), so a
 /// token's issue waits, and times out, *after* its lock was granted. The
-/// lock statement itself does not name the epoch table (only the function
-/// `distlock.next_token()` reads it, when it runs), so planning the
-/// statement does not wait for this lock.
+/// lock statement names the counter only by its oid and the epoch table not
+/// at all, so planning the statement does not wait for these locks.
 pub async fn block_fencing_counters(pool: &PgPool) -> PgConnection {
     let mut conn = observer_for(pool).await;
-    // Every token reads the epoch row; an exclusive table lock makes that
-    // read wait (and fail at the session's lock_timeout).
-    sqlx::raw_sql("BEGIN; LOCK TABLE distlock.token_epoch IN ACCESS EXCLUSIVE MODE")
-        .execute(&mut conn)
-        .await
-        .expect("block the fencing counters");
+    // Every token is a draw from the counter (`nextval`, which takes the
+    // sequence in ROW EXCLUSIVE mode), and the token function reads the
+    // epoch row: a no-op ALTER SEQUENCE (SHARE ROW EXCLUSIVE) and an
+    // exclusive table lock make both wait (and fail at the session's
+    // lock_timeout).
+    sqlx::raw_sql(
+        "BEGIN; LOCK TABLE distlock.token_epoch IN ACCESS EXCLUSIVE MODE; \
+         ALTER SEQUENCE distlock.token_counter NO CYCLE",
+    )
+    .execute(&mut conn)
+    .await
+    .expect("block the fencing counters");
     conn
 }
 

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::common;
+
 use distlock::{Error, FencingToken, LockKey, PgLocker};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
@@ -440,6 +442,152 @@ async fn overtaken_holder_is_fenced_off(pool: PgPool) {
     b.release().await.unwrap();
 }
 
+/// A pool of one connection to `pool`'s database, its sessions started with
+/// the settings `options` (so every lock runs on one backend).
+async fn fresh_pool(pool: &PgPool, options: &[(&str, &str)]) -> PgPool {
+    let opts = pool
+        .connect_options()
+        .as_ref()
+        .clone()
+        .options(options.iter().copied());
+    PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(opts)
+        .await
+        .expect("connect")
+}
+
+/// The epoch row: (epoch, counter base).
+async fn epoch_row(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as("SELECT epoch, counter_base FROM distlock.token_epoch")
+        .fetch_one(pool)
+        .await
+        .expect("the epoch row")
+}
+
+/// A backend that has issued a token once issues the next ones in the
+/// statement, without calling the token functions (counted by the server's
+/// function statistics of that backend, flushed when it exits). The tokens
+/// are the ones the function issues: one epoch, one counter, in order.
+#[sqlx::test(migrations = false)]
+async fn a_backend_draws_tokens_without_the_token_function(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let one = fresh_pool(&pool, &[("track_functions", "pl")]).await;
+    let locker = PgLocker::builder(one.clone())
+        .fencing(true)
+        .build()
+        .expect("valid settings");
+    let mut tokens = Vec::new();
+    for i in 0..20 {
+        tokens.push(token_of(&locker, format!("draw:{}", i % 3)).await);
+        let lock = locker
+            .lock("draw:wait", Duration::from_secs(5))
+            .await
+            .expect("lock");
+        tokens.push(lock.fencing_token().expect("fencing on").value());
+        lock.release().await.expect("release");
+    }
+    let (epoch, _) = epoch_row(&pool).await;
+    assert!(tokens.iter().all(|t| t >> 32 == epoch), "{tokens:x?}");
+    assert!(
+        tokens.windows(2).all(|w| w[1] == w[0] + 1),
+        "one counter, no draw wasted: {tokens:x?}"
+    );
+    drop(locker);
+    one.close().await;
+    let calls = async || -> (i64, i64) {
+        sqlx::query_as(
+            "SELECT coalesce(sum(calls) FILTER (WHERE funcname = 'next_token'), 0)::int8, \
+                    coalesce(sum(calls) FILTER (WHERE funcname = 'next_token_and_cache'), 0)::int8 \
+             FROM pg_stat_user_functions WHERE schemaname = 'distlock'",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("function statistics")
+    };
+    common::eventually(
+        "the backend's statistics",
+        Duration::from_secs(10),
+        async || calls().await.0 > 0,
+    )
+    .await;
+    assert_eq!(calls().await, (1, 1), "the first token only");
+}
+
+/// What a backend remembers is used only for draws inside that epoch of
+/// that counter: a base the counter has not reached, a draw 2^32 or more
+/// past the base (the epoch ran out), a remembered counter that is not this
+/// schema's, each make the statement ask the token function, whose token
+/// is of the epoch in force and follows every earlier one.
+#[sqlx::test(migrations = false)]
+async fn a_stale_or_foreign_remembered_epoch_is_not_used(pool: PgPool) {
+    let locker = fenced(&pool).await;
+    // A counter past 2^33, so that a base 2^32 behind it is still a number
+    // the function could have written (never negative).
+    sqlx::query("SELECT setval('distlock.token_counter', 8589934592)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut last = token_of(&locker, "stale:first").await;
+    let (epoch, base) = epoch_row(&pool).await;
+    let seq: i64 = sqlx::query_scalar("SELECT 'distlock.token_counter'::regclass::oid::int8")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let (high, seq) = ((epoch << 32).to_string(), seq.to_string());
+    let counter: i64 = sqlx::query_scalar("SELECT last_value FROM distlock.token_counter")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let ahead = (counter + 1_000_000).to_string();
+    let run_out = (counter - (1 << 32)).to_string();
+    let base = base.to_string();
+    let cases: [(&str, [(&str, &str); 3]); 3] = [
+        (
+            "a base ahead of the counter",
+            [
+                ("distlock.token_base", &ahead),
+                ("distlock.token_high", &high),
+                ("distlock.token_seq", &seq),
+            ],
+        ),
+        (
+            "a draw 2^32 past the base",
+            [
+                ("distlock.token_base", &run_out),
+                ("distlock.token_high", &high),
+                ("distlock.token_seq", &seq),
+            ],
+        ),
+        (
+            "another counter's epoch",
+            [
+                ("distlock.token_base", &base),
+                ("distlock.token_high", &((epoch + 7) << 32).to_string()),
+                ("distlock.token_seq", "1"),
+            ],
+        ),
+    ];
+    for (case, settings) in cases {
+        let one = fresh_pool(&pool, &settings).await;
+        let forged = fenced(&one).await;
+        // The first statement may have drawn once before it asked the
+        // function (the draw showed the epoch was not this one); the
+        // second issues the next draw in the epoch the function gave.
+        for most in [2, 1] {
+            let token = token_of(&forged, "stale:key").await;
+            assert_eq!(token >> 32, epoch, "{case}: {token:#x}");
+            assert!(
+                (1..=most).contains(&(token - last)),
+                "{case}: {token:#x} after {last:#x}"
+            );
+            last = token;
+        }
+        drop(forged);
+        one.close().await;
+    }
+}
+
 /// A counter that would wrap starts the next epoch; tokens go on
 /// increasing. An epoch past its timeline's 65535 is refused (DL002), never
 /// reused from the next timeline's numbers.
@@ -447,10 +595,12 @@ async fn overtaken_holder_is_fenced_off(pool: PgPool) {
 async fn counter_wrap_starts_the_next_epoch_and_exhaustion_is_an_error(pool: PgPool) {
     let locker = fenced(&pool).await;
     let before = token_of(&locker, "fence:wrap").await;
-    // Pretend 2^32 - 1 tokens were issued in this epoch.
+    // Pretend 2^32 - 1 tokens were issued in this epoch: the counter moved
+    // on (the locker's backend remembers the epoch; its next draw shows
+    // that the epoch ran out).
     sqlx::query(
-        "UPDATE distlock.token_epoch SET counter_base = \
-         (SELECT last_value FROM distlock.token_counter) - 4294967295",
+        "SELECT setval('distlock.token_counter', \
+         (SELECT counter_base FROM distlock.token_epoch) + 4294967295)",
     )
     .execute(&pool)
     .await
@@ -474,7 +624,12 @@ async fn counter_wrap_starts_the_next_epoch_and_exhaustion_is_an_error(pool: PgP
         .unwrap_err();
     let code = err.as_database_error().and_then(|e| e.code()).unwrap();
     assert_eq!(code, "DL002", "{err}");
-    assert!(locker.try_lock("fence:wrap").await.is_err());
+    // The start time stands for a restart, which ends every backend: a
+    // locker on new connections (the old ones remember an epoch that a real
+    // restart would have ended with them).
+    let restarted = fenced(&fresh_pool(&pool, &[]).await).await;
+    let err = restarted.try_lock("fence:wrap").await.unwrap_err();
+    assert!(err.to_string().contains("used up"), "{err}");
     assert!(
         distlock::migrate(&pool).await.is_ok(),
         "the schema itself stays usable"

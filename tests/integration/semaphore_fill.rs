@@ -5,10 +5,11 @@
 //! trips while waiters queued).
 //!
 //! How the test sees the tries at once: with fencing on, a try that takes a
-//! slot draws its token in the same statement, and the token function reads
-//! `distlock.token_epoch_live`. While a transaction of the test holds that
-//! table exclusively, every try that took a slot waits there, so the
-//! backends waiting for the table are the tries under way. A fill in rounds
+//! slot draws its token in the same statement, from the sequence
+//! `distlock.token_counter`. While a transaction of the test holds that
+//! sequence in SHARE ROW EXCLUSIVE mode (a no-op `ALTER SEQUENCE`), every
+//! try that took a slot waits there, so the backends waiting for the
+//! sequence are the tries under way. A fill in rounds
 //! shows only its first round: the next starts when the first has answered.
 
 use crate::common;
@@ -23,11 +24,11 @@ const NAME: &str = "fill:turn";
 const PERMITS: u32 = 10;
 const WAITERS: usize = 12;
 
-/// Backends of this database waiting for a lock on `token_epoch_live`.
+/// Backends of this database waiting for a lock on `token_counter`.
 async fn waiting_for_tokens(obs: &mut sqlx::PgConnection) -> i64 {
     sqlx::query_scalar(
         "SELECT count(*) FROM pg_locks WHERE locktype = 'relation' AND NOT granted \
-         AND relation = 'distlock.token_epoch_live'::regclass",
+         AND relation = 'distlock.token_counter'::regclass",
     )
     .fetch_one(obs)
     .await
@@ -83,10 +84,10 @@ async fn a_turn_begins_by_trying_every_free_slot_at_once(pool: PgPool) {
     // Every try that takes a slot now waits for its token.
     let mut tokens = common::observer_for(&pool).await;
     let mut held = tokens.begin().await.expect("begin");
-    sqlx::query("LOCK TABLE distlock.token_epoch_live IN ACCESS EXCLUSIVE MODE")
+    sqlx::query("ALTER SEQUENCE distlock.token_counter NO CYCLE")
         .execute(&mut *held)
         .await
-        .expect("lock the token epoch");
+        .expect("lock the token counter");
     on_queue(&mut other, "SELECT pg_advisory_unlock($1, hashtext($2))").await;
 
     // A fill in rounds stays at its first round's size: give it time to

@@ -42,6 +42,58 @@ macro_rules! keyed {
 }
 pub(crate) use keyed;
 
+/// One of the settings in which `distlock.next_token_and_cache()` keeps
+/// the epoch this backend last issued a token in (migration
+/// `token_draw_in_statement`), as a number; 0 where it was never set or was
+/// reset (`coalesce`, not `NULLIF`: see the module's opening). An epoch
+/// whose counter oid reads 0 is never used.
+macro_rules! token_cached {
+    ($name:literal, $type:literal) => {
+        concat!(
+            "('0' OPERATOR(pg_catalog.||) coalesce(pg_catalog.current_setting('distlock.token_",
+            $name,
+            "', true), ''))::pg_catalog.",
+            $type
+        )
+    };
+}
+
+/// A fencing token drawn by the statement itself. Where this backend
+/// remembers an epoch of this counter, a draw that falls inside it
+/// (`0 < draw - base < 2^32`) is issued in it: the token
+/// `distlock.next_token()` would issue for that draw. Otherwise
+/// `distlock.next_token_and_cache()` issues it (and remembers the epoch):
+/// a backend's first token, a counter run out. No function call and no
+/// table read on the common path; why a remembered epoch stays valid for
+/// the backend's life is in the migration. Left to right, and `AND` stops
+/// at the first `false`: a backend that remembers nothing draws nothing
+/// here (its tokens stay gapless), and `currval` is the draw just made. A
+/// sequence draw, no durable write.
+///
+/// Guarded by `fencing::a_backend_draws_tokens_without_the_token_function`
+/// (the common path is taken) and
+/// `fencing::a_stale_or_foreign_remembered_epoch_is_not_used` (each
+/// condition, seen failing with it removed).
+macro_rules! token_draw {
+    () => {
+        concat!(
+            "CASE WHEN ",
+            $crate::postgres::request::fragments::token_cached!("seq", "oid"),
+            " OPERATOR(pg_catalog.=) 'distlock.token_counter'::pg_catalog.regclass::pg_catalog.oid \
+             AND pg_catalog.nextval('distlock.token_counter'::pg_catalog.regclass) OPERATOR(pg_catalog.-) ",
+            $crate::postgres::request::fragments::token_cached!("base", "int8"),
+            " OPERATOR(pg_catalog.>) 0 AND pg_catalog.currval('distlock.token_counter'::pg_catalog.regclass) OPERATOR(pg_catalog.-) ",
+            $crate::postgres::request::fragments::token_cached!("base", "int8"),
+            " OPERATOR(pg_catalog.<) 4294967296 THEN ",
+            $crate::postgres::request::fragments::token_cached!("high", "int8"),
+            " OPERATOR(pg_catalog.+) (pg_catalog.currval('distlock.token_counter'::pg_catalog.regclass) OPERATOR(pg_catalog.-) ",
+            $crate::postgres::request::fragments::token_cached!("base", "int8"),
+            ") ELSE distlock.next_token_and_cache() END"
+        )
+    };
+}
+pub(crate) use {token_cached, token_draw};
+
 /// `set_config` calls (a select-list fragment) that ask the server to probe
 /// the client with TCP keepalives: idle 10 s, then 3 probes 5 s apart, and
 /// give up on 30 s of unacknowledged data. A holder cut off by a partition

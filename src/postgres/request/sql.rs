@@ -7,7 +7,7 @@
 
 use super::{Lock, Step};
 use crate::postgres::request::fragments::{
-    client_check, keepalives, session_marker, standby_check,
+    client_check, keepalives, session_marker, standby_check, token_draw,
 };
 
 /// The CTE `k`: one key resolved to `(space, a, b)`, the arguments of the
@@ -117,11 +117,10 @@ macro_rules! wait_call {
 }
 
 /// The fencing token column: issued by the statement that took the lock,
-/// only if it took it (`distlock.next_token()`: a sequence draw, no durable
-/// write).
+/// only if it took it ([`token_draw`](super::fragments::token_draw)).
 macro_rules! token {
     (fenced) => {
-        "CASE WHEN l.ok THEN distlock.next_token() END"
+        concat!("CASE WHEN l.ok THEN ", token_draw!(), " END")
     };
     (unfenced) => {
         "NULL::pg_catalog.int8"
@@ -316,8 +315,11 @@ macro_rules! session_try_in_place {
         session_try_in_place!(
             $f,
             " AND pg_catalog.set_config('distlock.granted', '1', true) IS NOT NULL",
-            "CASE WHEN pg_catalog.current_setting('distlock.granted', true) OPERATOR(pg_catalog.=) '1' \
-             THEN distlock.next_token() END"
+            concat!(
+                "CASE WHEN pg_catalog.current_setting('distlock.granted', true) OPERATOR(pg_catalog.=) '1' THEN ",
+                token_draw!(),
+                " END"
+            )
         )
     };
     ($f:literal, $granted:expr, $token:expr) => {
@@ -833,7 +835,7 @@ mod tests {
             }
             // An upgrade never takes the intent again, and issues a token.
             assert!(!upgrade(step, true).contains("-2147483647"));
-            assert!(upgrade(step, true).contains("distlock.next_token()"));
+            assert!(upgrade(step, true).contains("distlock.next_token_and_cache()"));
             assert!(upgrade(step, true).contains("pg_backend_pid() OPERATOR(pg_catalog.=) $5"));
         }
     }
@@ -841,7 +843,9 @@ mod tests {
     #[test]
     fn fencing_issues_a_token_only_on_exclusive_session_locks() {
         for step in [Step::Try, Step::TryOrWait, Step::Wait] {
-            assert!(session(step, Lock::Exclusive, true).contains("distlock.next_token()"));
+            assert!(
+                session(step, Lock::Exclusive, true).contains("distlock.next_token_and_cache()")
+            );
             assert!(!session(step, Lock::Exclusive, false).contains("next_token"));
             assert!(!session(step, Lock::Shared, true).contains("next_token"));
         }

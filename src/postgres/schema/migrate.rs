@@ -72,6 +72,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "leader records",
         include_str!("../../../migrations/20261210000001_leader_records.sql"),
     ),
+    (
+        20261211000001,
+        "token draw in statement",
+        include_str!("../../../migrations/20261211000001_token_draw_in_statement.sql"),
+    ),
 ];
 
 /// The embedded migrations, with their table moved into schema `distlock` so

@@ -1,7 +1,7 @@
 //! The fragments every lock statement shares (the session marker, the
-//! standby check, keepalives, the client check), which the statement
-//! builder in `request/` composes, and the three-shape [`keyed`] form that
-//! the guard's unlock and the holders lookup still use.
+//! standby check, keepalives, the client check, the fencing token's draw),
+//! which the statement builder in `request/` composes, and the three-shape
+//! [`keyed`] form that the guard's unlock and the holders lookup still use.
 //!
 //! Keys are always bound as parameters, never formatted into SQL.
 //!

@@ -36,7 +36,8 @@
 -- The statement draws from the counter with the caller's privileges: every
 -- role that may execute next_token() is given USAGE on the counter (nextval
 -- and currval, not setval). A role given EXECUTE later needs the same grant
--- (README, "Running as an application role").
+-- (the README's grants for an application role, under "Locks, fencing
+-- tokens and idempotency keys").
 --
 -- Idempotent: running it again changes nothing.
 

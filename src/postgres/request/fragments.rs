@@ -44,16 +44,14 @@ pub(crate) use keyed;
 
 /// One of the settings in which `distlock.next_token_and_cache()` keeps
 /// the epoch this backend last issued a token in (migration
-/// `token_draw_in_statement`), as a number; 0 where it was never set or was
-/// reset (`coalesce`, not `NULLIF`: see the module's opening). An epoch
-/// whose counter oid reads 0 is never used.
+/// `token_draw_in_statement`), as a number. Read only once the counter's
+/// oid matched (`token_draw`), so only where the function wrote it.
 macro_rules! token_cached {
-    ($name:literal, $type:literal) => {
+    ($name:literal) => {
         concat!(
-            "('0' OPERATOR(pg_catalog.||) coalesce(pg_catalog.current_setting('distlock.token_",
+            "pg_catalog.current_setting('distlock.token_",
             $name,
-            "', true), ''))::pg_catalog.",
-            $type
+            "', true)::pg_catalog.int8"
         )
     };
 }
@@ -77,17 +75,19 @@ macro_rules! token_cached {
 macro_rules! token_draw {
     () => {
         concat!(
-            "CASE WHEN ",
-            $crate::postgres::request::fragments::token_cached!("seq", "oid"),
-            " OPERATOR(pg_catalog.=) 'distlock.token_counter'::pg_catalog.regclass::pg_catalog.oid \
+            // Compared as text: never NULL (`coalesce`, not `NULLIF`: see
+            // the module's opening), and no number parsed before it matched
+            // (PostgreSQL 16 and later read an oid with a leading 0 as octal).
+            "CASE WHEN coalesce(pg_catalog.current_setting('distlock.token_seq', true), '') \
+             OPERATOR(pg_catalog.=) 'distlock.token_counter'::pg_catalog.regclass::pg_catalog.oid::pg_catalog.text \
              AND pg_catalog.nextval('distlock.token_counter'::pg_catalog.regclass) OPERATOR(pg_catalog.-) ",
-            $crate::postgres::request::fragments::token_cached!("base", "int8"),
+            $crate::postgres::request::fragments::token_cached!("base"),
             " OPERATOR(pg_catalog.>) 0 AND pg_catalog.currval('distlock.token_counter'::pg_catalog.regclass) OPERATOR(pg_catalog.-) ",
-            $crate::postgres::request::fragments::token_cached!("base", "int8"),
+            $crate::postgres::request::fragments::token_cached!("base"),
             " OPERATOR(pg_catalog.<) 4294967296 THEN ",
-            $crate::postgres::request::fragments::token_cached!("high", "int8"),
+            $crate::postgres::request::fragments::token_cached!("high"),
             " OPERATOR(pg_catalog.+) (pg_catalog.currval('distlock.token_counter'::pg_catalog.regclass) OPERATOR(pg_catalog.-) ",
-            $crate::postgres::request::fragments::token_cached!("base", "int8"),
+            $crate::postgres::request::fragments::token_cached!("base"),
             ") ELSE distlock.next_token_and_cache() END"
         )
     };

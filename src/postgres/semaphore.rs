@@ -905,9 +905,9 @@ macro_rules! slot_statement {
             " AS ok, \
              pg_catalog.pg_backend_pid() AS pid, \
              pg_catalog.current_setting('idle_session_timeout') AS idle, ",
-            client_check!(session),
+            client_check!(),
             ", ",
-            keepalives!(session),
+            keepalives!(),
             " OFFSET 0), \
              t AS MATERIALIZED (SELECT q.ok, q.pid, q.idle, CASE WHEN q.ok THEN ",
             first_free_slot!(),

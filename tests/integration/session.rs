@@ -799,7 +799,9 @@ async fn keepalives_are_set_from_the_grant_on(_opts: PgPoolOptions, connect: PgC
     lock.release().await.unwrap();
     assert_eq!(settings(&pool).await, expected, "after lock");
     sqlx::query("RESET ALL").execute(&pool).await.unwrap();
-    // Transaction-scoped: set for the transaction, seen inside the closure.
+    // Transaction-scoped: set by the lock statement, seen inside the
+    // closure, and kept by the connection (as a session lock's are), so the
+    // next transaction on it only reads them.
     let inside = locker
         .with_advisory_lock("session:keepalive", async |conn| {
             let row: (String, String, String, String) = sqlx::query_as(
@@ -813,7 +815,8 @@ async fn keepalives_are_set_from_the_grant_on(_opts: PgPoolOptions, connect: PgC
         })
         .await
         .unwrap();
-    assert_eq!(inside, Some(expected));
+    assert_eq!(inside, Some(expected.clone()));
+    assert_eq!(settings(&pool).await, expected, "after with_advisory_lock");
 }
 
 #[sqlx::test(migrations = false)]

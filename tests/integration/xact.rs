@@ -750,7 +750,14 @@ async fn a_swallowed_sql_error_is_reported_as_rolled_back_not_committed(pool: Pg
 async fn a_closure_that_ends_the_transaction_itself_is_an_error(pool: PgPool) {
     let locker = PgLocker::new(pool.clone());
     for entry in ENTRIES {
-        for statement in ["COMMIT", "ROLLBACK", "COMMIT; BEGIN"] {
+        for statement in [
+            "COMMIT",
+            "ROLLBACK",
+            "COMMIT; BEGIN",
+            // The transaction's marker setting is gone as well.
+            "COMMIT; RESET ALL",
+            "ROLLBACK; RESET ALL",
+        ] {
             let result = run_entry(&locker, entry, "xact:ended", async |conn| {
                 sqlx::raw_sql(statement).execute(&mut *conn).await?;
                 // From here on the lock is gone: this runs unlocked.

@@ -99,31 +99,25 @@ pub(crate) use {token_cached, token_draw};
 /// give up on 30 s of unacknowledged data. A holder cut off by a partition
 /// then has its session, and its locks, ended by the server within about
 /// 25 s instead of the operating system's default of about two hours. Part
-/// of every lock statement, so the bound holds from the grant on. `session`
-/// keeps them for the connection; `xact` for the transaction.
+/// of every lock statement, so the bound holds from the grant on. Set for
+/// the session (a transaction-scoped lock's too: a transaction that commits
+/// keeps them), so that the connection's next lock statement only reads
+/// them; harmless for the connection's later users.
 macro_rules! keepalives {
     // Set only where they are not set yet (a connection keeps them): the
     // set_config calls cost more than reading the settings. All four are
     // read: a connection whose application set one of them itself (say
     // `-c tcp_user_timeout=30000` in its connect options) would otherwise
     // keep the operating system's keepalive idle time of two hours.
-    (session) => {
-        $crate::postgres::request::fragments::keepalives!(@local "false")
-    };
-    (xact) => {
-        $crate::postgres::request::fragments::keepalives!(@local "true")
-    };
-    (@local $local:literal) => {
-        concat!(
-            "CASE WHEN pg_catalog.current_setting('tcp_user_timeout') OPERATOR(pg_catalog.<>) '30000' \
-             OR pg_catalog.current_setting('tcp_keepalives_idle') OPERATOR(pg_catalog.<>) '10' \
-             OR pg_catalog.current_setting('tcp_keepalives_interval') OPERATOR(pg_catalog.<>) '5' \
-             OR pg_catalog.current_setting('tcp_keepalives_count') OPERATOR(pg_catalog.<>) '3' THEN \
-             pg_catalog.set_config('tcp_keepalives_idle', '10', ", $local, ") OPERATOR(pg_catalog.||) \
-             pg_catalog.set_config('tcp_keepalives_interval', '5', ", $local, ") OPERATOR(pg_catalog.||) \
-             pg_catalog.set_config('tcp_keepalives_count', '3', ", $local, ") OPERATOR(pg_catalog.||) \
-             pg_catalog.set_config('tcp_user_timeout', '30000', ", $local, ") END"
-        )
+    () => {
+        "CASE WHEN pg_catalog.current_setting('tcp_user_timeout') OPERATOR(pg_catalog.<>) '30000' \
+         OR pg_catalog.current_setting('tcp_keepalives_idle') OPERATOR(pg_catalog.<>) '10' \
+         OR pg_catalog.current_setting('tcp_keepalives_interval') OPERATOR(pg_catalog.<>) '5' \
+         OR pg_catalog.current_setting('tcp_keepalives_count') OPERATOR(pg_catalog.<>) '3' THEN \
+         pg_catalog.set_config('tcp_keepalives_idle', '10', false) OPERATOR(pg_catalog.||) \
+         pg_catalog.set_config('tcp_keepalives_interval', '5', false) OPERATOR(pg_catalog.||) \
+         pg_catalog.set_config('tcp_keepalives_count', '3', false) OPERATOR(pg_catalog.||) \
+         pg_catalog.set_config('tcp_user_timeout', '30000', false) END"
     };
 }
 pub(crate) use keepalives;
@@ -258,45 +252,47 @@ pub(crate) type PgQuery<'q> = Query<'q, Postgres, PgArguments>;
 /// closure's statement whose caller went away (a dropped future closes the
 /// connection) is then aborted within 100 ms and its locks freed, instead
 /// of running to its end. The server reads the setting when a statement
-/// starts, so it is set before a wait, by the statement before it. `session`
-/// keeps it for the connection (harmless for its later users); `xact` for
-/// the transaction.
+/// starts, so it is set before a wait, by the statement before it. Kept for
+/// the session, as [`keepalives`] are (harmless for its later users).
 macro_rules! client_check {
-    (session) => {
-        $crate::postgres::request::fragments::client_check!(@local "false")
-    };
-    (xact) => {
-        $crate::postgres::request::fragments::client_check!(@local "true")
-    };
-    (@local $local:literal) => {
-        concat!(
-            "CASE WHEN pg_catalog.current_setting('client_connection_check_interval') OPERATOR(pg_catalog.<>) '100ms' THEN \
-             pg_catalog.set_config('client_connection_check_interval', '100ms', ", $local, ") END"
-        )
+    () => {
+        "CASE WHEN pg_catalog.current_setting('client_connection_check_interval') OPERATOR(pg_catalog.<>) '100ms' THEN \
+         pg_catalog.set_config('client_connection_check_interval', '100ms', false) END"
     };
 }
 pub(crate) use client_check;
 
+/// The transaction-scoped lock's marker: `set` (a select-list fragment)
+/// names the marker setting `distlock.xact_lock` in itself, for the
+/// transaction; `check` (a statement) asks for the setting the marker
+/// names. Inside the lock's transaction that is the marker; once that
+/// transaction has ended, the marker is empty, and asking for the setting
+/// `""` raises SQLSTATE 42704 (`unrecognized configuration parameter ""`;
+/// naming `distlock.xact_lock` where a `DISCARD ALL` removed the marker
+/// itself). So the check fails, like every statement of an aborted
+/// transaction, unless the lock's transaction is the open one and healthy,
+/// and costs two setting reads: no `CASE`, nothing to plan beyond them.
+macro_rules! xact_marker {
+    (set) => {
+        "pg_catalog.set_config('distlock.xact_lock', 'distlock.xact_lock', true)"
+    };
+    (check) => {
+        "SELECT pg_catalog.current_setting(pg_catalog.current_setting('distlock.xact_lock'))"
+    };
+}
+pub(crate) use xact_marker;
+
 #[cfg(test)]
 mod tests {
     #[test]
-    fn keepalives_are_session_wide_or_transaction_local() {
-        for (fragment, local, other) in [
-            (keepalives!(session), "false)", "true)"),
-            (keepalives!(xact), "true)", "false)"),
-        ] {
-            assert_eq!(fragment.matches(local).count(), 4, "{fragment}");
-            assert!(!fragment.contains(other), "{fragment}");
-            assert!(
-                fragment.starts_with("CASE WHEN pg_catalog.current_setting('tcp_user_timeout')")
-            );
-            assert!(client_check!(session).ends_with("'100ms', false) END"));
-            assert!(client_check!(xact).ends_with("'100ms', true) END"));
-            assert!(fragment.ends_with(
-                &("pg_catalog.set_config('tcp_user_timeout', '30000', ".to_owned()
-                    + local
-                    + " END")
-            ));
+    fn keepalives_and_the_client_check_are_kept_for_the_session() {
+        for fragment in [keepalives!(), client_check!()] {
+            assert!(fragment.contains(", false)"), "{fragment}");
+            assert!(!fragment.contains(", true)"), "{fragment}");
         }
+        assert_eq!(keepalives!().matches("', false)").count(), 4);
+        assert!(
+            keepalives!().starts_with("CASE WHEN pg_catalog.current_setting('tcp_user_timeout')")
+        );
     }
 }

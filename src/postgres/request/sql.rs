@@ -7,7 +7,7 @@
 
 use super::{Lock, Step};
 use crate::postgres::request::fragments::{
-    client_check, keepalives, session_marker, standby_check, token_draw,
+    client_check, keepalives, session_marker, standby_check, token_draw, xact_marker,
 };
 
 /// The CTE `k`: one key resolved to `(space, a, b)`, the arguments of the
@@ -256,7 +256,7 @@ macro_rules! session_sql {
 /// check (read when the *next* statement starts) and keepalives.
 macro_rules! session_settings {
     () => {
-        concat!(", ", client_check!(session), ", ", keepalives!(session))
+        concat!(", ", client_check!(), ", ", keepalives!())
     };
 }
 
@@ -636,9 +636,11 @@ pub(crate) const KEYS_AS_LOCKED: &str = concat!(
 
 /// The transaction-scoped try of `with_advisory_lock_wait*` (a wait follows
 /// a busy key; `with_advisory_lock` uses [`xact_try_only`]), inside the
-/// transaction it opened: the lock, the client check and keepalives for the
-/// transaction, the transaction-local marker `distlock.xact_lock` (read by
-/// the checked commit), the standby check. A busy key on a session with a
+/// transaction it opened: the lock, the client check and keepalives (kept
+/// by the connection, as a session lock's are: its next lock only reads
+/// them), the transaction's marker
+/// ([`xact_marker`](super::fragments::xact_marker), read by the checked
+/// commit), the standby check. A busy key on a session with a
 /// `statement_timeout` lifts it for the transaction (`$4` is always bound
 /// true); the wait statement puts it back. Columns: taken, the
 /// `statement_timeout` before.
@@ -650,9 +652,11 @@ macro_rules! xact_try {
             ", l AS (SELECT ",
             call!("k", $try),
             " AS ok, ",
-            client_check!(xact),
-            ", pg_catalog.set_config('distlock.xact_lock', 'held', true), ",
-            keepalives!(xact),
+            client_check!(),
+            ", ",
+            xact_marker!(set),
+            ", ",
+            keepalives!(),
             ", ",
             standby_check!(),
             ", pg_catalog.current_setting('statement_timeout') AS st FROM k) \
@@ -693,9 +697,11 @@ macro_rules! xact_try_only {
             "SELECT ",
             call_in_place!($try),
             ", ",
-            client_check!(xact),
-            ", pg_catalog.set_config('distlock.xact_lock', 'held', true), ",
-            keepalives!(xact),
+            client_check!(),
+            ", ",
+            xact_marker!(set),
+            ", ",
+            keepalives!(),
             ", ",
             standby_check!()
         )

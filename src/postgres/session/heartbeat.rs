@@ -23,7 +23,7 @@ pub(crate) const HEARTBEAT: &str = concat!(
 /// the connection's later users; on a Unix-domain socket they are ignored.
 pub(crate) const FIRST_HEARTBEAT: &str = concat!(
     "SELECT pg_catalog.pg_backend_pid(), ",
-    crate::postgres::request::fragments::keepalives!(session)
+    crate::postgres::request::fragments::keepalives!()
 );
 
 /// One heartbeat: the same backend must still answer, within the deadline.

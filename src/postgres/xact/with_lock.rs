@@ -12,6 +12,7 @@ use crate::postgres::conn::warm::retry_on_pool;
 use crate::postgres::conn::watched::WatchedConn;
 use crate::postgres::locker::PgLocker;
 use crate::postgres::request::Lock;
+use crate::postgres::request::fragments::xact_marker;
 use crate::postgres::request::key::Bound;
 use crate::postgres::request::lock_request::Request;
 use crate::postgres::sqlstate::{
@@ -107,8 +108,8 @@ impl PgLocker {
     ///
     /// Dropping the future at any `.await` closes its connection instead of
     /// returning it to the pool. The lock statement sets
-    /// `client_connection_check_interval = 100ms` for the transaction, so the
-    /// server notices within 100 ms, aborts whatever statement is running
+    /// `client_connection_check_interval = 100ms` (kept by the connection),
+    /// so the server notices within 100 ms, aborts whatever statement is running
     /// (also one of the closure's), rolls back and frees the lock.
     pub async fn with_advisory_lock<K, F, T, E>(&self, key: K, f: F) -> Result<Option<T>, E>
     where
@@ -262,8 +263,8 @@ impl PgLocker {
         };
         // Armed until the transaction has ended: if this future is dropped,
         // the connection is closed rather than pooled. The lock statement
-        // sets client_connection_check_interval for the transaction, so the
-        // server then aborts a statement still running (a lock wait, or the
+        // sets client_connection_check_interval (if the connection has not
+        // kept it from an earlier lock), so the server then aborts a statement still running (a lock wait, or the
         // closure's own) within 100 ms and frees the lock, instead of
         // finishing it first as a pooled connection's clean-up would.
         let began = held.conn().begin().await.map_err(Error::from);
@@ -448,10 +449,15 @@ impl End {
     }
 }
 
-/// The name of a setting that does not exist: asking for it raises SQLSTATE
-/// 42704 with this name in the message, which is how the commit statement
-/// says "the lock's transaction is not the one open now".
-const ENDED_IN_CLOSURE: &str = "distlock.lock_transaction_ended_inside_the_closure";
+/// Whether the checked commit failed at its marker check because the
+/// lock's transaction had ended ([`xact_marker`]): SQLSTATE 42704 raised
+/// where the server looks a setting up (the routine is named in every
+/// server language; the message is translated).
+fn ended_in_closure(err: &sqlx::Error) -> bool {
+    err.as_database_error()
+        .and_then(|db| db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .is_some_and(|db| db.code() == UNDEFINED_OBJECT && db.routine() == Some("find_option"))
+}
 
 /// Commits only the transaction that took the lock, and only if it is
 /// healthy, in the one round trip a plain `COMMIT` costs.
@@ -459,31 +465,29 @@ const ENDED_IN_CLOSURE: &str = "distlock.lock_transaction_ended_inside_the_closu
 /// PostgreSQL answers `COMMIT` of an aborted transaction with `ROLLBACK`,
 /// which sqlx reports as success; and a closure that sent its own `COMMIT`
 /// or `ROLLBACK` has already released the lock. So the commit is one simple
-/// query of three statements: a check that fails if the transaction is
-/// aborted (every statement does, SQLSTATE 25P02) or if the lock's
-/// transaction-local marker is gone (a setting that does not exist is asked
-/// for, 42704); then `COMMIT`; then `BEGIN`, so that the connection is in a
-/// transaction again as sqlx's `Transaction` still believes. Dropping that
+/// query of three statements: the marker check ([`xact_marker`]), which
+/// fails if the transaction is aborted (every statement does, SQLSTATE
+/// 25P02) or is not the lock's (42704); then `COMMIT`; then `BEGIN`, so
+/// that the connection is in a transaction again as sqlx's `Transaction`
+/// still believes. Dropping that
 /// `Transaction` queues a `ROLLBACK` of the empty transaction, which the
 /// caller sends without waiting for its answer
 /// ([`HeldConn::send_queued`]): it costs the caller no round trip, and the
 /// next lock on the kept connection finds it answered. An error
 /// skips the rest of the query string, so nothing after a failed check runs.
 async fn commit_checked(mut tx: sqlx::Transaction<'_, sqlx::Postgres>) -> End {
-    // `distlock.xact_lock` is set transaction-locally by the lock
-    // statement, so it reads 'held' exactly as long as that transaction.
-    const COMMIT_CHECKED: &str = "SELECT pg_catalog.current_setting(CASE WHEN pg_catalog.current_setting('distlock.xact_lock', true) OPERATOR(pg_catalog.=) 'held' \
-         THEN 'distlock.xact_lock' ELSE 'distlock.lock_transaction_ended_inside_the_closure' END); \
-         COMMIT; BEGIN";
+    const COMMIT_CHECKED: &str = concat!(xact_marker!(check), "; COMMIT; BEGIN");
     let Err(err) = sqlx::raw_sql(COMMIT_CHECKED).execute(&mut *tx).await else {
         drop(tx);
         return End::Committed;
     };
+    if ended_in_closure(&err) {
+        return End::EndedInClosure;
+    }
     match sqlstate(&err).as_deref() {
         Some(IN_FAILED_TRANSACTION) => End::Aborted {
             rolled_back: tx.rollback().await.is_ok(),
         },
-        Some(UNDEFINED_OBJECT) if err.to_string().contains(ENDED_IN_CLOSURE) => End::EndedInClosure,
         _ => End::Failed(err),
     }
 }

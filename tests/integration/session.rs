@@ -817,6 +817,19 @@ async fn keepalives_are_set_from_the_grant_on(_opts: PgPoolOptions, connect: PgC
         .unwrap();
     assert_eq!(inside, Some(expected.clone()));
     assert_eq!(settings(&pool).await, expected, "after with_advisory_lock");
+    // The waiting form's try statement sets them too.
+    sqlx::query("RESET ALL").execute(&pool).await.unwrap();
+    locker
+        .with_advisory_lock_wait("session:keepalive", Duration::from_secs(1), async |_| {
+            Ok::<_, Error>(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        settings(&pool).await,
+        expected,
+        "after with_advisory_lock_wait"
+    );
 }
 
 #[sqlx::test(migrations = false)]

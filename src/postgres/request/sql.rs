@@ -634,13 +634,28 @@ pub(crate) const KEYS_AS_LOCKED: &str = concat!(
        FROM given g)"
 );
 
+/// What every transaction-scoped try sets and checks beside its lock call
+/// (select-list fragments): the client check and keepalives (kept by the
+/// connection, as a session lock's are: its next lock only reads them), the
+/// transaction's marker ([`xact_marker`](super::fragments::xact_marker),
+/// read by the checked commit), the standby check.
+macro_rules! xact_guards {
+    () => {
+        concat!(
+            client_check!(),
+            ", ",
+            xact_marker!(set),
+            ", ",
+            keepalives!(),
+            ", ",
+            standby_check!()
+        )
+    };
+}
+
 /// The transaction-scoped try of `with_advisory_lock_wait*` (a wait follows
 /// a busy key; `with_advisory_lock` uses [`xact_try_only`]), inside the
-/// transaction it opened: the lock, the client check and keepalives (kept
-/// by the connection, as a session lock's are: its next lock only reads
-/// them), the transaction's marker
-/// ([`xact_marker`](super::fragments::xact_marker), read by the checked
-/// commit), the standby check. A busy key on a session with a
+/// transaction it opened: the lock and [`xact_guards`]. A busy key on a session with a
 /// `statement_timeout` lifts it for the transaction (`$4` is always bound
 /// true); the wait statement puts it back. Columns: taken, the
 /// `statement_timeout` before.
@@ -652,13 +667,7 @@ macro_rules! xact_try {
             ", l AS (SELECT ",
             call!("k", $try),
             " AS ok, ",
-            client_check!(),
-            ", ",
-            xact_marker!(set),
-            ", ",
-            keepalives!(),
-            ", ",
-            standby_check!(),
+            xact_guards!(),
             ", pg_catalog.current_setting('statement_timeout') AS st FROM k) \
              SELECT l.ok, l.st, CASE WHEN NOT l.ok AND $4::pg_catalog.bool AND l.st OPERATOR(pg_catalog.<>) '0' \
              THEN pg_catalog.set_config('statement_timeout', '0', true) END FROM l"
@@ -693,18 +702,7 @@ macro_rules! xact_wait {
 /// Column 0: taken.
 macro_rules! xact_try_only {
     ($try:literal) => {
-        concat!(
-            "SELECT ",
-            call_in_place!($try),
-            ", ",
-            client_check!(),
-            ", ",
-            xact_marker!(set),
-            ", ",
-            keepalives!(),
-            ", ",
-            standby_check!()
-        )
+        concat!("SELECT ", call_in_place!($try), ", ", xact_guards!())
     };
 }
 

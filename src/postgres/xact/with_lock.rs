@@ -109,8 +109,8 @@ impl PgLocker {
     /// Dropping the future at any `.await` closes its connection instead of
     /// returning it to the pool. The lock statement sets
     /// `client_connection_check_interval = 100ms` (kept by the connection),
-    /// so the server notices within 100 ms, aborts whatever statement is running
-    /// (also one of the closure's), rolls back and frees the lock.
+    /// so the server notices within 100 ms, aborts whatever statement is
+    /// running (also one of the closure's), rolls back and frees the lock.
     pub async fn with_advisory_lock<K, F, T, E>(&self, key: K, f: F) -> Result<Option<T>, E>
     where
         K: Into<LockKey>,
@@ -264,9 +264,10 @@ impl PgLocker {
         // Armed until the transaction has ended: if this future is dropped,
         // the connection is closed rather than pooled. The lock statement
         // sets client_connection_check_interval (if the connection has not
-        // kept it from an earlier lock), so the server then aborts a statement still running (a lock wait, or the
-        // closure's own) within 100 ms and frees the lock, instead of
-        // finishing it first as a pooled connection's clean-up would.
+        // kept it from an earlier lock), so the server then aborts a
+        // statement still running (a lock wait, or the closure's own)
+        // within 100 ms and frees the lock, instead of finishing it first
+        // as a pooled connection's clean-up would.
         let began = held.conn().begin().await.map_err(Error::from);
         let mut tx = if retry_on_pool(kept, &began) {
             drop(began);

@@ -777,6 +777,56 @@ async fn a_closure_that_ends_the_transaction_itself_is_an_error(pool: PgPool) {
     assert_eq!(again, Some(1));
 }
 
+/// A `COMMIT` that fails in the application's own deferred work is the
+/// server's error, not "the closure ended the transaction": neither a
+/// deferred unique violation nor a deferred trigger that reads a setting
+/// nobody set (SQLSTATE 42704, raised by the same server routine as the
+/// checked commit's marker check, but inside the trigger's function).
+#[sqlx::test(migrations = false)]
+async fn a_commit_failing_in_deferred_work_is_the_servers_error(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    sqlx::raw_sql(
+        "CREATE TABLE work (id int, CONSTRAINT work_id UNIQUE (id) DEFERRABLE INITIALLY DEFERRED);
+         CREATE TABLE tenanted (id int);
+         CREATE FUNCTION tenant_check() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN PERFORM current_setting('app.tenant_not_set'); RETURN NULL; END $$;
+         CREATE CONSTRAINT TRIGGER tenant_check AFTER INSERT ON tenanted
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION tenant_check()",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let cases = [
+        ("INSERT INTO work VALUES (1), (1)", "23505"),
+        ("INSERT INTO tenanted VALUES (1)", "42704"),
+    ];
+    for entry in ENTRIES {
+        for (statement, code) in cases {
+            let result = run_entry(&locker, entry, "xact:deferred", async |conn| {
+                sqlx::raw_sql(statement).execute(&mut *conn).await?;
+                Ok(())
+            })
+            .await;
+            let Err(Error::Database(err)) = &result else {
+                panic!("{entry:?}/{statement}: the commit's own error, got {result:?}");
+            };
+            let got = err.as_database_error().and_then(|db| db.code());
+            assert_eq!(got.as_deref(), Some(code), "{entry:?}/{statement}: {err}");
+        }
+    }
+    let committed: i64 =
+        sqlx::query_scalar("SELECT (SELECT count(*) FROM work) + (SELECT count(*) FROM tenanted)")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(committed, 0, "nothing of a failed commit is kept");
+    let again = locker
+        .with_advisory_lock("xact:deferred", async |_| Ok::<_, Error>(1))
+        .await
+        .unwrap();
+    assert_eq!(again, Some(1), "the lock went with the failed commit");
+}
+
 #[sqlx::test(migrations = false)]
 async fn nested_transactions_in_the_closure_are_savepoints_and_commit(pool: PgPool) {
     use sqlx::Connection;

@@ -453,11 +453,18 @@ impl End {
 /// Whether the checked commit failed at its marker check because the
 /// lock's transaction had ended ([`xact_marker`]): SQLSTATE 42704 raised
 /// where the server looks a setting up (the routine is named in every
-/// server language; the message is translated).
+/// server language; the message is translated), by the check itself, a
+/// top-level statement, so with no context. The same error from the
+/// application's deferred trigger at `COMMIT` carries the trigger
+/// function's context, and is the commit's own failure.
 fn ended_in_closure(err: &sqlx::Error) -> bool {
     err.as_database_error()
         .and_then(|db| db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
-        .is_some_and(|db| db.code() == UNDEFINED_OBJECT && db.routine() == Some("find_option"))
+        .is_some_and(|db| {
+            db.code() == UNDEFINED_OBJECT
+                && db.routine() == Some("find_option")
+                && db.r#where().is_none()
+        })
 }
 
 /// Commits only the transaction that took the lock, and only if it is

@@ -4,6 +4,10 @@
 # script name go to the binary (--quick, --rounds N, --per-round N, ...).
 #
 #   OLD_REF   the old commit (default 89231f2)
+#   OLD_API   `before` (default): the old side is called with the API of
+#             89231f2 and older; `current`: with today's (`postgres::TableLocker`,
+#             a fallible `build()`), for an OLD_REF after the rewrite, e.g.
+#             OLD_REF=HEAD for an A/A run (the same code on both sides)
 #   NEW_REF   the new commit (default HEAD)
 #   NEW_PATH  build the new side from this checkout instead of NEW_REF
 #             (e.g. the repository itself, to include uncommitted changes)
@@ -58,9 +62,21 @@ mkdir -p "$work/crate/src"
 sed -e "s#@OLD@#$work/old#" -e "s#@NEW@#$new#" \
     "$here/Cargo.toml.template" >"$work/crate/Cargo.toml"
 cp "$here/main.rs" "$work/crate/src/main.rs"
+case ${OLD_API:-before} in
+before) ;;
+current)
+    # The two calls whose API changed in the rewrite, on the old side only.
+    sed -i -e 's/distlock_old::TableLocker/distlock_old::postgres::TableLocker/g' \
+        -e 's/^\( *\)\.build(),$/\1.build()?,/' "$work/crate/src/main.rs"
+    ;;
+*)
+    echo "OLD_API must be 'before' or 'current'" >&2
+    exit 2
+    ;;
+esac
 cp "$new/Cargo.lock" "$work/crate/Cargo.lock"
 
-echo "old: $(git -C "$work/old" rev-parse --short HEAD)  new: $(git -C "$new" rev-parse --short HEAD)$([[ -n $(git -C "$new" status --porcelain --untracked-files=no) ]] && echo ' (with uncommitted changes)')"
+echo "old: $(git -C "$work/old" rev-parse --short HEAD) (called with the ${OLD_API:-before} API)  new: $(git -C "$new" rev-parse --short HEAD)$([[ -n $(git -C "$new" status --porcelain --untracked-files=no) ]] && echo ' (with uncommitted changes)')"
 echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
 echo "server: $(psql "${SBS_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}" -Atc 'select version()' 2>/dev/null || echo '?')"
 

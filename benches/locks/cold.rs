@@ -58,17 +58,23 @@ impl Samples {
     }
 }
 
-/// distlock's try and unlock statements for a bigint key, as the server
-/// saw them.
-struct Statements {
-    try_lock: String,
-    unlock: String,
+/// distlock's statements for a bigint key, as the server saw them.
+pub struct Statements {
+    /// `try_lock`'s (binds the key as `$1`–`$3`).
+    pub try_lock: String,
+    /// `lock`'s first statement, which waits where the connection checks
+    /// for a vanished client and tries elsewhere (the key as `$1`–`$3`,
+    /// the `lock_timeout` as `$4`).
+    pub try_or_wait: String,
+    /// `release`'s (binds the key as `$1`).
+    pub unlock: String,
 }
 
-/// Takes and releases one lock through a locker whose pool reaches the
-/// server through a recording proxy, and reads the statements it prepared
-/// from the recorded bytes (`pg_stat_activity` truncates long statements).
-async fn capture(opts: &PgConnectOptions, key: i64) -> anyhow::Result<Statements> {
+/// Takes and releases two locks, one with `try_lock` on `key` and one with
+/// `lock` on `key + 1`, through a locker whose pool reaches the server
+/// through a recording proxy, and reads the statements it prepared from the
+/// recorded bytes (`pg_stat_activity` truncates long statements).
+pub async fn capture(opts: &PgConnectOptions, key: i64) -> anyhow::Result<Statements> {
     let (port, sent) = recording_proxy(opts.get_host(), opts.get_port())?;
     let through = opts.clone().host("127.0.0.1").port(port);
     let pool = PgPoolOptions::new()
@@ -83,6 +89,10 @@ async fn capture(opts: &PgConnectOptions, key: i64) -> anyhow::Result<Statements
         .await?
         .context("the capture key was busy")?;
     lock.release().await?;
+    let lock = locker
+        .lock(LockKey::id(key + 1), Duration::from_secs(5))
+        .await?;
+    lock.release().await?;
     drop(locker);
     pool.close().await;
     let bytes = sent
@@ -90,16 +100,19 @@ async fn capture(opts: &PgConnectOptions, key: i64) -> anyhow::Result<Statements
         .map_err(|_| anyhow::anyhow!("poisoned"))?
         .clone();
     let parsed = parse_messages(&bytes);
-    let find = |needle: &str| {
+    let find = |needle: &str, and: &str| {
         parsed
             .iter()
-            .find(|sql| sql.contains(needle) && sql.contains("distlock.locks"))
+            .find(|sql| sql.contains(needle) && sql.contains(and) && sql.contains("distlock.locks"))
             .cloned()
-            .with_context(|| format!("no statement with {needle} was sent"))
+            .with_context(|| format!("no statement with {needle} and {and} was sent"))
     };
     Ok(Statements {
-        try_lock: find("pg_try_advisory_lock")?,
-        unlock: find("pg_advisory_unlock")?,
+        try_lock: find("pg_try_advisory_lock", "pg_try_advisory_lock")?,
+        // The wait's lock call; the try's `pg_try_advisory_lock(` does not
+        // contain it.
+        try_or_wait: find("pg_advisory_lock(", "lock_timeout")?,
+        unlock: find("pg_advisory_unlock", "pg_advisory_unlock")?,
     })
 }
 

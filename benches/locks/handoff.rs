@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use distlock::{LockKey, PgLocker};
 use sqlx::postgres::{PgAdvisoryLock, PgAdvisoryLockKey, PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+use sqlx::{AssertSqlSafe, ConnectOptions, Connection, PgConnection, PgPool};
 
 /// One way of waiting for a busy lock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,17 +159,25 @@ pub async fn run(
     let mut tasks = tokio::task::JoinSet::new();
     match variant {
         Handoff::Raw | Handoff::Sqlx | Handoff::RawDistlockSql => {
+            // The statements `lock()` and `release()` send today, read off
+            // the wire (keys of their own, away from the hot one).
+            let statements = if variant == Handoff::RawDistlockSql {
+                let captured = crate::cold::capture(opts, key + 1_000).await?;
+                Some(Arc::new((captured.try_or_wait, captured.unlock)))
+            } else {
+                None
+            };
             let mut conns = Vec::new();
             for _ in 0..waiters {
                 conns.push(opts.connect().await?);
             }
             for conn in conns {
-                let baton = baton.clone();
+                let (baton, statements) = (baton.clone(), statements.clone());
                 tasks.spawn(async move {
-                    match variant {
-                        Handoff::Raw => raw_loop(conn, key, &baton, target).await,
-                        Handoff::RawDistlockSql => {
-                            distlock_sql_loop(conn, key, &baton, target).await
+                    match (variant, statements) {
+                        (Handoff::Raw, _) => raw_loop(conn, key, &baton, target).await,
+                        (Handoff::RawDistlockSql, Some(statements)) => {
+                            distlock_sql_loop(conn, key, &statements, &baton, target).await
                         }
                         _ => sqlx_loop(conn, key, &baton, target).await,
                     }
@@ -269,52 +277,34 @@ async fn raw_loop(
     }
 }
 
-/// The statement `PgLocker::lock` sends for a free-or-busy exclusive `i64`
-/// key without fencing, as built by `src/postgres/session.rs`
-/// (`try_or_wait_query`) from the fragments in `src/postgres/sql.rs`.
-const DISTLOCK_WAIT: &str = "WITH l AS (SELECT pg_backend_pid() AS pid, \
-     set_config('lock_timeout', $1, true), \
-     CASE WHEN NOT coalesce(current_setting('distlock.locks', true), '') IN ('', '0') THEN NULL \
-     WHEN current_setting('client_connection_check_interval') = '100ms' \
-     THEN (SELECT true FROM pg_advisory_lock($2::int8)) \
-     ELSE pg_try_advisory_lock($2::int8) END AS ok, \
-     CASE WHEN current_setting('client_connection_check_interval') <> '100ms' THEN \
-     set_config('client_connection_check_interval', '100ms', false) END, \
-     CASE WHEN current_setting('tcp_user_timeout') <> '30000' \
-     OR current_setting('tcp_keepalives_idle') <> '10' \
-     OR current_setting('tcp_keepalives_interval') <> '5' \
-     OR current_setting('tcp_keepalives_count') <> '3' THEN \
-     set_config('tcp_keepalives_idle', '10', false) || \
-     set_config('tcp_keepalives_interval', '5', false) || \
-     set_config('tcp_keepalives_count', '3', false) || \
-     set_config('tcp_user_timeout', '30000', false) END) \
-     SELECT l.ok, l.pid, NULL::int8, \
-     CASE WHEN l.ok THEN set_config('distlock.locks', '1', false) END FROM l";
-
-/// The statement `SessionLock::release` sends for the same key
-/// (`src/postgres/keeper.rs`).
-const DISTLOCK_UNLOCK: &str = "SELECT pg_advisory_unlock($1::int8), pg_backend_pid(), \
-     set_config('distlock.locks', '0', false)";
-
+/// `lock()`'s first statement and `release()`'s, as `cold::capture` read
+/// them off the wire, sent on a dedicated connection: what the statements
+/// cost without the client side of `PgLocker`. The wait binds the key as
+/// `$1`–`$3` (space 1, the id, no name) and the `lock_timeout` as `$4`;
+/// the unlock binds the id.
 async fn distlock_sql_loop(
     mut conn: PgConnection,
     key: i64,
+    (wait, unlock): &(String, String),
     baton: &Baton,
     target: usize,
 ) -> anyhow::Result<()> {
     loop {
-        let (ok,): (Option<bool>,) = sqlx::query_as(DISTLOCK_WAIT)
-            .bind("120000ms")
+        let row = sqlx::query(AssertSqlSafe(wait.as_str()))
+            .bind(1_i32)
             .bind(key)
+            .bind(None::<String>)
+            .bind("120000ms")
             .fetch_one(&mut conn)
             .await?;
+        let ok: Option<bool> = sqlx::Row::try_get(&row, 0)?;
         // A fresh connection only tries (its client check is not set yet).
         if ok != Some(true) {
             continue;
         }
         let stop = baton.acquired(target);
         baton.releasing();
-        let _: (bool,) = sqlx::query_as(DISTLOCK_UNLOCK)
+        sqlx::query(AssertSqlSafe(unlock.as_str()))
             .bind(key)
             .fetch_one(&mut conn)
             .await?;

@@ -100,19 +100,20 @@ pub async fn capture(opts: &PgConnectOptions, key: i64) -> anyhow::Result<Statem
         .map_err(|_| anyhow::anyhow!("poisoned"))?
         .clone();
     let parsed = parse_messages(&bytes);
-    let find = |needle: &str, and: &str| {
+    // The first lock statement sent that contains every needle.
+    let find = |needles: &[&str]| {
         parsed
             .iter()
-            .find(|sql| sql.contains(needle) && sql.contains(and) && sql.contains("distlock.locks"))
+            .find(|sql| sql.contains("distlock.locks") && needles.iter().all(|n| sql.contains(n)))
             .cloned()
-            .with_context(|| format!("no statement with {needle} and {and} was sent"))
+            .with_context(|| format!("no statement with {needles:?} was sent"))
     };
     Ok(Statements {
-        try_lock: find("pg_try_advisory_lock", "pg_try_advisory_lock")?,
-        // The wait's lock call; the try's `pg_try_advisory_lock(` does not
-        // contain it.
-        try_or_wait: find("pg_advisory_lock(", "lock_timeout")?,
-        unlock: find("pg_advisory_unlock", "pg_advisory_unlock")?,
+        // `try_lock` ran first: `lock`'s statement tries too, but later.
+        try_lock: find(&["pg_try_advisory_lock"])?,
+        // The wait's lock call (`pg_try_advisory_lock(` does not contain it).
+        try_or_wait: find(&["pg_advisory_lock(", "lock_timeout"])?,
+        unlock: find(&["pg_advisory_unlock"])?,
     })
 }
 

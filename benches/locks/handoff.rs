@@ -179,6 +179,7 @@ pub async fn run(
                         (Handoff::RawDistlockSql, Some(statements)) => {
                             distlock_sql_loop(conn, key, &statements, &baton, target).await
                         }
+                        (Handoff::RawDistlockSql, None) => bail!("no captured statements"),
                         _ => sqlx_loop(conn, key, &baton, target).await,
                     }
                 });

@@ -32,13 +32,45 @@ macro_rules! resolved {
 /// hash.
 macro_rules! call_in_place {
     ($f:literal) => {
+        call_in_place!($f, "")
+    };
+    // `$as_bool` turns the call into a condition: "" for a try (it answers
+    // a `boolean`), [`granted`] for a wait (it answers `void`).
+    ($f:literal, $as_bool:expr) => {
         concat!(
             "CASE WHEN $1::pg_catalog.int4 OPERATOR(pg_catalog.=) 1 THEN pg_catalog.",
             $f,
-            "(coalesce($2::pg_catalog.int8, pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8)) \
-             ELSE pg_catalog.",
+            "(coalesce($2::pg_catalog.int8, pg_catalog.hashtext($3::pg_catalog.text)::pg_catalog.int8))",
+            $as_bool,
+            " ELSE pg_catalog.",
             $f,
-            "(($2::pg_catalog.int8)::pg_catalog.int4, pg_catalog.hashtext($3::pg_catalog.text)) END"
+            "(($2::pg_catalog.int8)::pg_catalog.int4, pg_catalog.hashtext($3::pg_catalog.text))",
+            $as_bool,
+            " END"
+        )
+    };
+}
+
+/// A waiting lock function's `void` answer as `true`: it answers only once
+/// the lock is granted (a `lock_timeout` fails the statement), and a
+/// `void` is never NULL.
+macro_rules! granted {
+    () => {
+        " IS NOT NULL"
+    };
+}
+
+/// The statement-local `lock_timeout` (`$4`), then the waiting lock
+/// function `$f` on the key resolved in place, as a condition: the order of
+/// a `CASE` sets the timeout before the wait starts (the server reads it
+/// then). Outside a transaction block the setting lasts for this one
+/// statement.
+macro_rules! wait_in_place {
+    ($f:literal) => {
+        concat!(
+            "CASE WHEN pg_catalog.set_config('lock_timeout', $4, true) IS NULL THEN NULL ELSE ",
+            call_in_place!($f, granted!()),
+            " END"
         )
     };
 }
@@ -282,13 +314,17 @@ macro_rules! session_try {
     };
 }
 
-/// The try on a fresh session, in one flat select (no CTE): the marker
-/// counted in by the expression that took the lock, so "taken" is read
-/// once. Columns as [`session_sql`]'s, with the marker, the
-/// `statement_timeout` and the resolved key NULL (a try that waits for
-/// nothing reads none of them: a NULL `statement_timeout` reads as "not
-/// limited"), then the session's settings. `fenced`: the token is drawn
-/// only after this statement's own grant (`distlock.granted`, local to the
+/// A session lock statement on a fresh session, in one flat select (no
+/// CTE): a CTE scan costs the server more than the lock itself on a short
+/// try (BENCHMARKS, "The try statements"), and a hand-off between waiters
+/// is bound by the server's work per statement. `$call` is the lock, as a
+/// condition on the key resolved in place; the marker is counted in by the
+/// expression that took the lock, so "taken" is read once. Columns as
+/// [`session_sql`]'s, with the marker and the resolved key NULL (no caller
+/// of a session lock reads them), column 4 `$limit` (the session's
+/// `statement_timeout`, or NULL where no wait follows: it reads as "not
+/// limited"), then `$settings`. `fenced`: the token is drawn only after
+/// this statement's own grant (`distlock.granted`, local to the
 /// statement), `unfenced`: NULL.
 ///
 /// Guarded by the suites, each seen failing on a broken variant: without
@@ -301,9 +337,9 @@ macro_rules! session_try {
 /// with the token drawn unconditionally, `fencing::busy_try_issues_no_token`;
 /// with the grant's flag set for the session rather than the statement,
 /// `fencing::busy_try_on_a_connection_that_granted_before_issues_no_token`.
-macro_rules! session_try_in_place {
-    ($f:literal, unfenced) => {
-        session_try_in_place!($f, "", token!(unfenced))
+macro_rules! session_in_place {
+    ($call:expr, $limit:expr, $settings:expr, unfenced) => {
+        session_in_place!($call, $limit, $settings, "", token!(unfenced))
     };
     // The token column cannot read "taken" (that needs the CTE this form
     // saves), so the grant also sets a transaction-local flag, which the
@@ -311,9 +347,11 @@ macro_rules! session_try_in_place {
     // Outside a transaction block the flag lasts for this one statement; a
     // stray session-wide value could at most draw a token for a refused
     // try, which `SessionRow::decode` never reads.
-    ($f:literal, fenced) => {
-        session_try_in_place!(
-            $f,
+    ($call:expr, $limit:expr, $settings:expr, fenced) => {
+        session_in_place!(
+            $call,
+            $limit,
+            $settings,
             " AND pg_catalog.set_config('distlock.granted', '1', true) IS NOT NULL",
             concat!(
                 "CASE WHEN pg_catalog.current_setting('distlock.granted', true) OPERATOR(pg_catalog.=) '1' THEN ",
@@ -322,20 +360,64 @@ macro_rules! session_try_in_place {
             )
         )
     };
-    ($f:literal, $granted:expr, $token:expr) => {
+    ($call:expr, $limit:expr, $settings:expr, $granted:expr, $token:expr) => {
         concat!(
             "SELECT ",
             on_session!(fresh, test),
             " THEN CASE WHEN ",
-            call_in_place!($f),
+            $call,
             " THEN pg_catalog.set_config('distlock.locks', '1', false) IS NOT NULL",
             $granted,
             " ELSE false END END, pg_catalog.pg_backend_pid(), ",
             $token,
-            ", NULL::pg_catalog.text, NULL::pg_catalog.text, \
-             NULL::pg_catalog.int4, NULL::pg_catalog.int8, NULL::pg_catalog.int8",
-            session_settings!()
+            ", NULL::pg_catalog.text, ",
+            $limit,
+            ", NULL::pg_catalog.int4, NULL::pg_catalog.int8, NULL::pg_catalog.int8",
+            $settings
         )
+    };
+}
+
+/// A session's `statement_timeout`, column 4 of a statement a wait may
+/// follow.
+macro_rules! statement_timeout {
+    () => {
+        "pg_catalog.current_setting('statement_timeout')"
+    };
+}
+
+/// The flat forms of a fresh session's try, first statement of a wait, and
+/// wait ([`session_in_place`]) with the try function `$try`, the waiting
+/// one `$wait`: as [`session_try_or_wait`] and [`session_wait`] decide, in
+/// one select.
+macro_rules! session_flat {
+    (Try, $try:literal, $wait:literal, $token:ident) => {
+        session_in_place!(
+            call_in_place!($try),
+            "NULL::pg_catalog.text",
+            session_settings!(),
+            $token
+        )
+    };
+    (TryOrWait, $try:literal, $wait:literal, $token:ident) => {
+        session_in_place!(
+            concat!(
+                "CASE WHEN pg_catalog.current_setting('client_connection_check_interval') OPERATOR(pg_catalog.=) '100ms' \
+                 AND ",
+                statement_timeout!(),
+                " OPERATOR(pg_catalog.=) '0' THEN ",
+                wait_in_place!($wait),
+                " ELSE ",
+                call_in_place!($try),
+                " END"
+            ),
+            statement_timeout!(),
+            session_settings!(),
+            $token
+        )
+    };
+    (Wait, $try:literal, $wait:literal, $token:ident) => {
+        session_in_place!(wait_in_place!($wait), statement_timeout!(), "", $token)
     };
 }
 
@@ -400,48 +482,40 @@ macro_rules! mux_try {
     };
 }
 
-/// Expands `$shape!` for the lock functions of `lock` and the token column
-/// of `fencing` (a shared lock carries none: readers do not write).
-macro_rules! by_lock {
-    ($shape:ident, $lock:expr, $fencing:expr) => {
-        match ($lock, $fencing) {
-            (Lock::Shared, _) => $shape!(
-                fresh,
-                call!("k", "pg_try_advisory_lock_shared"),
-                wait_call!("k", "pg_advisory_lock_shared"),
-                unfenced
-            ),
-            (Lock::Exclusive, true) => $shape!(
-                fresh,
-                call!("k", "pg_try_advisory_lock"),
-                wait_call!("k", "pg_advisory_lock"),
-                fenced
-            ),
-            (Lock::Exclusive, false) => $shape!(
-                fresh,
-                call!("k", "pg_try_advisory_lock"),
-                wait_call!("k", "pg_advisory_lock"),
-                unfenced
-            ),
-        }
+/// [`session_flat`]'s `$step` of a shared lock (which carries no token:
+/// readers do not write).
+macro_rules! by_shared {
+    ($step:ident) => {
+        session_flat!(
+            $step,
+            "pg_try_advisory_lock_shared",
+            "pg_advisory_lock_shared",
+            unfenced
+        )
+    };
+}
+
+/// [`session_flat`]'s `$step` of an exclusive lock.
+macro_rules! by_exclusive {
+    ($step:ident, $token:ident) => {
+        session_flat!($step, "pg_try_advisory_lock", "pg_advisory_lock", $token)
     };
 }
 
 /// A session lock statement on a dedicated connection; columns as
 /// [`session_sql`]'s. Binds the key, then (waiting steps) `$4` the
-/// `lock_timeout`. A try is one flat select ([`session_try_in_place`]);
-/// the waits read the key from the CTE `k`.
+/// `lock_timeout`. Each step is one flat select ([`session_flat`]).
 pub(crate) fn session(step: Step, lock: Lock, fencing: bool) -> &'static str {
     match (step, lock, fencing) {
-        (Step::Try, Lock::Shared, _) => {
-            session_try_in_place!("pg_try_advisory_lock_shared", unfenced)
-        }
-        (Step::Try, Lock::Exclusive, false) => {
-            session_try_in_place!("pg_try_advisory_lock", unfenced)
-        }
-        (Step::Try, Lock::Exclusive, true) => session_try_in_place!("pg_try_advisory_lock", fenced),
-        (Step::TryOrWait, ..) => by_lock!(session_try_or_wait, lock, fencing),
-        (Step::Wait, ..) => by_lock!(session_wait, lock, fencing),
+        (Step::Try, Lock::Shared, _) => by_shared!(Try),
+        (Step::TryOrWait, Lock::Shared, _) => by_shared!(TryOrWait),
+        (Step::Wait, Lock::Shared, _) => by_shared!(Wait),
+        (Step::Try, Lock::Exclusive, true) => by_exclusive!(Try, fenced),
+        (Step::TryOrWait, Lock::Exclusive, true) => by_exclusive!(TryOrWait, fenced),
+        (Step::Wait, Lock::Exclusive, true) => by_exclusive!(Wait, fenced),
+        (Step::Try, Lock::Exclusive, false) => by_exclusive!(Try, unfenced),
+        (Step::TryOrWait, Lock::Exclusive, false) => by_exclusive!(TryOrWait, unfenced),
+        (Step::Wait, Lock::Exclusive, false) => by_exclusive!(Wait, unfenced),
     }
 }
 
@@ -802,16 +876,20 @@ mod tests {
             assert!(!sql.contains("(pg_advisory"), "{sql}");
             assert!(!sql.contains(" hashtext"), "{sql}");
             assert!(!sql.contains("(hashtext"), "{sql}");
-            // The key is resolved once: in one CTE, or in place.
-            assert_eq!(
-                sql.matches("pg_catalog.int4 AS space").count()
-                    + sql.matches("x(space, v, n, i)").count()
-                    + sql
-                        .matches("CASE WHEN $1::pg_catalog.int4 OPERATOR(pg_catalog.=) 1 THEN")
-                        .count(),
-                1,
-                "{sql}"
-            );
+            // The key is resolved once: in one CTE, or in place where it is
+            // locked (twice in the first statement of a wait: one branch of
+            // a `CASE` waits, the other tries), never both.
+            let in_cte = sql.matches("pg_catalog.int4 AS space").count()
+                + sql.matches("x(space, v, n, i)").count();
+            let in_place = sql
+                .matches("CASE WHEN $1::pg_catalog.int4 OPERATOR(pg_catalog.=) 1 THEN")
+                .count();
+            let waits_or_tries = sql.contains("'100ms' AND");
+            match (in_cte, in_place) {
+                (1, 0) | (0, 1) => {}
+                (0, 2) if waits_or_tries => {}
+                _ => panic!("{in_cte} CTEs and {in_place} in place: {sql}"),
+            }
         }
     }
 

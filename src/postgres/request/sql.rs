@@ -300,8 +300,8 @@ macro_rules! lock_timeout {
     };
 }
 
-/// The try: attempted only on a session that holds no distlock lock (see
-/// `session_marker`).
+/// The try, in the CTE form (an upgradeable lock's): attempted only on a
+/// session that holds no distlock lock (see `session_marker`).
 macro_rules! session_try {
     ($on:ident, $try:expr, $wait:expr, $token:ident) => {
         session_sql!(
@@ -386,6 +386,21 @@ macro_rules! statement_timeout {
     };
 }
 
+/// Whether the first statement of a wait waits at once: on a connection
+/// that already checks for a vanished client (so a dropped caller's wait
+/// ends within 100 ms) and has no `statement_timeout` (which would cut it
+/// short). Elsewhere it only tries, and sets the check for the wait that
+/// follows a busy key.
+macro_rules! waits_at_once {
+    () => {
+        concat!(
+            "pg_catalog.current_setting('client_connection_check_interval') OPERATOR(pg_catalog.=) '100ms' AND ",
+            statement_timeout!(),
+            " OPERATOR(pg_catalog.=) '0'"
+        )
+    };
+}
+
 /// The flat forms of a fresh session's try, first statement of a wait, and
 /// wait ([`session_in_place`]) with the try function `$try`, the waiting
 /// one `$wait`: as [`session_try_or_wait`] and [`session_wait`] decide, in
@@ -402,10 +417,9 @@ macro_rules! session_flat {
     (TryOrWait, $try:literal, $wait:literal, $token:ident) => {
         session_in_place!(
             concat!(
-                "CASE WHEN pg_catalog.current_setting('client_connection_check_interval') OPERATOR(pg_catalog.=) '100ms' \
-                 AND ",
-                statement_timeout!(),
-                " OPERATOR(pg_catalog.=) '0' THEN ",
+                "CASE WHEN ",
+                waits_at_once!(),
+                " THEN ",
                 wait_in_place!($wait),
                 " ELSE ",
                 call_in_place!($try),
@@ -421,10 +435,9 @@ macro_rules! session_flat {
     };
 }
 
-/// The first statement of a wait: waits at once on a connection that
-/// already checks for a vanished client (so a dropped caller's wait ends
-/// within 100 ms) and has no `statement_timeout` (which would cut it
-/// short), tries elsewhere; "taken" is `false` only after a try.
+/// The first statement of a wait, in the CTE form (an upgradeable lock's,
+/// whose intent reads the key from `k`): waits at once where
+/// [`waits_at_once`], tries elsewhere; "taken" is `false` only after a try.
 macro_rules! session_try_or_wait {
     ($on:ident, $try:expr, $wait:expr, $token:ident) => {
         session_sql!(
@@ -432,9 +445,9 @@ macro_rules! session_try_or_wait {
             concat!(
                 "CASE WHEN NOT ",
                 on_session!($on, free),
-                " THEN NULL \
-                 WHEN pg_catalog.current_setting('client_connection_check_interval') OPERATOR(pg_catalog.=) '100ms' \
-                 AND pg_catalog.current_setting('statement_timeout') OPERATOR(pg_catalog.=) '0' THEN ",
+                " THEN NULL WHEN ",
+                waits_at_once!(),
+                " THEN ",
                 $wait,
                 " ELSE ",
                 $try,
@@ -447,7 +460,7 @@ macro_rules! session_try_or_wait {
     };
 }
 
-/// The wait. The marker is checked again: another client sharing the
+/// The wait, in the CTE form (an upgradeable lock's). The marker is checked again: another client sharing the
 /// session through a pooler may have taken a lock since the try. With
 /// fencing, the token is issued after the grant, under the same
 /// `lock_timeout`.

@@ -2,8 +2,9 @@
 //! (`int4`: 1 for the single-`bigint` space, 2 for the two-`int4` one),
 //! `$2` a value known to the client (`int8`, or NULL) and `$3` a name the
 //! server hashes (`text`, or NULL). The statement resolves them once to
-//! `(space, a, b)` (see [`sql`](super::sql)'s `resolved` fragments; a short
-//! try resolves them in place, `call_in_place`), so one
+//! `(space, a, b)` (see [`sql`](super::sql)'s `resolved` fragments; a
+//! session lock's statements and `with_advisory_lock`'s try resolve them
+//! in place, `call_in_place`), so one
 //! statement text serves every key shape, and every key maps to the server
 //! lock it always did: a name to `hashtext(name)` widened to `bigint`, an
 //! id to itself, a pair to `(ns, hashtext(name))`.

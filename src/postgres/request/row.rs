@@ -22,8 +22,9 @@ pub(crate) struct SessionRow {
     /// (`false` from a plain try, which does not read it: only the first
     /// statement of a wait, `Step::TryOrWait`, answers for a wait).
     pub(crate) limited: bool,
-    /// The key as the server resolved it: space, a, b (`None` from a try
-    /// that resolves it in place, which no caller of it reads).
+    /// The key as the server resolved it: space, a, b (`None` from a
+    /// statement that resolves it in place, a fresh session's: only the
+    /// multiplexed try's caller reads it).
     pub(crate) resolved: Option<(i32, i64, i64)>,
 }
 

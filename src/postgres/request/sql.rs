@@ -24,8 +24,9 @@ macro_rules! resolved {
 
 /// The advisory-lock function `$f` called on the key `$1`–`$3` resolved in
 /// place, as [`resolved`] resolves it (`pg_advisory_lock(a)` in space 1,
-/// `pg_advisory_lock(a, b)` in space 2), for a statement that reads the
-/// key once and needs no CTE: a CTE scan costs the server more than the
+/// `pg_advisory_lock(a, b)` in space 2), for a statement that needs no
+/// CTE (the first statement of a wait holds it twice, one per branch of a
+/// `CASE`, of which one runs): a CTE scan costs the server more than the
 /// lock itself on a short try (BENCHMARKS, "The try statements"). Space 2
 /// takes `$2` as it is: a two-part key always binds its namespace there
 /// ([`key`](super::key)), where [`resolved`] would fall back to the name's
@@ -52,24 +53,26 @@ macro_rules! call_in_place {
 }
 
 /// A waiting lock function's `void` answer as `true`: it answers only once
-/// the lock is granted (a `lock_timeout` fails the statement), and a
-/// `void` is never NULL.
+/// the lock is granted (a `lock_timeout` fails the statement), and its
+/// `void` is not NULL (it would be only for a NULL argument, for which the
+/// strict function takes nothing, and this reads `false`; a key resolves
+/// to non-NULL arguments, see [`key`](super::key)).
 macro_rules! granted {
     () => {
         " IS NOT NULL"
     };
 }
 
-/// The statement-local `lock_timeout` (`$4`), then the waiting lock
-/// function `$f` on the key resolved in place, as a condition: the order of
-/// a `CASE` sets the timeout before the wait starts (the server reads it
-/// then). Outside a transaction block the setting lasts for this one
-/// statement.
-macro_rules! wait_in_place {
-    ($f:literal) => {
+/// The statement-local `lock_timeout` (`$4`), then `$body`: the order of a
+/// `CASE` sets the timeout before anything in `$body` starts, a wait (the
+/// server reads it then) or the token draw after a grant (which can wait
+/// on the token epoch's row). Outside a transaction block the setting
+/// lasts for this one statement.
+macro_rules! under_lock_timeout {
+    ($body:expr) => {
         concat!(
             "CASE WHEN pg_catalog.set_config('lock_timeout', $4, true) IS NULL THEN NULL ELSE ",
-            call_in_place!($f, granted!()),
+            $body,
             " END"
         )
     };
@@ -300,7 +303,8 @@ macro_rules! lock_timeout {
     };
 }
 
-/// The try, in the CTE form (an upgradeable lock's): attempted only on a
+/// The try, in the CTE form (an upgradeable lock's or an upgrade's, whose
+/// intent or held-session test reads the key from `k`): attempted only on a
 /// session that holds no distlock lock (see `session_marker`).
 macro_rules! session_try {
     ($on:ident, $try:expr, $wait:expr, $token:ident) => {
@@ -322,10 +326,10 @@ macro_rules! session_try {
 /// expression that took the lock, so "taken" is read once. Columns as
 /// [`session_sql`]'s, with the marker and the resolved key NULL (no caller
 /// of a session lock reads them), column 4 `$limit` (the session's
-/// `statement_timeout`, or NULL where no wait follows: it reads as "not
-/// limited"), then `$settings`. `fenced`: the token is drawn only after
-/// this statement's own grant (`distlock.granted`, local to the
-/// statement), `unfenced`: NULL.
+/// `statement_timeout` in the statements of a wait, NULL from a try, where
+/// it reads as "not limited"), then `$settings`. `fenced`: the token is
+/// drawn only after this statement's own grant (`distlock.granted`, local
+/// to the statement), `unfenced`: NULL.
 ///
 /// Guarded by the suites, each seen failing on a broken variant: without
 /// the marker test, `faults` `pooler::two_clients_behind_a_single_connection_*`
@@ -378,8 +382,7 @@ macro_rules! session_in_place {
     };
 }
 
-/// A session's `statement_timeout`, column 4 of a statement a wait may
-/// follow.
+/// A session's `statement_timeout`, column 4 of the statements of a wait.
 macro_rules! statement_timeout {
     () => {
         "pg_catalog.current_setting('statement_timeout')"
@@ -416,27 +419,32 @@ macro_rules! session_flat {
     };
     (TryOrWait, $try:literal, $wait:literal, $token:ident) => {
         session_in_place!(
-            concat!(
+            under_lock_timeout!(concat!(
                 "CASE WHEN ",
                 waits_at_once!(),
                 " THEN ",
-                wait_in_place!($wait),
+                call_in_place!($wait, granted!()),
                 " ELSE ",
                 call_in_place!($try),
                 " END"
-            ),
+            )),
             statement_timeout!(),
             session_settings!(),
             $token
         )
     };
     (Wait, $try:literal, $wait:literal, $token:ident) => {
-        session_in_place!(wait_in_place!($wait), statement_timeout!(), "", $token)
+        session_in_place!(
+            under_lock_timeout!(call_in_place!($wait, granted!())),
+            statement_timeout!(),
+            "",
+            $token
+        )
     };
 }
 
-/// The first statement of a wait, in the CTE form (an upgradeable lock's,
-/// whose intent reads the key from `k`): waits at once where
+/// The first statement of a wait, in the CTE form (an upgradeable lock's
+/// or an upgrade's, as [`session_try`]): waits at once where
 /// [`waits_at_once`], tries elsewhere; "taken" is `false` only after a try.
 macro_rules! session_try_or_wait {
     ($on:ident, $try:expr, $wait:expr, $token:ident) => {
@@ -460,10 +468,10 @@ macro_rules! session_try_or_wait {
     };
 }
 
-/// The wait, in the CTE form (an upgradeable lock's). The marker is checked again: another client sharing the
-/// session through a pooler may have taken a lock since the try. With
-/// fencing, the token is issued after the grant, under the same
-/// `lock_timeout`.
+/// The wait, in the CTE form (an upgradeable lock's or an upgrade's). The
+/// marker is checked again: another client sharing the session through a
+/// pooler may have taken a lock since the try. With fencing, the token is
+/// issued after the grant, under the same `lock_timeout`.
 macro_rules! session_wait {
     ($on:ident, $try:expr, $wait:expr, $token:ident) => {
         session_sql!(
@@ -932,6 +940,32 @@ mod tests {
             assert!(!upgrade(step, true).contains("-2147483647"));
             assert!(upgrade(step, true).contains("distlock.next_token_and_cache()"));
             assert!(upgrade(step, true).contains("pg_backend_pid() OPERATOR(pg_catalog.=) $5"));
+        }
+    }
+
+    #[test]
+    fn a_wait_sets_its_lock_timeout_before_any_lock_call() {
+        for (lock, fencing) in [
+            (Lock::Exclusive, true),
+            (Lock::Exclusive, false),
+            (Lock::Shared, false),
+        ] {
+            for step in [Step::TryOrWait, Step::Wait] {
+                // Before the wait, and before a try's grant and its token
+                // draw (which can wait on the token epoch's row).
+                let sql = session(step, lock, fencing);
+                let timeout = sql
+                    .find("set_config('lock_timeout', $4")
+                    .expect("a timeout");
+                let wait = sql.find("pg_catalog.pg_advisory_lock").expect("a wait");
+                assert!(timeout < wait, "{sql}");
+                // Set ahead of the choice between waiting and trying, not
+                // in the waiting branch alone.
+                if let Some(choice) = sql.find(waits_at_once!()) {
+                    assert!(timeout < choice, "{sql}");
+                }
+                assert_eq!(step == Step::TryOrWait, sql.contains(waits_at_once!()));
+            }
         }
     }
 

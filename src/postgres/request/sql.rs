@@ -333,7 +333,11 @@ macro_rules! session_try {
 ///
 /// Guarded by the suites, each seen failing on a broken variant: without
 /// the marker test, `faults` `pooler::two_clients_behind_a_single_connection_*`
-/// (two holders through one pooled backend); with the pair's arguments
+/// (two holders through one pooled backend; the `*_waited_*` one through
+/// the statements of a wait); without the `lock_timeout` of a wait,
+/// `session::lock_timeout_returns_timeout_near_deadline_naming_holder`;
+/// with it set in the waiting branch alone,
+/// `a_wait_sets_its_lock_timeout_before_any_lock_call` (below); with the pair's arguments
 /// swapped in [`call_in_place`], `keys::namespaced_key_locks_the_int_pair_*`
 /// and the `holders` tests (here and in [`xact_try_only`]); without the
 /// transaction marker in [`xact_try_only`], the `xact` tests of the checked
@@ -905,7 +909,7 @@ mod tests {
             let in_place = sql
                 .matches("CASE WHEN $1::pg_catalog.int4 OPERATOR(pg_catalog.=) 1 THEN")
                 .count();
-            let waits_or_tries = sql.contains("'100ms' AND");
+            let waits_or_tries = sql.contains(waits_at_once!());
             match (in_cte, in_place) {
                 (1, 0) | (0, 1) => {}
                 (0, 2) if waits_or_tries => {}

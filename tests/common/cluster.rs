@@ -116,10 +116,35 @@ async fn run(mut cmd: Command, what: &str) {
     );
 }
 
-/// A port nobody listens on right now.
+/// A port nobody holds right now, for a server (a cluster, PgBouncer,
+/// Redis) the test starts later: taken below the kernel's ephemeral range,
+/// because a port from `bind(0)` lies in it and any client socket opened
+/// meanwhile (the suites open thousands) can take it, and then the server's
+/// bind fails ("could not create any TCP/IP sockets"). Candidates come from
+/// one counter per process, so two tests of one binary never get the same
+/// port; a bind proves the candidate free of listeners and client sockets.
 pub fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).expect("bind 127.0.0.1:0");
-    listener.local_addr().expect("local_addr").port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const SPAN: u32 = 12_000;
+    let below = ephemeral_low().max(SPAN + 1024);
+    let start = (std::process::id() % 97) * 120;
+    for _ in 0..SPAN {
+        let port = below - SPAN + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN;
+        let port = u16::try_from(port).expect("a port number");
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in [{}, {below})", below - SPAN);
+}
+
+/// The first port of the kernel's ephemeral range (32768 where unreadable).
+fn ephemeral_low() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// A scratch directory the `postgres` user may write (the caller removes

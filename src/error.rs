@@ -36,17 +36,20 @@ pub enum Error {
     #[error(transparent)]
     Redis(#[from] redis::RedisError),
 
-    /// A Redis server did not answer a lock command within the command
-    /// deadline (`RedisLockerBuilder::command_timeout`). The command may
-    /// still take effect: a key it sets is deleted again in the background.
-    /// Redis backend only; a waiting `lock` tries again instead, until its
-    /// own deadline.
-    #[cfg(feature = "redis")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-    #[error(
-        "no reply from Redis within {after:?} to the command for lock {}",
-        key.shown()
-    )]
+    /// The server did not answer a try's lock command within its deadline:
+    /// a stalled network or server. The deadline is Redis's command deadline
+    /// (`RedisLockerBuilder::command_timeout`), or for a PostgreSQL try
+    /// (`try_lock`, `try_lock_shared`, `try_lock_upgradeable`,
+    /// `try_lock_all`, `with_advisory_lock`, `TableLocker::try_lock`) the
+    /// heartbeat deadline
+    /// ([`PgLockerBuilder::heartbeat_timeout`](crate::PgLockerBuilder::heartbeat_timeout),
+    /// the lease table's renewal deadline). The command may still take
+    /// effect, and nothing is held for the caller: Redis deletes a key it
+    /// set again in the background, PostgreSQL's connection is closed (which
+    /// frees a session lock it took) and a lease it took is released in the
+    /// background. A waiting `lock` reports a stall as [`Error::Timeout`]
+    /// (PostgreSQL) or tries again until its own deadline (Redis).
+    #[error("no reply within {after:?} to the command for lock {}", key.shown())]
     CommandTimedOut {
         /// The key of the command.
         key: LockKey,

@@ -55,8 +55,7 @@
 //!   server; a watchdog keeps the lease's TTL up while it lives; fencing
 //!   tokens by default) and `Redlock` (a majority of independent servers),
 //!   both [`Locker`]s, whose waiters are woken by the release (pub/sub);
-//!   adds the `Error::Redis`, `Error::CommandTimedOut` and
-//!   `Error::QuorumUnreachable` variants.
+//!   adds the `Error::Redis` and `Error::QuorumUnreachable` variants.
 //! - **`metrics`**: counters and histograms of acquisitions, waits, losses
 //!   and job runs through the [`metrics`](https://docs.rs/metrics) facade
 //!   (the table in [`metrics`]), and `metrics::set_key_label` to choose what

@@ -22,6 +22,27 @@ use crate::postgres::request::key::BoundAll;
 use crate::postgres::wait_chain::{WaitChain, chain_from};
 use crate::{Error, LockKey};
 
+/// A try's statements (the pooler probe, the lock statement), answered
+/// within `within`, the heartbeat deadline: a try waits for nothing, so no
+/// answer by then is a stalled network or server, and the caller gets
+/// [`Error::CommandTimedOut`] instead of waiting until TCP gives up. The
+/// statement is dropped mid-flight: the caller's connection is armed, so
+/// the error closes it, which frees anything the statement took.
+pub(crate) async fn answered<T>(
+    key: &LockKey,
+    within: Duration,
+    statements: impl Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    tokio::time::timeout(within, statements)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::CommandTimedOut {
+                key: key.clone(),
+                after: within,
+            })
+        })
+}
+
 /// Builds [`Error::Timeout`] for `key`, wanted in `mode`, with the chain
 /// behind whom it waited for: looked up on `conn` when the caller still has
 /// a usable connection (it must hold nothing), else on one from `pool`.

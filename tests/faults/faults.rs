@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use common::proxy::Proxy;
 use common::*;
 use distlock::{Error, LossReason, PgLocker};
-use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection, PgPool};
 
 /// A proxy in front of the test database and a pool whose connections all go
 /// through it.
@@ -260,7 +260,7 @@ async fn cut_connection_makes_lost_fire_with_connection_failed(
 
 /// A pool of one connection through a fresh proxy, handing out connections
 /// without a ping, so a statement goes straight into the stalled link.
-async fn proxied_unpinged(connect_opts: &PgConnectOptions) -> (Proxy, PgPool) {
+pub(crate) async fn proxied_unpinged(connect_opts: &PgConnectOptions) -> (Proxy, PgPool) {
     let proxy = Proxy::start(connect_opts.get_host(), connect_opts.get_port())
         .await
         .unwrap();
@@ -448,5 +448,179 @@ async fn proxy_stall_and_pass_are_transparent_when_short(
     )
     .await
     .unwrap();
+    teardown(proxy, pool).await;
+}
+
+/// One try under a stalled network, on a fresh proxy and locker whose
+/// connection stalled after a healthy first lock: it must fail with
+/// `CommandTimedOut` within the heartbeat deadline (a try has no timeout of
+/// its own) instead of hanging until TCP gives up, and leave nothing held
+/// once the network is back.
+async fn stalled_try<T: std::fmt::Debug>(
+    connect_opts: &PgConnectOptions,
+    what: &str,
+    try_it: impl AsyncFnOnce(&PgLocker) -> Result<T, Error>,
+) {
+    let heartbeat_timeout = Duration::from_millis(300);
+    let (proxy, pool) = proxied_unpinged(connect_opts).await;
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat_timeout(heartbeat_timeout)
+        .build()
+        .expect("valid settings");
+    locker
+        .try_lock("faults:warm")
+        .await
+        .unwrap()
+        .expect("free")
+        .release()
+        .await
+        .unwrap();
+    eventually(
+        "the connection is idle in the pool",
+        Duration::from_secs(5),
+        async || pool.num_idle() == 1,
+    )
+    .await;
+    proxy.stall();
+    let started = Instant::now();
+    let res = bounded(what, Duration::from_secs(10), try_it(&locker)).await;
+    let took = started.elapsed();
+    println!("{what} under a stalled network: {res:?} after {took:?}");
+    assert!(
+        matches!(&res, Err(Error::CommandTimedOut { after, .. }) if *after == heartbeat_timeout),
+        "{what}: got {res:?}"
+    );
+    assert!(
+        took <= heartbeat_timeout + Duration::from_millis(700),
+        "{what}: {took:?}"
+    );
+    proxy.pass();
+    let mut observer = sqlx::PgConnection::connect_with(connect_opts)
+        .await
+        .unwrap();
+    let held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+                AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+    eventually(
+        "nothing held once the network is back",
+        Duration::from_secs(5),
+        async || {
+            sqlx::query_scalar::<_, i64>(held)
+                .fetch_one(&mut observer)
+                .await
+                .unwrap()
+                == 0
+        },
+    )
+    .await;
+    close(observer).await;
+    teardown(proxy, pool).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn tries_under_stalled_network_fail_within_the_heartbeat_deadline(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    stalled_try(&connect_opts, "try_lock()", async |l| {
+        l.try_lock("faults:t").await
+    })
+    .await;
+    stalled_try(&connect_opts, "try_lock_shared()", async |l| {
+        l.try_lock_shared("faults:t").await
+    })
+    .await;
+    stalled_try(&connect_opts, "try_lock_upgradeable()", async |l| {
+        l.try_lock_upgradeable("faults:t").await
+    })
+    .await;
+    stalled_try(&connect_opts, "try_lock_all()", async |l| {
+        l.try_lock_all(["faults:a", "faults:b"]).await
+    })
+    .await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn lock_all_under_stalled_network_times_out_instead_of_hanging(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    // As for lock(): the attempt, its first try included.
+    stalled_wait(&connect_opts, "lock_all()", async |l, timeout| {
+        l.lock_all(["faults:a", "faults:b"], timeout).await
+    })
+    .await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn with_advisory_lock_under_stalled_network_fails_within_the_heartbeat_deadline(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    stalled_try(&connect_opts, "with_advisory_lock()", async |l| {
+        l.with_advisory_lock("faults:x", async |_conn| Ok::<_, Error>(0))
+            .await
+    })
+    .await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn with_advisory_lock_wait_under_stalled_network_times_out_instead_of_hanging(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    stalled_wait(
+        &connect_opts,
+        "with_advisory_lock_wait()",
+        async |l, timeout| {
+            l.with_advisory_lock_wait("faults:x", timeout, async |_conn| Ok::<_, Error>(0))
+                .await
+        },
+    )
+    .await;
+}
+
+/// One waiting call under a stalled network, on a fresh proxy and locker
+/// whose connection stalled after a healthy first lock: as documented for
+/// `lock()`, it must give up a heartbeat deadline after its `timeout` with
+/// `Error::Timeout` instead of hanging until TCP gives up.
+async fn stalled_wait<T: std::fmt::Debug>(
+    connect_opts: &PgConnectOptions,
+    what: &str,
+    wait: impl AsyncFnOnce(&PgLocker, Duration) -> Result<T, Error>,
+) {
+    let heartbeat_timeout = Duration::from_millis(300);
+    let timeout = Duration::from_millis(500);
+    let (proxy, pool) = proxied_unpinged(connect_opts).await;
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat_timeout(heartbeat_timeout)
+        .build()
+        .expect("valid settings");
+    locker
+        .try_lock("faults:warm")
+        .await
+        .unwrap()
+        .expect("free")
+        .release()
+        .await
+        .unwrap();
+    eventually(
+        "the connection is idle in the pool",
+        Duration::from_secs(5),
+        async || pool.num_idle() == 1,
+    )
+    .await;
+    proxy.stall();
+    let started = Instant::now();
+    let res = bounded(what, Duration::from_secs(10), wait(&locker, timeout)).await;
+    let took = started.elapsed();
+    println!("{what} under a stalled network: {res:?} after {took:?}");
+    assert!(
+        matches!(res, Err(Error::Timeout { .. })),
+        "{what}: got {res:?}"
+    );
+    assert!(
+        took <= timeout + heartbeat_timeout + Duration::from_millis(700),
+        "{what}: {took:?}"
+    );
     teardown(proxy, pool).await;
 }

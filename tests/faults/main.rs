@@ -18,5 +18,7 @@ mod partition;
 mod partition_kinds;
 mod pooler;
 mod prepared;
+mod stalled_mux;
+mod stalled_table;
 mod standby;
 mod table_switchover;

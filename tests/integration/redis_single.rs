@@ -239,7 +239,7 @@ async fn a_try_without_a_reply_in_time_is_command_timed_out_and_leaves_no_key() 
     }
     assert_eq!(
         err.to_string(),
-        "no reply from Redis within 50ms to the command for lock \"jobs:slow\""
+        "no reply within 50ms to the command for lock \"jobs:slow\""
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(server.get("jobs:slow").await, None);

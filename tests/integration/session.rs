@@ -1312,3 +1312,35 @@ async fn a_guard_whose_runtime_shut_down_reports_its_lock_lost(
     }
     close(obs).await;
 }
+
+/// `release()` promises `LockLost` for a lock that had been lost. A backend
+/// terminated just before the release (whether or not the keeper saw it
+/// first) is such a loss, not a driver error of the release statement.
+#[sqlx::test(migrations = false)]
+async fn a_release_after_the_backend_was_terminated_reports_the_lock_lost(pool: PgPool) {
+    let locker = PgLocker::new(pool.clone());
+    let mut outcomes = Vec::new();
+    for round in 0..20 {
+        let key = format!("session:terminated-before-release:{round}");
+        let guard = locker.try_lock(key.as_str()).await.unwrap().expect("free");
+        let gone: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 5000)")
+            .bind(guard.backend_pid())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert!(gone, "the backend ended");
+        outcomes.push(guard.release().await);
+    }
+    for outcome in &outcomes {
+        assert!(
+            matches!(
+                outcome,
+                Err(Error::LockLost {
+                    reason: LossReason::ConnectionFailed(_),
+                    ..
+                })
+            ),
+            "{outcomes:#?}"
+        );
+    }
+}

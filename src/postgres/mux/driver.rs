@@ -1,6 +1,7 @@
 //! The task that owns one shared connection: it runs every lock and unlock
 //! statement for the locks pinned to it, one heartbeat per interval for all
-//! of them, and declares them all lost at once when the connection fails.
+//! of them, and declares them all lost at once when the connection fails or
+//! an unlock finds that the session no longer held its lock.
 //!
 //! Between statements the task keeps reading the connection's socket, so
 //! when the server ends the session (`pg_terminate_backend`, a fast
@@ -372,7 +373,12 @@ impl Driver {
             // another name: take the extra level back and report busy.
             let _ = reply.send(Ok(None));
             let held = self.locks.len();
-            return self.unlock_level(row.key, held).await.map(|_| ());
+            // The try just added a level, so there is one to take back; a
+            // `false` means the session's locks were released under us.
+            if self.unlock_level(row.key, held).await? {
+                return Ok(());
+            }
+            return Err(released_elsewhere(row.key));
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -419,13 +425,15 @@ impl Driver {
                 crate::metrics::released("postgres", &held.key, held.since.elapsed());
                 (Ok(()), Ok(()))
             }
+            // This guard learns what its own release found; the other
+            // locks of the session are in doubt and go with the connection.
             Ok(false) => {
                 tracing::warn!(key = %held.key, "distlock multiplexed lock was not held at release");
                 let err = Error::LockLost {
                     key: held.key.clone(),
                     reason: LossReason::NotHeld,
                 };
-                (Err(err), Ok(()))
+                (Err(err), Err(released_elsewhere(held.server)))
             }
             Err(reason) => {
                 let err = match &reason {
@@ -460,7 +468,8 @@ impl Driver {
 
     /// Runs one `pg_advisory_unlock`; any failure leaves the lock's state on
     /// the session unknown, so it costs the whole connection (closing it is
-    /// what frees the lock for sure).
+    /// what frees the lock for sure). An answer of `false` is the caller's
+    /// to judge (see [`released_elsewhere`]). 1 round trip.
     async fn unlock_level(&mut self, key: ServerKey, held: usize) -> Result<bool, LossReason> {
         let query = sql::unlock(key, held).fetch_one(&mut self.conn);
         let row = match timeout(self.statement_timeout, query).await {
@@ -526,6 +535,22 @@ impl Driver {
     fn close(self) {
         drop(self.conn);
     }
+}
+
+/// Why a connection is given up when one of its unlocks answered `false`.
+/// The driver takes each server lock once and knows every lock its session
+/// holds, so on its own session only something outside the driver can have
+/// released it: another client sharing the session through a transaction
+/// pooler (`pg_advisory_unlock_all()`, say), which the heartbeat cannot see
+/// when it leaves the session marker alone, and the unlock statement has just
+/// rewritten the marker to this driver's count anyway. Every other lock on
+/// the session is then in doubt, so all are declared lost and the
+/// connection is dropped.
+fn released_elsewhere(key: ServerKey) -> LossReason {
+    LossReason::SessionShared(format!(
+        "the session no longer held the advisory lock {key:?} at its unlock: \
+         something outside this connection released locks on it"
+    ))
 }
 
 /// Whether a failed statement is PostgreSQL's "out of shared memory" (the

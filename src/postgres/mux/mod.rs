@@ -16,7 +16,10 @@
 //!   backend pid. A failed, stalled or moved connection publishes the loss
 //!   on one watch channel that all its guards share, so all its locks are
 //!   lost at once; the socket is dropped (the server frees the locks) and the
-//!   next acquisition pinned there opens a fresh connection.
+//!   next acquisition pinned there opens a fresh connection. So does an
+//!   unlock that finds its lock gone: on the driver's own session only
+//!   another client sharing it can have released it, which puts every other
+//!   lock there in doubt.
 //! - **Waiting.** `lock()` never waits on a shared connection (that would
 //!   stall every other lock on it). It tries on the shared connection, and
 //!   while the key is busy waits on a temporary pooled connection for the
@@ -31,7 +34,9 @@
 //! - **Cancellation.** Callers only exchange messages with drivers. A grant
 //!   travels as a [`request::Ticket`] whose `Drop` queues the unlock, so a
 //!   caller that goes away at any `.await` leaves nothing held; a waiting
-//!   connection is closed, not pooled, if dropped mid-wait.
+//!   connection is closed, not pooled, if dropped mid-wait. This is also
+//!   what lets `lock()` abandon a try on a stalled connection at its
+//!   deadline.
 
 mod driver;
 mod gate;
@@ -120,7 +125,14 @@ impl Mux {
     }
 
     /// One try on `key`'s shared connection, moving to a fresh connection
-    /// when the shared one fails under it. Records nothing.
+    /// when the shared one fails under it. Records nothing. Unbounded: each
+    /// fresh connection may spend twice the pool's acquire timeout failing
+    /// to open (its deadline, then one direct attempt to tell why).
+    ///
+    /// Cancel safe: it only awaits the driver's answer, and the guard is
+    /// built after that without awaiting. A grant whose caller went away is
+    /// dropped in the channel, and its ticket's `Drop` queues the unlock; the
+    /// place under `max_locks` is given back with the future.
     async fn attempt(&self, key: &LockKey) -> Result<Option<SessionLock>, Error> {
         key.validate()?;
         let place = self.place()?;

@@ -95,7 +95,9 @@ pub(super) fn decode_try(
 /// Unlocks one level of a resolved key and sets the session marker to
 /// `held`, the driver's count of locks still held; returns whether it was
 /// held, and the backend pid (checked like every answer on a shared
-/// connection).
+/// connection). The marker is written even when the unlock answers `false`,
+/// so the heartbeat cannot tell afterwards that the session lost locks: the
+/// driver gives the connection up on that answer instead.
 pub(super) fn unlock(key: ServerKey, held: usize) -> PgQuery<'static> {
     let query = match key {
         ServerKey::BigInt(k) => sqlx::query(

@@ -17,12 +17,18 @@ impl Mux {
     /// Costs 1 round trip on the shared connection when the key is free. When
     /// it is busy, each round of waiting costs 1 round trip on a pooled
     /// connection (answered when the holder lets go; 3 where the session has
-    /// a `statement_timeout`, lifted for the wait) plus 1 more try.
+    /// a `statement_timeout`, lifted for the wait) plus 1 more try. Every
+    /// try and wait gives up at `timeout` plus the heartbeat deadline (a
+    /// stalled network) and reports [`Error::Timeout`]; naming the holder
+    /// then takes at most two more deadlines.
+    ///
+    /// Cancel safe: a try dropped mid-way leaves nothing held (see
+    /// [`Mux::attempt`]), a dropped wait closes its connection.
     pub(crate) async fn lock(&self, key: LockKey, timeout: Duration) -> Result<SessionLock, Error> {
         let args = key.args()?;
         let started = Instant::now();
         let deadline = crate::deadline::after_std(started, timeout);
-        if let Some(lock) = self.attempt(&key).await? {
+        if let Some(lock) = self.attempt_before(&key, started, deadline).await? {
             return Ok(lock);
         }
         if timeout.is_zero() {
@@ -38,7 +44,7 @@ impl Mux {
         // With whether its session's statement_timeout must be lifted.
         let mut waiter: Option<(HeldConn, bool)> = None;
         loop {
-            if let Some(lock) = self.attempt(&key).await? {
+            if let Some(lock) = self.attempt_before(&key, started, deadline).await? {
                 // Its last wait finished, so it holds nothing: pool it.
                 if let Some((conn, _)) = waiter {
                     conn.into_pool();
@@ -80,6 +86,26 @@ impl Mux {
                     return Err(self.timeout_error(&key, started, None).await);
                 }
             }
+        }
+    }
+
+    /// One try (see [`Mux::attempt`]), abandoned at `deadline` (or now, if
+    /// that has passed) plus the heartbeat deadline: a stalled shared
+    /// connection fails the try only after the heartbeat deadline, and each
+    /// fresh one it moves to may spend twice the pool's acquire timeout
+    /// failing to open over the same stalled link. Dropping the try is safe
+    /// (its doc says why).
+    async fn attempt_before(
+        &self,
+        key: &LockKey,
+        started: Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<Option<SessionLock>, Error> {
+        let now = tokio::time::Instant::now();
+        let grace = crate::deadline::after(deadline.max(now), self.config.heartbeat_timeout);
+        match tokio::time::timeout_at(grace, self.attempt(key)).await {
+            Ok(tried) => tried,
+            Err(_) => Err(self.timeout_error(key, started, None).await),
         }
     }
 

@@ -14,6 +14,7 @@ use crate::postgres::request::{Lock, Step, unlimited};
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
 use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::postgres::timeout::answered;
 use crate::{Error, FencingToken, LockKey, span};
 
 impl PgLocker {
@@ -30,6 +31,11 @@ impl PgLocker {
     /// a statement), which later users of the pooled connection keep. The
     /// first session lock of each `PgLocker` costs 3 round trips more: a
     /// probe for a transaction-pooling proxy (see [`Error::PoolerDetected`]).
+    /// If the server does not answer within the
+    /// [heartbeat deadline](crate::PgLockerBuilder::heartbeat_timeout) (a
+    /// stalled network), the try is abandoned, its connection closed, and it
+    /// fails with [`Error::CommandTimedOut`]. In the multiplexed mode the
+    /// shared connection's own bound applies ([`Error::MultiplexFailed`]).
     ///
     /// # Cancel safety
     ///
@@ -49,7 +55,7 @@ impl PgLocker {
     /// excludes them all: a reader-writer lock across processes
     /// (`pg_try_advisory_lock_shared`). A shared lock carries no fencing
     /// token (readers do not write). Costs what [`try_lock`](Self::try_lock)
-    /// costs. In multiplexed mode a shared lock takes a connection of its own
+    /// costs, and is bounded as it is on a stalled network. In multiplexed mode a shared lock takes a connection of its own
     /// from the pool, as in the default mode.
     ///
     /// # Cancel safety
@@ -114,12 +120,15 @@ impl PgLocker {
         fencing: bool,
         hold: Hold,
     ) -> Result<SessionRow, Error> {
-        self.inner.pooler.ensure_session(conn.conn()).await?;
-        let row = statement(Step::Try, key.args()?.into(), (fencing, hold), None)
-            .fetch_one(conn.conn())
-            .await
-            .map_err(|err| session_locking_error(err, key))?;
-        SessionRow::decode(&row, key, fencing)
+        let within = self.config().heartbeat_timeout;
+        let row = answered(key, within, async {
+            self.inner.pooler.ensure_session(conn.conn()).await?;
+            statement(Step::Try, key.args()?.into(), (fencing, hold), None)
+                .fetch_one(conn.conn())
+                .await
+                .map_err(|err| session_locking_error(err, key))
+        });
+        SessionRow::decode(&row.await?, key, fencing)
     }
 
     /// Takes the session-scoped lock `key`, waiting up to `timeout`; fails
@@ -203,7 +212,9 @@ impl PgLocker {
         hold: Hold,
     ) -> Result<SessionLock, Error> {
         if let (Some(mux), Hold::Exclusive) = (&self.inner.mux, hold) {
-            return mux.lock(key, timeout).await;
+            // Boxed: the multiplexed wait is the larger future, and inline it
+            // would size every waiting call's future (`LockWaiter`'s too).
+            return Box::pin(mux.lock(key, timeout)).await;
         }
         let args = key.args()?;
         let started = Instant::now();

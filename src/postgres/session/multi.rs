@@ -24,6 +24,7 @@ use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
 use crate::postgres::session::multi_lock::MultiLock;
 use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::postgres::timeout::answered;
 use crate::{Error, LockKey, span};
 
 /// The keys of one attempt, in the caller's order, in the one shape
@@ -71,7 +72,8 @@ impl PgLocker {
     /// twice [`Error::DuplicateKey`], two spellings of one server lock (such
     /// as `"x"` and `LockKey::id(hashtext('x'))`) [`Error::SameServerLock`],
     /// and an invalid key [`Error::InvalidKey`]. No fencing token. In multiplexed mode it takes
-    /// a connection of its own as well.
+    /// a connection of its own as well. Bounded on a stalled network as
+    /// [`try_lock`](Self::try_lock) is ([`Error::CommandTimedOut`]).
     ///
     /// ```no_run
     /// # async fn demo(locker: distlock::PgLocker) -> Result<(), distlock::Error> {
@@ -103,7 +105,7 @@ impl PgLocker {
                 .warm
                 .acquire(
                     || self.pooled(&keys[0]),
-                    |conn| self.try_all_on(conn, &set, &keys),
+                    |conn| self.try_all_on(conn, &set, &keys, self.config().heartbeat_timeout),
                 )
                 .await?;
             let Tried::Taken(pid) = taken else {
@@ -162,8 +164,19 @@ impl PgLocker {
         };
         let warm = &self.inner.warm;
         let taken = warm.connection(pooled()).await?;
-        let tried = warm.first_statement(taken, pooled, |conn| self.try_all_on(conn, &set, &keys));
-        let (mut conn, tried) = tried.await?;
+        // The server gives up at the deadline; no answer a heartbeat
+        // deadline later means the network is stalled, as in `lock()`.
+        let grace = crate::deadline::after(deadline, self.config().heartbeat_timeout);
+        let within = grace.saturating_duration_since(tokio::time::Instant::now());
+        let tried = warm.first_statement(taken, pooled, |conn| {
+            self.try_all_on(conn, &set, &keys, within)
+        });
+        let (mut conn, tried) = match tried.await {
+            Err(Error::CommandTimedOut { .. }) => {
+                return Err(self.timeout_error(&keys[0], started, None).await);
+            }
+            tried => tried?,
+        };
         let limited = match tried {
             Tried::Taken(pid) => return Ok(self.multi_lock(conn, keys, pid)),
             Tried::Busy { limited } => limited,
@@ -173,7 +186,6 @@ impl PgLocker {
             // The try gave back what it took: the connection holds nothing.
             return Err(self.blocked(conn, &keys, started, true).await);
         }
-        let grace = crate::deadline::after(deadline, self.config().heartbeat_timeout);
         let wait = wait_all(&mut conn, &set, remaining, limited);
         match tokio::time::timeout_at(grace, wait).await {
             Ok(Ok(Ok(pid))) => Ok(self.multi_lock(conn, keys, pid)),
@@ -213,24 +225,29 @@ impl PgLocker {
         mut conn: HeldConn,
         set: &KeySet<'_>,
         keys: &[LockKey],
+        within: Duration,
     ) -> Ran<Tried> {
-        let tried = self.try_all(&mut conn, set, keys).await;
+        let tried = self.try_all(&mut conn, set, keys, within).await;
         (conn, tried)
     }
 
     /// One all-or-nothing try; `Some(pid)` when every key was taken.
+    /// [`Error::CommandTimedOut`] without an answer `within`.
     async fn try_all(
         &self,
         conn: &mut HeldConn,
         set: &KeySet<'_>,
         keys: &[LockKey],
+        within: Duration,
     ) -> Result<Tried, Error> {
-        self.inner.pooler.ensure_session(conn.conn()).await?;
-        let row = set
-            .bind(sqlx::query(TRY_ALL))
-            .fetch_one(conn.conn())
-            .await
-            .map_err(|err| locking_error(err, &keys[0]))?;
+        let row = answered(&keys[0], within, async {
+            self.inner.pooler.ensure_session(conn.conn()).await?;
+            set.bind(sqlx::query(TRY_ALL))
+                .fetch_one(conn.conn())
+                .await
+                .map_err(|err| locking_error(err, &keys[0]))
+        });
+        let row = row.await?;
         let pid: i32 = row.try_get(1)?;
         distinct(&row, keys)?;
         let limit: Option<String> = row.try_get(5)?;

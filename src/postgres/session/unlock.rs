@@ -7,6 +7,7 @@ use sqlx::Row;
 use tokio::time::{Instant, timeout_at};
 
 use crate::postgres::conn::held::HeldConn;
+use crate::postgres::conn::warm::is_broken;
 use crate::postgres::request::fragments::{bind_key, keyed, permit_channel, session_marker};
 use crate::postgres::session::hold::Hold;
 use crate::{Error, LockKey, LossReason};
@@ -52,6 +53,14 @@ pub(crate) async fn unlock(
             return Err(Error::ReleaseTimedOut {
                 key: key.clone(),
                 after: budget,
+            });
+        }
+        // The session ended under the lock (terminated, connection lost):
+        // the lock had gone with it, which `release()` reports as a loss.
+        Ok(Err(err)) if is_broken(&err) => {
+            return Err(Error::LockLost {
+                key: key.clone(),
+                reason: LossReason::ConnectionFailed(err.to_string()),
             });
         }
         Ok(row) => row?,

@@ -27,8 +27,10 @@ impl PgLocker {
     /// Costs what [`try_lock`](Self::try_lock) costs: 1 round trip (the
     /// key's upgrade intent and the key itself are tried in one statement,
     /// which gives the intent back if the key is busy), plus what the pool
-    /// spends on a connection. In the multiplexed mode it takes a connection
-    /// of its own from the pool, as a shared lock does.
+    /// spends on a connection; bounded on a stalled network as
+    /// [`try_lock`](Self::try_lock) is ([`Error::CommandTimedOut`]). In the
+    /// multiplexed mode it takes a connection of its own from the pool, as a
+    /// shared lock does.
     ///
     /// # Cancel safety
     ///

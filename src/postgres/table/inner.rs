@@ -25,6 +25,15 @@ pub(super) struct Inner {
 }
 
 impl Inner {
+    /// How long after a statement was sent its answer is still worth
+    /// waiting for: two thirds of the TTL, the deadline by which a lease's
+    /// holder reports it lost when no renewal was answered (counted from
+    /// the send, as a grant's is). A grant answered later would be handed
+    /// over already lost, so a silent server is given up at this point.
+    pub(super) fn renewal_deadline(&self) -> Duration {
+        self.ttl * 2 / 3
+    }
+
     /// A connection from the pool for `key`'s statement, or
     /// [`Error::PoolExhausted`] when every connection is in use. Of the
     /// kind the locker's warm connections keep (shared with no session

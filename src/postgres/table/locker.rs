@@ -134,7 +134,10 @@ impl TableLockerBuilder {
     ///
     /// A lease is renewed every `ttl / 4`; a holder that cannot renew reports
     /// loss `2 * ttl / 3` after its last successful renewal was sent; a
-    /// holder that vanished blocks its key for up to `ttl`.
+    /// holder that vanished blocks its key for up to `ttl`. The same
+    /// `2 * ttl / 3` bounds how long a [`TableLocker::try_lock`] (or a
+    /// [`TableLocker::lock`] past its deadline) waits for the server's
+    /// answer on a stalled network.
     #[must_use = "the setter returns the changed builder"]
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
@@ -326,6 +329,14 @@ impl TableLocker {
     /// token), a refusal writes nothing. The returned [`TableLease`] renews
     /// itself in the background.
     ///
+    /// The answer is awaited for the renewal deadline, two thirds of the
+    /// [TTL](TableLockerBuilder::ttl) from the statement's send: on a
+    /// stalled network or server (bytes stop flowing, nothing is closed),
+    /// the call fails then with [`Error::CommandTimedOut`] instead of
+    /// hanging until TCP gives up. Nothing is held for the caller: the
+    /// statement's task keeps its connection and releases a grant that
+    /// comes in later.
+    ///
     /// # Cancel safety
     ///
     /// Dropping the future leaves no lease behind once the statement it
@@ -341,7 +352,8 @@ impl TableLocker {
         let key = key.into();
         span::traced(&key, "table", "try", Option::is_some, async {
             self.check(&key)?;
-            match self.attempt(&key, &KeyExpr::new(&key)).await? {
+            let now = tokio::time::Instant::now();
+            match self.attempt(&key, &KeyExpr::new(&key), now).await? {
                 Attempt::Granted(lease) => Ok(Some(lease)),
                 Attempt::Busy { .. } => Ok(None),
             }
@@ -357,6 +369,14 @@ impl TableLocker {
     /// release of this key is announced (`NOTIFY`), the holder's lease
     /// expires, or the poll interval passes, and one at the deadline. The
     /// first wait of a locker opens its listening connection.
+    ///
+    /// An attempt's answer is awaited until the deadline, or its send if
+    /// later, plus the renewal deadline (two thirds of the
+    /// [TTL](TableLockerBuilder::ttl)): on a stalled network or server the
+    /// call fails with [`Error::Timeout`] at most `timeout` plus that long
+    /// after it began (plus what the pool spends handing out a connection),
+    /// instead of hanging until TCP gives up. A grant that comes in later
+    /// is released by the attempt's task.
     ///
     /// # Cancel safety
     ///
@@ -395,19 +415,17 @@ impl TableLocker {
             if let Some(wakes) = &mut wakes {
                 wakes.clear();
             }
-            let (busy_for, lock_id) = match self.attempt(key, &expr).await? {
-                Attempt::Granted(lease) => return Ok(lease),
-                Attempt::Busy { left, lock_id } => (left, lock_id),
+            let (busy_for, lock_id) = match self.attempt(key, &expr, deadline).await {
+                Ok(Attempt::Granted(lease)) => return Ok(lease),
+                Ok(Attempt::Busy { left, lock_id }) => (left, lock_id),
+                // No answer by the deadline plus the grace: stalled, and
+                // out of time.
+                Err(Error::CommandTimedOut { .. }) => return Err(timed_out(key, started)),
+                Err(err) => return Err(err),
             };
             let now = tokio::time::Instant::now();
             if now >= deadline {
-                return Err(Error::Timeout {
-                    key: key.clone(),
-                    waited: started.elapsed(),
-                    holder_pid: None,
-                    holder_application: None,
-                    chain: Default::default(),
-                });
+                return Err(timed_out(key, started));
             }
             // A listening waiter polls only as a safety net; one whose
             // listener is not (yet) listening polls as if it did not listen.
@@ -427,7 +445,10 @@ impl TableLocker {
         }
     }
 
-    /// One attempt: 1 round trip.
+    /// One attempt: 1 round trip, its answer awaited until `deadline` (or
+    /// the send, if later) plus the renewal deadline, else
+    /// [`Error::CommandTimedOut`]. Both `try_lock` and `lock` go through
+    /// here, so this is the one place that bounds a stalled statement.
     ///
     /// The statement runs in a task of its own that owns the connection, so
     /// that dropping this future never cuts a statement short: PostgreSQL
@@ -443,10 +464,49 @@ impl TableLocker {
     /// background (harmless if nothing was granted), and the statement runs
     /// once more on a pooled connection *under a new owner*, so that release
     /// can never delete the new attempt's row.
-    async fn attempt(&self, key: &LockKey, expr: &KeyExpr) -> Result<Attempt, Error> {
+    ///
+    /// Giving up on the answer is safe for the same reason as dropping this
+    /// future: the task goes on owning the connection, and the answer it
+    /// sends to nobody releases a grant.
+    async fn attempt(
+        &self,
+        key: &LockKey,
+        expr: &KeyExpr,
+        deadline: tokio::time::Instant,
+    ) -> Result<Attempt, Error> {
         // Dropped while waiting for a connection: nothing was sent.
         let taken = self.inner.warm.connection(self.inner.pooled(key)).await?;
         let sent = tokio::time::Instant::now();
+        let answer_rx = self.spawn_statement(taken, key, expr);
+        // A statement that waits at all waits briefly (for a concurrent
+        // taker's row); a server silent for the renewal deadline beyond the
+        // caller's deadline is stalled, and its grant would come too late
+        // to be renewed.
+        let give_up = crate::deadline::after(deadline.max(sent), self.inner.renewal_deadline());
+        let Ok(answer) = tokio::time::timeout_at(give_up, answer_rx).await else {
+            return Err(Error::CommandTimedOut {
+                key: key.clone(),
+                after: give_up - sent,
+            });
+        };
+        // Only a runtime shutting down drops the task before it answers; the
+        // statement's connection is then closed and a grant expires after a
+        // TTL.
+        let answer = answer.map_err(|_| Error::TaskStopped {
+            key: key.clone(),
+            task: "lease_acquire",
+        })??;
+        Ok(self.taken(answer, key, expr, sent))
+    }
+
+    /// Runs the acquiring statement on `taken` in a task of its own, which
+    /// owns the connection; its answer comes on the returned channel.
+    fn spawn_statement(
+        &self,
+        taken: (HeldConn, bool),
+        key: &LockKey,
+        expr: &KeyExpr,
+    ) -> oneshot::Receiver<Result<Answer, Error>> {
         let (answer_tx, answer_rx) = oneshot::channel();
         let (inner, task_key, task_expr) = (Arc::clone(&self.inner), key.clone(), expr.clone());
         tokio::spawn(
@@ -468,35 +528,41 @@ impl TableLocker {
                     drop(conn);
                     answer
                 });
-                // If this caller is gone, the answer comes back here and is
-                // dropped, which releases a grant (see `Answer`).
+                // If this caller is gone (or gave up waiting), the answer
+                // comes back here, or is dropped with the channel, which
+                // releases a grant (see `Answer`).
                 let _ = answer_tx.send(answer);
             }
             .in_current_span(),
         );
-        // Only a runtime shutting down drops the task before it answers; the
-        // statement's connection is then closed and a grant expires after a
-        // TTL.
-        let answer = answer_rx.await.map_err(|_| Error::TaskStopped {
-            key: key.clone(),
-            task: "lease_acquire",
-        })??;
+        answer_rx
+    }
+
+    /// The caller takes `answer`: a grant becomes a lease, renewed counting
+    /// from `sent`.
+    fn taken(
+        &self,
+        answer: Answer,
+        key: &LockKey,
+        expr: &KeyExpr,
+        sent: tokio::time::Instant,
+    ) -> Attempt {
         match answer {
-            Answer::Busy { left, lock_id } => Ok(Attempt::Busy { left, lock_id }),
+            Answer::Busy { left, lock_id } => Attempt::Busy { left, lock_id },
             Answer::Granted {
                 mut grant,
                 token,
                 lock_id,
             } => {
                 grant.disarm();
-                Ok(Attempt::Granted(TableLease::start(
+                Attempt::Granted(TableLease::start(
                     Arc::clone(&self.inner),
                     key.clone(),
                     expr.with_id(lock_id),
                     grant.owner,
                     FencingToken::new(token),
                     sent,
-                )))
+                ))
             }
         }
     }
@@ -526,14 +592,27 @@ impl TableLocker {
     }
 }
 
+/// The error of a wait for `key` that began at `started` and ran out of
+/// time.
+fn timed_out(key: &LockKey, started: Instant) -> Error {
+    Error::Timeout {
+        key: key.clone(),
+        waited: started.elapsed(),
+        holder_pid: None,
+        holder_application: None,
+        chain: Default::default(),
+    }
+}
+
 /// What `lease_acquire` answered, as the statement's task hands it over.
 enum Answer {
     Busy {
         left: Duration,
         lock_id: i64,
     },
-    /// Dropped with `grant` armed (the caller went away before it took the
-    /// answer, or the answer was never received), the grant is released.
+    /// Dropped with `grant` armed (the caller went away or gave up waiting
+    /// before it took the answer, or the answer was never received), the
+    /// grant is released.
     Granted {
         grant: Grant,
         token: i64,

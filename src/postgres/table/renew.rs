@@ -71,7 +71,7 @@ impl Renewal {
         let pause = (ttl / 60).max(Duration::from_millis(5));
         let mut last_ok = sent;
         loop {
-            let deadline = crate::deadline::after(last_ok, ttl * 2 / 3);
+            let deadline = crate::deadline::after(last_ok, self.inner.renewal_deadline());
             sleep_until(crate::deadline::after(last_ok, ttl / 4)).await;
             let mut last_error = None;
             let renewed = loop {

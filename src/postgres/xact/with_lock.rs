@@ -86,7 +86,12 @@ impl PgLocker {
     /// to end) is sent without waiting for its answer, which the
     /// connection's next user reads. On a connection borrowed from the
     /// pool, sqlx adds its 2 pings; a [warm connection](crate::PgLockerBuilder::keep_warm)
-    /// (the default after the first call) skips them.
+    /// (the default after the first call) skips them. If the server does not
+    /// answer the `BEGIN` or the lock attempt within the
+    /// [heartbeat deadline](crate::PgLockerBuilder::heartbeat_timeout) (a
+    /// stalled network), the call gives up with [`Error::CommandTimedOut`]
+    /// and closes its connection, before `f` ran; `f` itself has no
+    /// deadline but its own.
     ///
     /// ```no_run
     /// # async fn demo(locker: distlock::PgLocker) -> Result<(), distlock::Error> {
@@ -146,7 +151,10 @@ impl PgLocker {
     /// `lock_timeout` is restored before `f` runs. A `timeout` longer than
     /// `lock_timeout` can express (about 24.8 days), up to `Duration::MAX`,
     /// means "as long as the server allows". Costs the same 3 round trips
-    /// as the try variant when the lock is free, 4 when it has to wait.
+    /// as the try variant when the lock is free, 4 when it has to wait. If
+    /// the server does not answer the `BEGIN` or the lock statement by the
+    /// deadline plus the heartbeat deadline (a stalled network), it gives up
+    /// with [`Error::Timeout`] and closes its connection.
     ///
     /// # Cancel safety
     ///
@@ -268,7 +276,19 @@ impl PgLocker {
         // statement still running (a lock wait, or the closure's own)
         // within 100 ms and frees the lock, instead of finishing it first
         // as a pooled connection's clean-up would.
-        let began = held.conn().begin().await.map_err(Error::from);
+        // The server answers a try at once and gives a wait up at its
+        // deadline (lock_timeout); no answer a heartbeat deadline later, to
+        // the `BEGIN` or the lock statement, means the network is stalled:
+        // give up too, and close the armed connection.
+        let now = tokio::time::Instant::now();
+        let grace = crate::deadline::after(
+            deadline.unwrap_or(now).max(now),
+            self.config().heartbeat_timeout,
+        );
+        let Ok(began) = tokio::time::timeout_at(grace, held.conn().begin()).await else {
+            return Err(failed(self.stalled(&key, mode, started, held).await).into());
+        };
+        let began = began.map_err(Error::from);
         let mut tx = if retry_on_pool(kept, &began) {
             drop(began);
             // Replacing the armed wrapper closes the broken connection.
@@ -277,35 +297,22 @@ impl PgLocker {
                     .await
                     .map_err(failed)?,
             );
-            held.conn()
-                .begin()
-                .await
-                .map_err(|err| failed(err.into()))?
+            let Ok(began) = tokio::time::timeout_at(grace, held.conn().begin()).await else {
+                return Err(failed(self.stalled(&key, mode, started, held).await).into());
+            };
+            began.map_err(|err| failed(err.into()))?
         } else {
             began.map_err(failed)?
         };
         let attempt = lock_in_xact(&mut tx, args.into(), mode, deadline);
+        let attempt = tokio::time::timeout_at(grace, attempt);
         let attempt = match deadline {
-            // The server gives up at the deadline (lock_timeout); if it does
-            // not answer shortly after, the network is stalled: give up too,
-            // and let the armed connection close.
-            Some(deadline) => {
-                let grace = crate::deadline::after(
-                    deadline.max(tokio::time::Instant::now()),
-                    self.config().heartbeat_timeout,
-                );
-                match span::waiting(&key, tokio::time::timeout_at(grace, attempt)).await {
-                    Ok(result) => result,
-                    Err(_) => {
-                        drop(tx);
-                        held.close();
-                        let wanted = mode.lock().wanted();
-                        let err = self.timeout_error_as(&key, wanted, started, None).await;
-                        return Err(span::failed(&key, "postgres", started, err).into());
-                    }
-                }
-            }
+            Some(_) => span::waiting(&key, attempt).await,
             None => attempt.await,
+        };
+        let Ok(attempt) = attempt else {
+            drop(tx);
+            return Err(failed(self.stalled(&key, mode, started, held).await).into());
         };
         let locked = match attempt {
             Ok(locked) => locked,
@@ -373,6 +380,23 @@ impl PgLocker {
             End::Failed(err) => Err(Error::from(err).into()),
             End::RolledBack => Err(Error::TransactionAborted { key: key.clone() }.into()),
         }
+    }
+
+    /// The error of a call whose `BEGIN` or lock statement got no answer
+    /// within the heartbeat deadline (past its own deadline, for a wait): a
+    /// stalled network. `held`, which may hold the lock, is closed; a wait
+    /// reports [`Error::Timeout`] (naming the holder if another connection
+    /// can), a try [`Error::CommandTimedOut`].
+    async fn stalled(&self, key: &LockKey, mode: Mode, started: Instant, held: HeldConn) -> Error {
+        held.close();
+        if mode.timeout().is_none() {
+            return Error::CommandTimedOut {
+                key: key.clone(),
+                after: self.config().heartbeat_timeout,
+            };
+        }
+        let wanted = mode.lock().wanted();
+        self.timeout_error_as(key, wanted, started, None).await
     }
 
     /// A connection from the pool for `mode`: within its timeout if it has

@@ -1,0 +1,157 @@
+//! `TableLocker` under a stalled network (bytes stop flowing, nothing is
+//! closed): `lock` and `try_lock` give up at their documented deadlines
+//! instead of hanging until the kernel gives up on TCP, and a grant that
+//! comes in after the caller gave up is released, not left held.
+
+use crate::common;
+
+use std::time::{Duration, Instant};
+
+use common::proxy::Proxy;
+use common::{bounded, eventually, init_tracing};
+use distlock::postgres::TableLocker;
+use distlock::{Error, LockKey};
+use sqlx::PgPool;
+use sqlx::postgres::{PgListener, PgPoolOptions};
+
+/// The leases' TTL; an attempt's answer is awaited for two thirds of it
+/// (the renewal deadline) beyond the caller's deadline.
+const TTL: Duration = Duration::from_millis(900);
+const GRACE: Duration = Duration::from_millis(600);
+
+/// A migrated test database, a proxy in front of it, and a locker on a pool
+/// of one connection through the proxy, handing out connections without a
+/// ping (so a statement goes straight into the stalled link). One lease
+/// taken and released with `lock` on a healthy network first, so the
+/// listening connection is up and the pool's connection is idle, then the
+/// network stalls.
+async fn stalled(pool: &PgPool) -> (Proxy, PgPool, TableLocker) {
+    init_tracing();
+    distlock::migrate(pool).await.expect("migrate");
+    let direct = pool.connect_options();
+    let proxy = Proxy::start(direct.get_host(), direct.get_port())
+        .await
+        .expect("proxy");
+    let proxied = PgPoolOptions::new()
+        .max_connections(1)
+        .test_before_acquire(false)
+        .connect_with(proxy.options(&direct))
+        .await
+        .expect("pool through the proxy");
+    let locker = TableLocker::builder(proxied.clone())
+        .ttl(TTL)
+        .build()
+        .expect("valid settings");
+    locker
+        .lock("stalled:warm", Duration::from_secs(5))
+        .await
+        .expect("free")
+        .release()
+        .await
+        .expect("released");
+    eventually(
+        "the connection is idle in the pool",
+        Duration::from_secs(5),
+        async || proxied.num_idle() == 1,
+    )
+    .await;
+    proxy.stall();
+    (proxy, proxied, locker)
+}
+
+/// A connection to the test database (not through the proxy) that hears
+/// every release of a lease.
+async fn releases(pool: &PgPool) -> PgListener {
+    let mut listener = PgListener::connect_with(pool).await.expect("listener");
+    listener.listen("distlock_lease").await.expect("listen");
+    listener
+}
+
+/// Once the network is back, the stalled statement's grant (if the server
+/// granted it) is released by the attempt's task: a release of `key` is
+/// announced and its row is gone (an expired row would still be there).
+async fn late_grant_released(pool: &PgPool, proxy: &Proxy, mut heard: PgListener, key: &str) {
+    let lock_id: i32 = sqlx::query_scalar("SELECT hashtext($1)")
+        .bind(key)
+        .fetch_one(pool)
+        .await
+        .expect("hashtext");
+    proxy.pass();
+    let released = bounded("the late grant's release", TTL / 2, heard.recv())
+        .await
+        .expect("notification");
+    assert_eq!(released.payload(), format!("1:{lock_id}"));
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM distlock.leases WHERE lock_id = $1::int8")
+            .bind(lock_id)
+            .fetch_one(pool)
+            .await
+            .expect("count");
+    assert_eq!(rows, 0, "the late grant's row was deleted");
+}
+
+/// Restores the network and closes everything (a pool cannot close over a
+/// stalled link).
+async fn teardown(proxy: Proxy, pool: PgPool) {
+    proxy.pass();
+    proxy.cut();
+    bounded("pool close", Duration::from_secs(10), pool.close()).await;
+    drop(proxy);
+}
+
+#[sqlx::test(migrations = false)]
+async fn table_lock_under_stalled_network_times_out_instead_of_hanging(pool: PgPool) {
+    // Documented: an attempt not answered within `timeout` plus the renewal
+    // deadline (two thirds of the TTL) is abandoned and reported as a
+    // timeout.
+    let timeout = Duration::from_millis(500);
+    let (proxy, proxied, locker) = stalled(&pool).await;
+    // Listening from here: the warm-up's release is not heard.
+    let heard = releases(&pool).await;
+    let started = Instant::now();
+    let res = bounded(
+        "TableLocker::lock() under a stalled network",
+        Duration::from_secs(10),
+        locker.lock("stalled:lock", timeout),
+    )
+    .await;
+    let took = started.elapsed();
+    println!("TableLocker::lock() under a stalled network: {res:?} after {took:?}");
+    assert!(matches!(res, Err(Error::Timeout { .. })), "got {res:?}");
+    assert!(took >= timeout, "{took:?}");
+    assert!(
+        took <= timeout + GRACE + Duration::from_millis(700),
+        "{took:?}"
+    );
+    late_grant_released(&pool, &proxy, heard, "stalled:lock").await;
+    teardown(proxy, proxied).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn table_try_lock_under_stalled_network_is_command_timed_out(pool: PgPool) {
+    // Documented: a try not answered within the renewal deadline (two
+    // thirds of the TTL) is abandoned and reported as `CommandTimedOut`.
+    let (proxy, proxied, locker) = stalled(&pool).await;
+    // Listening from here: the warm-up's release is not heard.
+    let heard = releases(&pool).await;
+    let started = Instant::now();
+    let res = bounded(
+        "TableLocker::try_lock() under a stalled network",
+        Duration::from_secs(10),
+        locker.try_lock("stalled:try"),
+    )
+    .await;
+    let took = started.elapsed();
+    println!("TableLocker::try_lock() under a stalled network: {res:?} after {took:?}");
+    match &res {
+        Err(Error::CommandTimedOut { key, after }) => {
+            assert_eq!(*key, LockKey::from("stalled:try"));
+            assert_eq!(*after, GRACE);
+        }
+        other => panic!("expected CommandTimedOut, got {other:?}"),
+    }
+    assert!(took >= GRACE, "{took:?}");
+    assert!(took <= GRACE + Duration::from_millis(700), "{took:?}");
+    late_grant_released(&pool, &proxy, heard, "stalled:try").await;
+    teardown(proxy, proxied).await;
+}

@@ -119,7 +119,12 @@ impl Mux {
     }
 
     /// `try_lock` on a shared connection. Costs 1 round trip, queued behind
-    /// the statements of the other locks on that connection.
+    /// the statements of the other locks on that connection, each of which
+    /// answers within the heartbeat deadline or ends the connection. A try
+    /// that must open a shared connection waits for it up to the pool's
+    /// acquire timeout, twice where it fails (see [`Mux::attempt`]): not
+    /// bounded by the heartbeat deadline, which opening a connection under
+    /// a connection limit can outlast.
     pub(crate) async fn try_lock(&self, key: LockKey) -> Result<Option<SessionLock>, Error> {
         self.attempt(&key).await
     }

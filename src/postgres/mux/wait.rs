@@ -17,10 +17,12 @@ impl Mux {
     /// Costs 1 round trip on the shared connection when the key is free. When
     /// it is busy, each round of waiting costs 1 round trip on a pooled
     /// connection (answered when the holder lets go; 3 where the session has
-    /// a `statement_timeout`, lifted for the wait) plus 1 more try. Every
-    /// try and wait gives up at `timeout` plus the heartbeat deadline (a
-    /// stalled network) and reports [`Error::Timeout`]; naming the holder
-    /// then takes at most two more deadlines.
+    /// a `statement_timeout`, lifted for the wait) plus 1 more try. No try
+    /// or wait outlives `timeout` plus the heartbeat deadline (a stalled
+    /// network): it is abandoned then and reported as [`Error::Timeout`],
+    /// whose holder lookup takes at most two more deadlines. A shared
+    /// connection that fails to open before then ends the call sooner, with
+    /// [`Error::ConnectTimedOut`] or [`Error::MultiplexFailed`].
     ///
     /// Cancel safe: a try dropped mid-way leaves nothing held (see
     /// [`Mux::attempt`]), a dropped wait closes its connection.

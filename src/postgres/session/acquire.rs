@@ -34,8 +34,9 @@ impl PgLocker {
     /// If the server does not answer within the
     /// [heartbeat deadline](crate::PgLockerBuilder::heartbeat_timeout) (a
     /// stalled network), the try is abandoned, its connection closed, and it
-    /// fails with [`Error::CommandTimedOut`]. In the multiplexed mode the
-    /// shared connection's own bound applies ([`Error::MultiplexFailed`]).
+    /// fails with [`Error::CommandTimedOut`]. In the multiplexed mode a try
+    /// that has to open the shared connection is bounded by the pool's
+    /// acquire timeout instead ([`Error::ConnectTimedOut`]).
     ///
     /// # Cancel safety
     ///
@@ -120,15 +121,16 @@ impl PgLocker {
         fencing: bool,
         hold: Hold,
     ) -> Result<SessionRow, Error> {
+        // The probe (a locker's first lock only) and the try each get the
+        // whole deadline: on a slow link the probe's statements alone take
+        // several round trips.
         let within = self.config().heartbeat_timeout;
-        let row = answered(key, within, async {
-            self.inner.pooler.ensure_session(conn.conn()).await?;
-            statement(Step::Try, key.args()?.into(), (fencing, hold), None)
-                .fetch_one(conn.conn())
-                .await
-                .map_err(|err| session_locking_error(err, key))
-        });
-        SessionRow::decode(&row.await?, key, fencing)
+        let probe = self.inner.pooler.ensure_session(conn.conn());
+        answered(key, within, probe).await?;
+        let row =
+            statement(Step::Try, key.args()?.into(), (fencing, hold), None).fetch_one(conn.conn());
+        let row = async { row.await.map_err(|err| session_locking_error(err, key)) };
+        SessionRow::decode(&answered(key, within, row).await?, key, fencing)
     }
 
     /// Takes the session-scoped lock `key`, waiting up to `timeout`; fails

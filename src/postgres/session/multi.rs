@@ -105,7 +105,7 @@ impl PgLocker {
                 .warm
                 .acquire(
                     || self.pooled(&keys[0]),
-                    |conn| self.try_all_on(conn, &set, &keys, self.config().heartbeat_timeout),
+                    |conn| self.try_all_on(conn, &set, &keys, None),
                 )
                 .await?;
             let Tried::Taken(pid) = taken else {
@@ -167,9 +167,8 @@ impl PgLocker {
         // The server gives up at the deadline; no answer a heartbeat
         // deadline later means the network is stalled, as in `lock()`.
         let grace = crate::deadline::after(deadline, self.config().heartbeat_timeout);
-        let within = grace.saturating_duration_since(tokio::time::Instant::now());
         let tried = warm.first_statement(taken, pooled, |conn| {
-            self.try_all_on(conn, &set, &keys, within)
+            self.try_all_on(conn, &set, &keys, Some(grace))
         });
         let (mut conn, tried) = match tried.await {
             Err(Error::CommandTimedOut { .. }) => {
@@ -225,29 +224,35 @@ impl PgLocker {
         mut conn: HeldConn,
         set: &KeySet<'_>,
         keys: &[LockKey],
-        within: Duration,
+        grace: Option<tokio::time::Instant>,
     ) -> Ran<Tried> {
-        let tried = self.try_all(&mut conn, set, keys, within).await;
+        let tried = self.try_all(&mut conn, set, keys, grace).await;
         (conn, tried)
     }
 
     /// One all-or-nothing try; `Some(pid)` when every key was taken.
-    /// [`Error::CommandTimedOut`] without an answer `within`.
+    /// [`Error::CommandTimedOut`] when a statement gets no answer within
+    /// the heartbeat deadline, or by `grace` (a waiting call's deadline
+    /// plus the heartbeat deadline) when given.
     async fn try_all(
         &self,
         conn: &mut HeldConn,
         set: &KeySet<'_>,
         keys: &[LockKey],
-        within: Duration,
+        grace: Option<tokio::time::Instant>,
     ) -> Result<Tried, Error> {
-        let row = answered(&keys[0], within, async {
-            self.inner.pooler.ensure_session(conn.conn()).await?;
-            set.bind(sqlx::query(TRY_ALL))
-                .fetch_one(conn.conn())
-                .await
-                .map_err(|err| locking_error(err, &keys[0]))
-        });
-        let row = row.await?;
+        let heartbeat_timeout = self.config().heartbeat_timeout;
+        let within = || {
+            grace.map_or(heartbeat_timeout, |grace| {
+                grace.saturating_duration_since(tokio::time::Instant::now())
+            })
+        };
+        // The probe and the try each get the whole budget (see `try_lock`).
+        let probe = self.inner.pooler.ensure_session(conn.conn());
+        answered(&keys[0], within(), probe).await?;
+        let row = set.bind(sqlx::query(TRY_ALL)).fetch_one(conn.conn());
+        let row = async { row.await.map_err(|err| locking_error(err, &keys[0])) };
+        let row = answered(&keys[0], within(), row).await?;
         let pid: i32 = row.try_get(1)?;
         distinct(&row, keys)?;
         let limit: Option<String> = row.try_get(5)?;

@@ -55,8 +55,10 @@ pub(crate) async fn unlock(
                 after: budget,
             });
         }
-        // The session ended under the lock (terminated, connection lost):
-        // the lock had gone with it, which `release()` reports as a loss.
+        // The connection failed or the server ended the session: the lock
+        // cannot be confirmed released, and it is not this caller's any
+        // more (the server frees it with the session, at once when it ended
+        // it, once it notices otherwise): `release()` reports a loss.
         Ok(Err(err)) if is_broken(&err) => {
             return Err(Error::LockLost {
                 key: key.clone(),

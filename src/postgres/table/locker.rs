@@ -135,9 +135,9 @@ impl TableLockerBuilder {
     /// A lease is renewed every `ttl / 4`; a holder that cannot renew reports
     /// loss `2 * ttl / 3` after its last successful renewal was sent; a
     /// holder that vanished blocks its key for up to `ttl`. The same
-    /// `2 * ttl / 3` bounds how long a [`TableLocker::try_lock`] (or a
-    /// [`TableLocker::lock`] past its deadline) waits for the server's
-    /// answer on a stalled network.
+    /// `2 * ttl / 3` bounds how long an attempt of [`TableLocker::try_lock`]
+    /// or [`TableLocker::lock`] waits for the server's answer on a stalled
+    /// network.
     #[must_use = "the setter returns the changed builder"]
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
@@ -352,8 +352,7 @@ impl TableLocker {
         let key = key.into();
         span::traced(&key, "table", "try", Option::is_some, async {
             self.check(&key)?;
-            let now = tokio::time::Instant::now();
-            match self.attempt(&key, &KeyExpr::new(&key), now).await? {
+            match self.attempt(&key, &KeyExpr::new(&key)).await? {
                 Attempt::Granted(lease) => Ok(Some(lease)),
                 Attempt::Busy { .. } => Ok(None),
             }
@@ -370,13 +369,14 @@ impl TableLocker {
     /// expires, or the poll interval passes, and one at the deadline. The
     /// first wait of a locker opens its listening connection.
     ///
-    /// An attempt's answer is awaited until the deadline, or its send if
-    /// later, plus the renewal deadline (two thirds of the
-    /// [TTL](TableLockerBuilder::ttl)): on a stalled network or server the
-    /// call fails with [`Error::Timeout`] at most `timeout` plus that long
-    /// after it began (plus what the pool spends handing out a connection),
-    /// instead of hanging until TCP gives up. A grant that comes in later
-    /// is released by the attempt's task.
+    /// An attempt's answer is awaited for the renewal deadline (two thirds
+    /// of the [TTL](TableLockerBuilder::ttl)) from its send, as for
+    /// [`try_lock`](Self::try_lock); one that gets none is made again while
+    /// the deadline has not passed. On a stalled network or server the call
+    /// so fails with [`Error::Timeout`] at most `timeout` plus that long
+    /// after it began (plus what the pool spends handing out connections),
+    /// instead of hanging until TCP gives up. A grant that comes in later is
+    /// released by its attempt's task.
     ///
     /// # Cancel safety
     ///
@@ -415,15 +415,18 @@ impl TableLocker {
             if let Some(wakes) = &mut wakes {
                 wakes.clear();
             }
-            let (busy_for, lock_id) = match self.attempt(key, &expr, deadline).await {
+            let attempt = self.attempt(key, &expr).await;
+            let now = tokio::time::Instant::now();
+            let (busy_for, lock_id) = match attempt {
                 Ok(Attempt::Granted(lease)) => return Ok(lease),
                 Ok(Attempt::Busy { left, lock_id }) => (left, lock_id),
-                // No answer by the deadline plus the grace: stalled, and
-                // out of time.
+                // No answer within the renewal deadline (a grant answered
+                // later would be lost at once): stalled. Again, while
+                // there is time.
+                Err(Error::CommandTimedOut { .. }) if now < deadline => continue,
                 Err(Error::CommandTimedOut { .. }) => return Err(timed_out(key, started)),
                 Err(err) => return Err(err),
             };
-            let now = tokio::time::Instant::now();
             if now >= deadline {
                 return Err(timed_out(key, started));
             }
@@ -445,9 +448,8 @@ impl TableLocker {
         }
     }
 
-    /// One attempt: 1 round trip, its answer awaited until `deadline` (or
-    /// the send, if later) plus the renewal deadline, else
-    /// [`Error::CommandTimedOut`]. Both `try_lock` and `lock` go through
+    /// One attempt: 1 round trip, its answer awaited for the renewal
+    /// deadline from the send, else [`Error::CommandTimedOut`]. Both `try_lock` and `lock` go through
     /// here, so this is the one place that bounds a stalled statement.
     ///
     /// The statement runs in a task of its own that owns the connection, so
@@ -468,21 +470,16 @@ impl TableLocker {
     /// Giving up on the answer is safe for the same reason as dropping this
     /// future: the task goes on owning the connection, and the answer it
     /// sends to nobody releases a grant.
-    async fn attempt(
-        &self,
-        key: &LockKey,
-        expr: &KeyExpr,
-        deadline: tokio::time::Instant,
-    ) -> Result<Attempt, Error> {
+    async fn attempt(&self, key: &LockKey, expr: &KeyExpr) -> Result<Attempt, Error> {
         // Dropped while waiting for a connection: nothing was sent.
         let taken = self.inner.warm.connection(self.inner.pooled(key)).await?;
         let sent = tokio::time::Instant::now();
         let answer_rx = self.spawn_statement(taken, key, expr);
         // A statement that waits at all waits briefly (for a concurrent
-        // taker's row); a server silent for the renewal deadline beyond the
-        // caller's deadline is stalled, and its grant would come too late
-        // to be renewed.
-        let give_up = crate::deadline::after(deadline.max(sent), self.inner.renewal_deadline());
+        // taker's row); a server silent for the renewal deadline is
+        // stalled, and a grant answered later would be lost at once (its
+        // renewal deadline counts from the send).
+        let give_up = crate::deadline::after(sent, self.inner.renewal_deadline());
         let Ok(answer) = tokio::time::timeout_at(give_up, answer_rx).await else {
             return Err(Error::CommandTimedOut {
                 key: key.clone(),

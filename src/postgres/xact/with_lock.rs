@@ -281,7 +281,7 @@ impl PgLocker {
         // the `BEGIN` or the lock statement, means the network is stalled:
         // give up too, and close the armed connection.
         let now = tokio::time::Instant::now();
-        let grace = crate::deadline::after(
+        let mut grace = crate::deadline::after(
             deadline.unwrap_or(now).max(now),
             self.config().heartbeat_timeout,
         );
@@ -297,6 +297,11 @@ impl PgLocker {
                     .await
                     .map_err(failed)?,
             );
+            // A try's budget starts again on the new connection (the pool
+            // may have taken a while to hand it out).
+            if deadline.is_none() {
+                grace = crate::deadline::from_now(self.config().heartbeat_timeout);
+            }
             let Ok(began) = tokio::time::timeout_at(grace, held.conn().begin()).await else {
                 return Err(failed(self.stalled(&key, mode, started, held).await).into());
             };

@@ -40,8 +40,8 @@ pub enum Error {
     /// a stalled network or server. The deadline is Redis's command deadline
     /// (`RedisLockerBuilder::command_timeout`), or for a PostgreSQL try
     /// (`try_lock`, `try_lock_shared`, `try_lock_upgradeable`,
-    /// `try_lock_all`, `with_advisory_lock`, `TableLocker::try_lock`) the
-    /// heartbeat deadline
+    /// `try_lock_all`, `with_advisory_lock`, `Semaphore::try_acquire`,
+    /// `TableLocker::try_lock`) the heartbeat deadline
     /// ([`PgLockerBuilder::heartbeat_timeout`](crate::PgLockerBuilder::heartbeat_timeout),
     /// the lease table's renewal deadline). The command may still take
     /// effect, and nothing is held for the caller: Redis deletes a key it

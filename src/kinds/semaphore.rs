@@ -234,8 +234,10 @@ impl Semaphore {
     /// On PostgreSQL ([`PgLocker::semaphore`](crate::PgLocker::semaphore))
     /// one statement on a pooled connection whatever the number of permits;
     /// it also answers `Ok(None)` while a waiter of any process is queued,
-    /// since a freed permit is theirs. Elsewhere one `try_lock` per slot, in
-    /// order, until one is granted: up to `permits` of them.
+    /// since a freed permit is theirs; no answer within the heartbeat
+    /// deadline (a stalled network) is [`Error::CommandTimedOut`], its
+    /// connection closed. Elsewhere one `try_lock` per slot, in order, until
+    /// one is granted: up to `permits` of them.
     ///
     /// # Cancel safety
     ///

@@ -64,6 +64,7 @@ use crate::postgres::request::fragments::{
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
 use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::postgres::timeout::answered;
 use crate::{Error, FencingToken, LockKey};
 
 /// How long after its deadline a waiter still waits for the server's
@@ -202,7 +203,8 @@ impl PgSlots {
     /// A free slot without waiting, unless a waiting process holds the
     /// queue (a freed permit is theirs). One statement on a pooled
     /// connection; the pool's own timeout is [`Error::PoolExhausted`] when
-    /// every connection is in use.
+    /// every connection is in use, and no answer within the heartbeat
+    /// deadline (a stalled network) [`Error::CommandTimedOut`].
     pub(crate) async fn try_acquire(&self) -> Result<Option<(u32, SessionLock)>, Error> {
         let pool = self.locker.pool();
         let acquired = WatchedConn::acquire(pool).await;
@@ -210,7 +212,12 @@ impl PgSlots {
             crate::postgres::conn::pooled::pool_error(pool, &self.queue_key(), err)
         })?;
         let mut conn = HeldConn::watched(conn, true);
-        match self.try_on(&mut conn, Try::Plain).await? {
+        // As a session try: the probe and the statement each answer within
+        // the heartbeat deadline, or the armed connection is closed.
+        let (key, within) = (self.queue_key(), self.locker.config().heartbeat_timeout);
+        let probe = self.locker.inner.pooler.ensure_session(conn.conn());
+        answered(&key, within, probe).await?;
+        match answered(&key, within, self.try_on(&mut conn, Try::Plain)).await? {
             Some(Outcome::Granted(slot, pid, token)) => {
                 Ok(Some(self.start(conn, slot, pid, token)?))
             }

@@ -280,46 +280,10 @@ async fn lock_under_stalled_network_times_out_instead_of_hanging(
 ) {
     // Documented: if the server does not answer within `timeout` plus the
     // heartbeat deadline, the attempt is abandoned and reported as a timeout.
-    let heartbeat_timeout = Duration::from_millis(300);
-    let timeout = Duration::from_millis(500);
-    let (proxy, pool) = proxied_unpinged(&connect_opts).await;
-    let locker = PgLocker::builder(pool.clone())
-        .heartbeat_timeout(heartbeat_timeout)
-        .build()
-        .expect("valid settings");
-    // One session lock on a healthy network first (the locker's one-time
-    // checks happen there).
-    locker
-        .try_lock("faults:warm")
-        .await
-        .unwrap()
-        .expect("free")
-        .release()
-        .await
-        .unwrap();
-    eventually(
-        "the connection is idle in the pool",
-        Duration::from_secs(5),
-        async || pool.num_idle() == 1,
-    )
+    stalled_wait(&connect_opts, "lock()", async |l, timeout| {
+        l.lock("faults:lock", timeout).await
+    })
     .await;
-    proxy.stall();
-    let started = Instant::now();
-    let res = bounded(
-        "lock() under a stalled network",
-        Duration::from_secs(10),
-        locker.lock("faults:lock", timeout),
-    )
-    .await;
-    let took = started.elapsed();
-    println!("lock() under a stalled network: {res:?} after {took:?}");
-    assert!(matches!(res, Err(Error::Timeout { .. })), "got {res:?}");
-    assert!(took >= timeout, "{took:?}");
-    assert!(
-        took <= timeout + heartbeat_timeout + Duration::from_millis(700),
-        "{took:?}"
-    );
-    teardown(proxy, pool).await;
 }
 
 #[sqlx::test(migrations = false)]
@@ -462,26 +426,7 @@ async fn stalled_try<T: std::fmt::Debug>(
     try_it: impl AsyncFnOnce(&PgLocker) -> Result<T, Error>,
 ) {
     let heartbeat_timeout = Duration::from_millis(300);
-    let (proxy, pool) = proxied_unpinged(connect_opts).await;
-    let locker = PgLocker::builder(pool.clone())
-        .heartbeat_timeout(heartbeat_timeout)
-        .build()
-        .expect("valid settings");
-    locker
-        .try_lock("faults:warm")
-        .await
-        .unwrap()
-        .expect("free")
-        .release()
-        .await
-        .unwrap();
-    eventually(
-        "the connection is idle in the pool",
-        Duration::from_secs(5),
-        async || pool.num_idle() == 1,
-    )
-    .await;
-    proxy.stall();
+    let (proxy, pool, locker) = stalled_locker(connect_opts, heartbeat_timeout).await;
     let started = Instant::now();
     let res = bounded(what, Duration::from_secs(10), try_it(&locker)).await;
     let took = started.elapsed();
@@ -537,6 +482,10 @@ async fn tries_under_stalled_network_fail_within_the_heartbeat_deadline(
         l.try_lock_all(["faults:a", "faults:b"]).await
     })
     .await;
+    stalled_try(&connect_opts, "Semaphore::try_acquire()", async |l| {
+        l.semaphore("faults:s", 2)?.try_acquire().await
+    })
+    .await;
 }
 
 #[sqlx::test(migrations = false)]
@@ -590,6 +539,32 @@ async fn stalled_wait<T: std::fmt::Debug>(
 ) {
     let heartbeat_timeout = Duration::from_millis(300);
     let timeout = Duration::from_millis(500);
+    let (proxy, pool, locker) = stalled_locker(connect_opts, heartbeat_timeout).await;
+    let started = Instant::now();
+    let res = bounded(what, Duration::from_secs(10), wait(&locker, timeout)).await;
+    let took = started.elapsed();
+    println!("{what} under a stalled network: {res:?} after {took:?}");
+    assert!(
+        matches!(res, Err(Error::Timeout { .. })),
+        "{what}: got {res:?}"
+    );
+    assert!(took >= timeout, "{what}: {took:?}");
+    assert!(
+        took <= timeout + heartbeat_timeout + Duration::from_millis(700),
+        "{what}: {took:?}"
+    );
+    teardown(proxy, pool).await;
+}
+
+/// A proxy, a pool of one connection through it (see `proxied_unpinged`)
+/// and a locker on that pool with the heartbeat deadline
+/// `heartbeat_timeout`, after one lock on a healthy network (the locker's
+/// one-time checks happen there) whose connection went back to the pool;
+/// then the network stalls.
+async fn stalled_locker(
+    connect_opts: &PgConnectOptions,
+    heartbeat_timeout: Duration,
+) -> (Proxy, PgPool, PgLocker) {
     let (proxy, pool) = proxied_unpinged(connect_opts).await;
     let locker = PgLocker::builder(pool.clone())
         .heartbeat_timeout(heartbeat_timeout)
@@ -610,17 +585,5 @@ async fn stalled_wait<T: std::fmt::Debug>(
     )
     .await;
     proxy.stall();
-    let started = Instant::now();
-    let res = bounded(what, Duration::from_secs(10), wait(&locker, timeout)).await;
-    let took = started.elapsed();
-    println!("{what} under a stalled network: {res:?} after {took:?}");
-    assert!(
-        matches!(res, Err(Error::Timeout { .. })),
-        "{what}: got {res:?}"
-    );
-    assert!(
-        took <= timeout + heartbeat_timeout + Duration::from_millis(700),
-        "{what}: {took:?}"
-    );
-    teardown(proxy, pool).await;
+    (proxy, pool, locker)
 }

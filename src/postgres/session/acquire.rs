@@ -34,9 +34,11 @@ impl PgLocker {
     /// If the server does not answer within the
     /// [heartbeat deadline](crate::PgLockerBuilder::heartbeat_timeout) (a
     /// stalled network), the try is abandoned, its connection closed, and it
-    /// fails with [`Error::CommandTimedOut`]. In the multiplexed mode a try
-    /// that has to open the shared connection is bounded by the pool's
-    /// acquire timeout instead ([`Error::ConnectTimedOut`]).
+    /// fails with [`Error::CommandTimedOut`]. In the multiplexed mode the
+    /// shared connection's statements answer within that deadline or end
+    /// the connection, and a try then moves to a fresh one, whose opening is
+    /// bounded by the pool's acquire timeout instead
+    /// ([`Error::ConnectTimedOut`], [`Error::MultiplexFailed`]).
     ///
     /// # Cancel safety
     ///
@@ -56,8 +58,9 @@ impl PgLocker {
     /// excludes them all: a reader-writer lock across processes
     /// (`pg_try_advisory_lock_shared`). A shared lock carries no fencing
     /// token (readers do not write). Costs what [`try_lock`](Self::try_lock)
-    /// costs, and is bounded as it is on a stalled network. In multiplexed mode a shared lock takes a connection of its own
-    /// from the pool, as in the default mode.
+    /// costs, and is bounded as it is on a stalled network. In multiplexed
+    /// mode a shared lock takes a connection of its own from the pool, as in
+    /// the default mode.
     ///
     /// # Cancel safety
     ///

@@ -236,8 +236,10 @@ impl Semaphore {
     /// it also answers `Ok(None)` while a waiter of any process is queued,
     /// since a freed permit is theirs; no answer within the heartbeat
     /// deadline (a stalled network) is [`Error::CommandTimedOut`], its
-    /// connection closed. Elsewhere one `try_lock` per slot, in order, until
-    /// one is granted: up to `permits` of them.
+    /// connection closed; its errors name the semaphore
+    /// (`LockKey::from(name)`), as its timeouts do. Elsewhere one
+    /// `try_lock` per slot, in order, until one is granted: up to `permits`
+    /// of them.
     ///
     /// # Cancel safety
     ///

@@ -94,6 +94,9 @@ pub(crate) struct PgSlots {
     slots: Arc<[String]>,
     /// `"{name}#queue"`.
     queue: String,
+    /// The semaphore's name: what its errors name (as `LockKey::from`),
+    /// never the internal keys of its slots or queue.
+    name: LockKey,
     /// The process's line, first come first served: its first waiter is
     /// the head.
     line: Arc<Line>,
@@ -178,6 +181,7 @@ impl PgSlots {
             namespace,
             slots: (0..permits).map(|i| format!("{name}#{i}")).collect(),
             queue: format!("{name}#queue"),
+            name: LockKey::from(name),
             line: Arc::new(Line::new(1)),
         }
     }
@@ -196,6 +200,12 @@ impl PgSlots {
         self.key(&self.queue)
     }
 
+    /// The key a caller's error names: the semaphore's own name, as its
+    /// timeouts do.
+    fn named(&self) -> LockKey {
+        self.name.clone()
+    }
+
     fn fencing(&self) -> bool {
         self.locker.config().fencing
     }
@@ -208,13 +218,12 @@ impl PgSlots {
     pub(crate) async fn try_acquire(&self) -> Result<Option<(u32, SessionLock)>, Error> {
         let pool = self.locker.pool();
         let acquired = WatchedConn::acquire(pool).await;
-        let conn = acquired.map_err(|err| {
-            crate::postgres::conn::pooled::pool_error(pool, &self.queue_key(), err)
-        })?;
+        let conn = acquired
+            .map_err(|err| crate::postgres::conn::pooled::pool_error(pool, &self.named(), err))?;
         let mut conn = HeldConn::watched(conn, true);
         // As a session try: the probe and the statement each answer within
         // the heartbeat deadline, or the armed connection is closed.
-        let (key, within) = (self.queue_key(), self.locker.config().heartbeat_timeout);
+        let (key, within) = (self.named(), self.locker.config().heartbeat_timeout);
         let probe = self.locker.inner.pooler.ensure_session(conn.conn());
         answered(&key, within, probe).await?;
         match answered(&key, within, self.try_on(&mut conn, Try::Plain)).await? {
@@ -260,7 +269,7 @@ impl PgSlots {
                 _ => query,
             };
             let row = query.fetch_one(conn.conn()).await;
-            let row = row.map_err(|err| locking_error(err, &self.queue_key()))?;
+            let row = row.map_err(|err| locking_error(err, &self.named()))?;
             return self.outcome(&row).map(Some);
         };
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -280,7 +289,7 @@ impl PgSlots {
             Err(_) => Ok(None),
             Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => Ok(None),
             Ok(row) => {
-                let row = row.map_err(|err| locking_error(err, &self.queue_key()))?;
+                let row = row.map_err(|err| locking_error(err, &self.named()))?;
                 self.outcome(&row).map(Some)
             }
         }
@@ -509,9 +518,7 @@ impl PgSlots {
         match self.try_on(&mut conn, Try::Queue(deadline)).await? {
             Some(Outcome::Busy(waiting)) => Ok(self.relay.open(conn, waiting)),
             // It tries no slot, so it takes none.
-            Some(Outcome::Granted(..)) => Err(Error::NotGranted {
-                key: self.queue_key(),
-            }),
+            Some(Outcome::Granted(..)) => Err(Error::NotGranted { key: self.named() }),
             // Timed out: the connection may hold the queue (granted as the
             // timeout fired), so it is closed.
             None => Err(timeout(name, started)),
@@ -719,7 +726,7 @@ impl PgSlots {
         });
         match woke.await {
             Ok(Err(reason)) => Err(Error::LockLost {
-                key: self.queue_key(),
+                key: self.named(),
                 reason,
             }),
             Ok(Ok(woke)) => Ok(woke),
@@ -770,7 +777,7 @@ impl PgSlots {
                 Err(_) => {
                     return Err(crate::postgres::conn::pooled::no_connection(
                         pool,
-                        &self.queue_key(),
+                        &self.named(),
                         started,
                     ));
                 }
@@ -810,16 +817,12 @@ impl PgSlots {
             let idle_timeout = row.try_get::<Option<String>, _>(6)?.unwrap_or_default();
             return Ok(Outcome::Busy(Waiting { pid, idle_timeout }));
         };
-        let slot = u32::try_from(slot).map_err(|_| Error::NotGranted {
-            key: self.queue_key(),
-        })?;
+        let slot = u32::try_from(slot).map_err(|_| Error::NotGranted { key: self.named() })?;
         let token = if self.fencing() {
             match row.try_get::<Option<i64>, _>(5)? {
                 Some(token) => Some(FencingToken::new(token)),
                 None => {
-                    return Err(Error::MissingFencingToken {
-                        key: self.queue_key(),
-                    });
+                    return Err(Error::MissingFencingToken { key: self.named() });
                 }
             }
         } else {
@@ -840,9 +843,7 @@ impl PgSlots {
         let name = usize::try_from(slot)
             .ok()
             .and_then(|i| self.slots.get(i))
-            .ok_or_else(|| Error::NotGranted {
-                key: self.queue_key(),
-            })?;
+            .ok_or_else(|| Error::NotGranted { key: self.named() })?;
         let lock = SessionLock::start(
             conn,
             (self.key(name), Hold::Permit),

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::proxy::Proxy;
 use common::*;
-use distlock::{Error, LossReason, PgLocker};
+use distlock::{Error, LockKey, LossReason, PgLocker};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
 
@@ -144,7 +144,7 @@ async fn release_under_stalled_network_returns_err_within_release_timeout(
     println!("release() under a stalled network returned {res:?} after {took:?}");
     match res {
         Err(Error::ReleaseTimedOut { key, after }) => {
-            assert_eq!(key, distlock::LockKey::from("faults:release"));
+            assert_eq!(key, LockKey::from("faults:release"));
             assert_eq!(after, release_timeout);
         }
         other => panic!("expected Err(ReleaseTimedOut), got {other:?}"),
@@ -422,7 +422,7 @@ async fn proxy_stall_and_pass_are_transparent_when_short(
 /// once the network is back.
 async fn stalled_try<T: std::fmt::Debug>(
     connect_opts: &PgConnectOptions,
-    what: &str,
+    (what, named): (&str, &str),
     try_it: impl AsyncFnOnce(&PgLocker) -> Result<T, Error>,
 ) {
     let heartbeat_timeout = Duration::from_millis(300);
@@ -432,7 +432,8 @@ async fn stalled_try<T: std::fmt::Debug>(
     let took = started.elapsed();
     println!("{what} under a stalled network: {res:?} after {took:?}");
     assert!(
-        matches!(&res, Err(Error::CommandTimedOut { after, .. }) if *after == heartbeat_timeout),
+        matches!(&res, Err(Error::CommandTimedOut { key, after })
+            if *after == heartbeat_timeout && *key == LockKey::from(named)),
         "{what}: got {res:?}"
     );
     assert!(
@@ -466,25 +467,31 @@ async fn tries_under_stalled_network_fail_within_the_heartbeat_deadline(
     _pool_opts: PgPoolOptions,
     connect_opts: PgConnectOptions,
 ) {
-    stalled_try(&connect_opts, "try_lock()", async |l| {
+    stalled_try(&connect_opts, ("try_lock()", "faults:t"), async |l| {
         l.try_lock("faults:t").await
     })
     .await;
-    stalled_try(&connect_opts, "try_lock_shared()", async |l| {
-        l.try_lock_shared("faults:t").await
-    })
+    stalled_try(
+        &connect_opts,
+        ("try_lock_shared()", "faults:t"),
+        async |l| l.try_lock_shared("faults:t").await,
+    )
     .await;
-    stalled_try(&connect_opts, "try_lock_upgradeable()", async |l| {
-        l.try_lock_upgradeable("faults:t").await
-    })
+    stalled_try(
+        &connect_opts,
+        ("try_lock_upgradeable()", "faults:t"),
+        async |l| l.try_lock_upgradeable("faults:t").await,
+    )
     .await;
-    stalled_try(&connect_opts, "try_lock_all()", async |l| {
+    stalled_try(&connect_opts, ("try_lock_all()", "faults:a"), async |l| {
         l.try_lock_all(["faults:a", "faults:b"]).await
     })
     .await;
-    stalled_try(&connect_opts, "Semaphore::try_acquire()", async |l| {
-        l.semaphore("faults:s", 2)?.try_acquire().await
-    })
+    stalled_try(
+        &connect_opts,
+        ("Semaphore::try_acquire()", "faults:s"),
+        async |l| l.semaphore("faults:s", 2)?.try_acquire().await,
+    )
     .await;
 }
 
@@ -505,10 +512,14 @@ async fn with_advisory_lock_under_stalled_network_fails_within_the_heartbeat_dea
     _pool_opts: PgPoolOptions,
     connect_opts: PgConnectOptions,
 ) {
-    stalled_try(&connect_opts, "with_advisory_lock()", async |l| {
-        l.with_advisory_lock("faults:x", async |_conn| Ok::<_, Error>(0))
-            .await
-    })
+    stalled_try(
+        &connect_opts,
+        ("with_advisory_lock()", "faults:x"),
+        async |l| {
+            l.with_advisory_lock("faults:x", async |_conn| Ok::<_, Error>(0))
+                .await
+        },
+    )
     .await;
 }
 

@@ -20,12 +20,12 @@ const TTL: Duration = Duration::from_millis(900);
 const GRACE: Duration = Duration::from_millis(600);
 
 /// A migrated test database, a proxy in front of it, and a locker on a pool
-/// of one connection through the proxy, handing out connections without a
-/// ping (so a statement goes straight into the stalled link). One lease
-/// taken and released with `lock` on a healthy network first, so the
-/// listening connection is up and the pool's connection is idle, then the
-/// network stalls.
-async fn stalled(pool: &PgPool) -> (Proxy, PgPool, TableLocker) {
+/// of one connection through the proxy (handing out connections without a
+/// ping, so a statement goes straight into a stalled link; waiting 3 s at
+/// most for one). One lease taken and released with `lock` on a healthy
+/// network first, so the listening connection is up and the pool's
+/// connection is idle.
+async fn prepared(pool: &PgPool) -> (Proxy, PgPool, TableLocker) {
     init_tracing();
     distlock::migrate(pool).await.expect("migrate");
     let direct = pool.connect_options();
@@ -34,6 +34,7 @@ async fn stalled(pool: &PgPool) -> (Proxy, PgPool, TableLocker) {
         .expect("proxy");
     let proxied = PgPoolOptions::new()
         .max_connections(1)
+        .acquire_timeout(Duration::from_secs(3))
         .test_before_acquire(false)
         .connect_with(proxy.options(&direct))
         .await
@@ -55,6 +56,12 @@ async fn stalled(pool: &PgPool) -> (Proxy, PgPool, TableLocker) {
         async || proxied.num_idle() == 1,
     )
     .await;
+    (proxy, proxied, locker)
+}
+
+/// [`prepared`], then the network stalls (current and new connections).
+async fn stalled(pool: &PgPool) -> (Proxy, PgPool, TableLocker) {
+    let (proxy, proxied, locker) = prepared(pool).await;
     proxy.stall();
     (proxy, proxied, locker)
 }
@@ -153,5 +160,41 @@ async fn table_try_lock_under_stalled_network_is_command_timed_out(pool: PgPool)
     assert!(took >= GRACE, "{took:?}");
     assert!(took <= GRACE + Duration::from_millis(700), "{took:?}");
     late_grant_released(&pool, &proxy, heard, "stalled:try").await;
+    teardown(proxy, proxied).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_stalled_attempt_gives_its_connection_back_within_a_ttl(pool: PgPool) {
+    // The regression: the task of an attempt whose answer never came kept
+    // its pooled connection until the link recovered or TCP gave up (about
+    // 15 minutes), so every stalled call took one connection out of the
+    // pool that renewals share. Here the open connection is blackholed (as
+    // a NAT that dropped its state would), new ones work, and the pool has
+    // one connection: the next try gets it only once the first attempt's
+    // task has closed it, one TTL after the send.
+    let (proxy, proxied, locker) = prepared(&pool).await;
+    proxy.freeze_open();
+    let res = bounded(
+        "a try on the frozen connection",
+        Duration::from_secs(10),
+        locker.try_lock("stalled:first"),
+    )
+    .await;
+    assert!(
+        matches!(res, Err(Error::CommandTimedOut { .. })),
+        "got {res:?}"
+    );
+    let started = Instant::now();
+    let next = bounded(
+        "the next try",
+        Duration::from_secs(10),
+        locker.try_lock("stalled:next"),
+    )
+    .await;
+    println!("the next try: {next:?} after {:?}", started.elapsed());
+    let lease = next
+        .expect("a connection came back to the pool")
+        .expect("the key is free");
+    lease.release().await.expect("released");
     teardown(proxy, proxied).await;
 }

@@ -74,16 +74,21 @@ async fn once_per_window_without_migrate_says_to_call_migrate(pool: PgPool) {
     assert!(shown(&err).contains(MIGRATE_FIRST), "{err}");
 }
 
-/// The regression: a `try_lock` and then more work on a pool of one waited
-/// out sqlx's acquire timeout and said only "pool timed out".
-#[sqlx::test(migrations = false)]
-async fn a_try_lock_on_a_pool_its_own_locks_fill_names_the_pool(pool: PgPool) {
-    let small = PgPoolOptions::new()
+/// A pool of one connection to `pool`'s database that waits 500 ms for it.
+async fn pool_of_one(pool: &PgPool) -> PgPool {
+    PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(Duration::from_millis(500))
         .connect_with(pool.connect_options().as_ref().clone())
         .await
-        .expect("pool of one");
+        .expect("pool of one")
+}
+
+/// The regression: a `try_lock` and then more work on a pool of one waited
+/// out sqlx's acquire timeout and said only "pool timed out".
+#[sqlx::test(migrations = false)]
+async fn a_try_lock_on_a_pool_its_own_locks_fill_names_the_pool(pool: PgPool) {
+    let small = pool_of_one(&pool).await;
     let locker = PgLocker::new(small);
     let held = locker.try_lock("first").await.expect("try").expect("free");
     let err = locker
@@ -95,6 +100,24 @@ async fn a_try_lock_on_a_pool_its_own_locks_fill_names_the_pool(pool: PgPool) {
     assert!(text.contains("\"second\""), "{text}");
     assert!(text.contains("max_connections 1"), "{text}");
     assert!(text.contains("held locks"), "{text}");
+    held.release().await.expect("release");
+}
+
+/// The regression: a semaphore's `try_acquire` on a full pool named its
+/// internal queue lock (`Namespaced(i32::MIN, "reports#queue")`), not the
+/// semaphore.
+#[sqlx::test(migrations = false)]
+async fn a_semaphore_try_on_a_full_pool_names_the_semaphore(pool: PgPool) {
+    let small = pool_of_one(&pool).await;
+    let locker = PgLocker::new(small);
+    let reports = locker.semaphore("reports", 2).expect("valid");
+    let held = reports.try_acquire().await.expect("try").expect("free");
+    let err = reports.try_acquire().await.expect_err("no connection left");
+    match &err {
+        Error::PoolExhausted { key, .. } => assert_eq!(*key, LockKey::from("reports")),
+        other => panic!("expected PoolExhausted, got {other:?}"),
+    }
+    assert!(!shown(&err).contains("#queue"), "{err}");
     held.release().await.expect("release");
 }
 

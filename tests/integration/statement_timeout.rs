@@ -113,6 +113,39 @@ async fn a_session_statement_timeout_does_not_cut_lock_all_short(pool: PgPool) {
     limited.close().await;
 }
 
+/// The regression: with a session limit, `lock_all`'s wait runs in a
+/// transaction of its own; its `lock_timeout` aborted that transaction, and
+/// the lookup of whom it waited behind ran on it and failed, so the
+/// `Timeout` named the first key and no holder.
+#[sqlx::test(migrations = false)]
+async fn a_lock_all_timeout_under_a_session_statement_timeout_names_its_holder(pool: PgPool) {
+    let limited = limited_pool(&pool).await;
+    let locker = PgLocker::new(limited.clone());
+    let mut holder = observer_for(&pool).await;
+    let holder_pid: i32 =
+        sqlx::query_scalar("SELECT pg_backend_pid() FROM pg_advisory_lock(hashtext('k'))")
+            .fetch_one(&mut holder)
+            .await
+            .expect("hold the key");
+    let err = locker
+        .lock_all(["j", "k"], Duration::from_millis(300))
+        .await
+        .expect_err("k is held");
+    match &err {
+        distlock::Error::Timeout {
+            key,
+            holder_pid: by,
+            ..
+        } => {
+            assert_eq!(*key, distlock::LockKey::from("k"), "{err:?}");
+            assert_eq!(*by, Some(holder_pid), "{err:?}");
+        }
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    close(holder).await;
+    limited.close().await;
+}
+
 #[sqlx::test(migrations = false)]
 async fn a_session_statement_timeout_does_not_cut_the_transaction_wait_short(pool: PgPool) {
     let limited = limited_pool(&pool).await;

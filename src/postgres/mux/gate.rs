@@ -1,12 +1,15 @@
 //! One waiter per key and process on the server.
 //!
-//! Every multiplexed `lock()` waits for a busy key with a *shared* lock on a
-//! temporary connection, and shared waiters are all woken together when the
-//! holder lets go. With many local waiters for one key that is a thundering
-//! herd: all of them wake, all of them try on the shared connection, one
-//! wins, the rest queue up again, at a cost that grows with the number of
-//! waiters. Local waiters of a key therefore first queue on an in-process
-//! FIFO gate; only the gate's holder waits on the server.
+//! Every multiplexed `lock()` waits for a busy key on a temporary pooled
+//! connection, by taking the key exclusively and giving it back in the same
+//! statement. When the holder lets go, each such waiter in turn is granted
+//! and at once gives the key back, so all of them wake within moments. With
+//! many local waiters for one key that is a thundering herd (all of them
+//! wake, all of them try on the shared connection, one wins, the rest queue
+//! up again, at a cost that grows with the number of waiters), and each
+//! waiter holds a pooled connection while it waits. Local waiters of a key
+//! therefore first queue on an in-process FIFO gate; only the gate's holder
+//! waits on the server.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};

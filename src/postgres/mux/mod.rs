@@ -23,14 +23,18 @@
 //! - **Waiting.** `lock()` never waits on a shared connection (that would
 //!   stall every other lock on it). It tries on the shared connection, and
 //!   while the key is busy waits on a temporary pooled connection for the
-//!   holder to let go (`pg_advisory_lock_shared` then `_unlock_shared` in one
-//!   statement, under `lock_timeout`), then tries again, until the deadline.
-//!   A hand-off therefore costs two round trips after the holder's unlock
-//!   (the wake-up's answer, then the try) instead of none, and is not FIFO:
-//!   another process may take the key between the wake-up and the try.
-//!   Shared waiters all wake together, so the waiters of one key in this
-//!   process queue on an in-process gate and only the first waits on the
-//!   server; otherwise every hand-off would wake (and retry) all of them.
+//!   holder to let go (`pg_advisory_lock` then `pg_advisory_unlock` in one
+//!   statement, under `lock_timeout`: exclusive, as the lock it wakes up
+//!   for is, so a reader holding the key keeps it waiting), then tries
+//!   again, until the deadline. A hand-off therefore costs two round trips
+//!   after the holder's unlock (the wake-up's answer, then the try) instead
+//!   of none, and is not FIFO: another process may take the key between the
+//!   wake-up and the try. Each waiter on the server gives the key back the
+//!   moment it gets it, so they all wake one after the other within
+//!   moments: the waiters of one key in this process queue on an
+//!   in-process gate and only the first waits on the server; otherwise
+//!   every hand-off would wake (and retry) all of them, each on a pooled
+//!   connection of its own.
 //! - **Cancellation.** Callers only exchange messages with drivers. A grant
 //!   travels as a [`request::Ticket`] whose `Drop` queues the unlock, so a
 //!   caller that goes away at any `.await` leaves nothing held; a waiting

@@ -192,6 +192,9 @@ impl PgLocker {
             // Some keys are held: the connection is closed, not pooled, once
             // it has named the key that was not granted.
             Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                if limited {
+                    self.end_aborted_block(&mut conn).await;
+                }
                 Err(self.blocked(conn, &keys, started, false).await)
             }
             Ok(Err(err)) => Err(locking_error(err, &keys[0])),
@@ -215,6 +218,18 @@ impl PgLocker {
         let within = self.config().heartbeat_timeout;
         crate::postgres::timeout::timeout_error_all(within, keys, started, conn, holds_nothing)
             .await
+    }
+
+    /// Ends the transaction block a wait under a session
+    /// `statement_timeout` ran in (see `unlimited::session_wait`), which its
+    /// failure left aborted, so that the lookup of whom it waited behind
+    /// can run on the connection (the keys it took outlive the block; the
+    /// connection is closed after the lookup). 1 round trip, within the
+    /// heartbeat deadline; if it fails, so does the lookup, and the
+    /// `Timeout` names no holder.
+    async fn end_aborted_block(&self, conn: &mut HeldConn) {
+        let rollback = sqlx::raw_sql("ROLLBACK").execute(conn.conn());
+        let _ = tokio::time::timeout(self.config().heartbeat_timeout, rollback).await;
     }
 
     /// [`try_all`](Self::try_all) as an acquisition's first statement (see

@@ -65,9 +65,13 @@ const POLL_NOT_LISTENING: Duration = Duration::from_millis(100);
 /// lost ([`TableLease::lost`]) two thirds of a TTL after it, a third of a TTL
 /// before the server can hand the key to anyone else. This assumes only that
 /// the two clocks advance at rates within a third of each other, not that
-/// they agree on the time. A holder that is *paused* (GC, SIGSTOP, a frozen
-/// VM) cannot notice anything while it is paused: present the lease's
-/// fencing token with every protected write ([`fence`](crate::fence)).
+/// they agree on the time, and that the server's clock is not stepped:
+/// `clock_timestamp()` is the wall clock, so a step forward of more than a
+/// third of a TTL (an NTP correction, a VM restored from a snapshot) can
+/// expire a lease whose holder still trusts it. A holder that is *paused*
+/// (GC, SIGSTOP, a frozen VM) cannot notice anything while it is paused:
+/// present the lease's fencing token with every protected write
+/// ([`fence`](crate::fence)); it guards against a stepped clock too.
 ///
 /// A renewal that fails or gets no answer is retried until that deadline,
 /// each attempt on a fresh connection and given half of the time left, so
@@ -334,8 +338,10 @@ impl TableLocker {
     /// stalled network or server (bytes stop flowing, nothing is closed),
     /// the call fails then with [`Error::CommandTimedOut`] instead of
     /// hanging until TCP gives up. Nothing is held for the caller: the
-    /// statement's task keeps its connection and releases a grant that
-    /// comes in later.
+    /// statement's task keeps its connection for a third of a TTL more and
+    /// releases a grant that comes in by then; after that it closes the
+    /// connection (so stalled calls do not drain the pool), and a grant the
+    /// server makes later expires one TTL after it was made.
     ///
     /// # Cancel safety
     ///
@@ -376,7 +382,9 @@ impl TableLocker {
     /// so fails with [`Error::Timeout`] at most `timeout` plus that long
     /// after it began (plus what the pool spends handing out connections),
     /// instead of hanging until TCP gives up. A grant that comes in later is
-    /// released by its attempt's task.
+    /// released by its attempt's task, or expires after a TTL if it comes
+    /// after the task closed the connection (see
+    /// [`try_lock`](Self::try_lock)).
     ///
     /// # Cancel safety
     ///
@@ -474,7 +482,7 @@ impl TableLocker {
         // Dropped while waiting for a connection: nothing was sent.
         let taken = self.inner.warm.connection(self.inner.pooled(key)).await?;
         let sent = tokio::time::Instant::now();
-        let answer_rx = self.spawn_statement(taken, key, expr);
+        let answer_rx = self.spawn_statement(taken, key, expr, sent);
         // A statement that waits at all waits briefly (for a concurrent
         // taker's row); a server silent for the renewal deadline is
         // stalled, and a grant answered later would be lost at once (its
@@ -498,14 +506,25 @@ impl TableLocker {
 
     /// Runs the acquiring statement on `taken` in a task of its own, which
     /// owns the connection; its answer comes on the returned channel.
+    ///
+    /// The task waits for the answer one TTL from `sent` at most, a third
+    /// of a TTL longer than the caller: a grant answered by then is still
+    /// released cleanly. After that the statement is dropped, which closes
+    /// its armed connection, so that a stalled link (a NAT that dropped
+    /// the connection's state, a server that stopped answering) does not
+    /// keep a pooled connection until TCP gives up, one more for every
+    /// stalled call; its grant, if the server makes one later, expires one
+    /// TTL after it was made (nobody renews it).
     fn spawn_statement(
         &self,
         taken: (HeldConn, bool),
         key: &LockKey,
         expr: &KeyExpr,
+        sent: tokio::time::Instant,
     ) -> oneshot::Receiver<Result<Answer, Error>> {
         let (answer_tx, answer_rx) = oneshot::channel();
         let (inner, task_key, task_expr) = (Arc::clone(&self.inner), key.clone(), expr.clone());
+        let closed_at = crate::deadline::after(sent, self.inner.ttl);
         tokio::spawn(
             async move {
                 let (inner, key, expr) = (&inner, &task_key, &task_expr);
@@ -516,8 +535,15 @@ impl TableLocker {
                 };
                 let ran = inner
                     .warm
-                    .first_statement(taken, || inner.pooled(key), statement)
-                    .await;
+                    .first_statement(taken, || inner.pooled(key), statement);
+                let ran = tokio::time::timeout_at(closed_at, ran)
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(Error::CommandTimedOut {
+                            key: key.clone(),
+                            after: closed_at - sent,
+                        })
+                    });
                 // The connection answered: it goes back (kept warm, or to
                 // the pool) before the caller hears of it, so the caller's
                 // next statement (a release, at once) finds it.

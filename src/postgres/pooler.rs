@@ -18,9 +18,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use sqlx::PgConnection;
 
-use crate::Error;
 use crate::postgres::evidence::PoolerEvidence;
-use crate::postgres::sqlstate::{DUPLICATE_PREPARED_STATEMENT, INVALID_STATEMENT_NAME};
+use crate::postgres::sqlstate::{
+    DUPLICATE_PREPARED_STATEMENT, INVALID_STATEMENT_NAME, locking_error,
+};
+use crate::{Error, LockKey};
 
 /// The refusal for a statement error that [`shared_session`] recognised.
 pub(crate) fn shared_session_error(err: &sqlx::Error) -> Error {
@@ -59,6 +61,21 @@ pub(crate) fn shared_session(err: &sqlx::Error) -> bool {
         crate::postgres::sqlstate::sqlstate(err).as_deref(),
         Some(DUPLICATE_PREPARED_STATEMENT | INVALID_STATEMENT_NAME)
     )
+}
+
+/// Maps an error of a statement that takes session locks (or waits for
+/// one) on a connection of its own: a server session shared with other
+/// clients ([`shared_session`]) is reported as [`Error::PoolerDetected`]
+/// with the server's error, not as a driver error; anything else as
+/// [`locking_error`]. Every session path (single key, multi-key, the
+/// multiplexed wake-up wait, the semaphore) maps its errors here. Whatever
+/// the statement may have taken dies with its connection, which the
+/// caller closes.
+pub(crate) fn session_locking_error(err: sqlx::Error, key: &LockKey) -> Error {
+    if shared_session(&err) {
+        return shared_session_error(&err);
+    }
+    locking_error(err, key)
 }
 
 /// What a failed statement on a lock's connection means for the lock.

@@ -58,12 +58,13 @@ use crate::postgres::conn::held::HeldConn;
 use crate::postgres::conn::watched::WatchedConn;
 use crate::postgres::locker::PgLocker;
 use crate::postgres::permit_relay::{Pass, Passed, Relay, TURN, Tenure, Waiting};
+use crate::postgres::pooler::session_locking_error;
 use crate::postgres::request::fragments::{
     PgQuery, client_check, keepalives, millis_setting, permit_channel, session_marker, token_draw,
 };
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
-use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, sqlstate};
 use crate::postgres::timeout::answered;
 use crate::{Error, FencingToken, LockKey};
 
@@ -269,7 +270,7 @@ impl PgSlots {
                 _ => query,
             };
             let row = query.fetch_one(conn.conn()).await;
-            let row = row.map_err(|err| locking_error(err, &self.named()))?;
+            let row = row.map_err(|err| session_locking_error(err, &self.named()))?;
             return self.outcome(&row).map(Some);
         };
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -289,7 +290,7 @@ impl PgSlots {
             Err(_) => Ok(None),
             Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => Ok(None),
             Ok(row) => {
-                let row = row.map_err(|err| locking_error(err, &self.named()))?;
+                let row = row.map_err(|err| session_locking_error(err, &self.named()))?;
                 self.outcome(&row).map(Some)
             }
         }

@@ -285,6 +285,48 @@ async fn a_session_with_another_clients_marker_is_refused_with_that_evidence(poo
     );
 }
 
+/// The regression: a session that already has prepared statements under
+/// sqlx's names (another client's, through a transaction pooler that lets
+/// them leak) answers distlock's first prepared statement with 42P05. The
+/// single-key lock reported `PoolerDetected`; the multi-key lock and the
+/// semaphore reported the raw `Database` error.
+#[sqlx::test(migrations = false)]
+async fn a_foreign_prepared_statement_is_a_pooler_on_every_session_path(pool: PgPool) {
+    let foreign = PgPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                // Simple protocol: does not advance sqlx's own numbering.
+                let names = (1..=4)
+                    .map(|i| format!("PREPARE sqlx_s_{i} AS SELECT {i};"))
+                    .collect::<String>();
+                sqlx::raw_sql(sqlx::AssertSqlSafe(names))
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .expect("pool of one");
+    let locker = PgLocker::new(foreign.clone());
+    let refused = |what: &str, res: Result<bool, Error>| match res {
+        Err(Error::PoolerDetected { .. }) => {}
+        other => panic!("{what}: expected PoolerDetected, got {other:?}"),
+    };
+    refused("try_lock", locker.try_lock("k").await.map(|l| l.is_some()));
+    let all = locker.try_lock_all(["a", "b"]).await;
+    refused("try_lock_all", all.map(|l| l.is_some()));
+    let all = locker.lock_all(["a", "b"], Duration::from_secs(1)).await;
+    refused("lock_all", all.map(|_| true));
+    let semaphore = locker.semaphore("s", 2).expect("valid");
+    refused(
+        "Semaphore::try_acquire",
+        semaphore.try_acquire().await.map(|p| p.is_some()),
+    );
+    foreign.close().await;
+}
+
 /// A fenced grant that came without a token is distlock's own finding,
 /// not a driver fault.
 #[sqlx::test(migrations = false)]

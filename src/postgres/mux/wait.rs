@@ -6,9 +6,10 @@ use std::time::{Duration, Instant};
 
 use super::{Mux, sql};
 use crate::postgres::conn::held::HeldConn;
+use crate::postgres::pooler::session_locking_error;
 use crate::postgres::request::{self, unlimited};
 use crate::postgres::session::guard::SessionLock;
-use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, sqlstate};
 use crate::{Error, LockKey, span};
 
 impl Mux {
@@ -82,7 +83,7 @@ impl Mux {
                     drop(conn);
                     return Err(self.timeout_error(&key, started, None).await);
                 }
-                Ok(Err(err)) => return Err(locking_error(err, &key)),
+                Ok(Err(err)) => return Err(session_locking_error(err, &key)),
                 Err(_) => {
                     drop(conn);
                     return Err(self.timeout_error(&key, started, None).await);

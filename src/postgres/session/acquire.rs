@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use crate::postgres::conn::held::HeldConn;
 use crate::postgres::conn::watched::WatchedConn;
 use crate::postgres::locker::PgLocker;
+use crate::postgres::pooler::session_locking_error;
 use crate::postgres::request::fragments::PgQuery;
 use crate::postgres::request::key::Bound;
 use crate::postgres::request::lock_request::Request;
@@ -13,7 +14,7 @@ use crate::postgres::request::row::SessionRow;
 use crate::postgres::request::{Lock, Step, unlimited};
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
-use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, sqlstate};
 use crate::postgres::timeout::answered;
 use crate::{Error, FencingToken, LockKey, span};
 
@@ -352,18 +353,6 @@ impl PgLocker {
         }
         Ok(Some((granted.pid, granted.token)))
     }
-}
-
-/// Maps an error of a session lock statement: a server session shared with
-/// other clients (see `pooler::shared_session`) is reported as
-/// [`Error::PoolerDetected`] with the server's error, not as a driver error.
-/// Whatever the statement may have taken dies with its connection, which
-/// the caller closes.
-fn session_locking_error(err: sqlx::Error, key: &LockKey) -> Error {
-    if crate::postgres::pooler::shared_session(&err) {
-        return crate::postgres::pooler::shared_session_error(&err);
-    }
-    locking_error(err, key)
 }
 
 /// Whether `err` is PostgreSQL's `lock_timeout` expiring.

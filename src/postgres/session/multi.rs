@@ -16,6 +16,7 @@ use sqlx::Row;
 use crate::postgres::conn::held::HeldConn;
 use crate::postgres::conn::warm::Ran;
 use crate::postgres::locker::PgLocker;
+use crate::postgres::pooler::session_locking_error;
 use crate::postgres::request::fragments::PgQuery;
 use crate::postgres::request::key::BoundAll;
 use crate::postgres::request::sql::{TRY_ALL, WAIT_ALL};
@@ -23,7 +24,7 @@ use crate::postgres::request::unlimited;
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
 use crate::postgres::session::multi_lock::MultiLock;
-use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, sqlstate};
 use crate::postgres::timeout::answered;
 use crate::{Error, LockKey, span};
 
@@ -197,7 +198,7 @@ impl PgLocker {
                 }
                 Err(self.blocked(conn, &keys, started, false).await)
             }
-            Ok(Err(err)) => Err(locking_error(err, &keys[0])),
+            Ok(Err(err)) => Err(session_locking_error(err, &keys[0])),
             Err(_) => {
                 drop(conn);
                 Err(self.timeout_error(&keys[0], started, None).await)
@@ -266,7 +267,10 @@ impl PgLocker {
         let probe = self.inner.pooler.ensure_session(conn.conn());
         answered(&keys[0], within(), probe).await?;
         let row = set.bind(sqlx::query(TRY_ALL)).fetch_one(conn.conn());
-        let row = async { row.await.map_err(|err| locking_error(err, &keys[0])) };
+        let row = async {
+            row.await
+                .map_err(|err| session_locking_error(err, &keys[0]))
+        };
         let row = answered(&keys[0], within(), row).await?;
         let pid: i32 = row.try_get(1)?;
         distinct(&row, keys)?;

@@ -52,14 +52,15 @@
 //! pipelines a lot of input while the server produces a lot of output can
 //! deadlock the forwarding (it writes whole messages without reading in
 //! between). A server connection that fails is not replaced: every client
-//! is disconnected from then on. Client `SET`s change the shared session for
+//! is disconnected from then on (a test can replace it on purpose:
+//! [`TxPool::replace_server`]). Client `SET`s change the shared session for
 //! everyone, and `ParameterStatus` changes reach whichever client owns the
 //! server connection at that moment.
 
 use std::collections::HashSet;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -106,8 +107,11 @@ struct Shared {
     server: Mutex<Server>,
     /// The server's `ParameterStatus` messages from its startup, encoded.
     parameters: Vec<u8>,
-    backend_pid: i32,
+    backend_pid: AtomicI32,
     clients: AtomicUsize,
+    /// Host, port, user and database of the server, for
+    /// [`TxPool::replace_server`].
+    upstream: (String, u16, String, String),
 }
 
 #[derive(Debug)]
@@ -135,8 +139,14 @@ impl TxPool {
         let shared = Arc::new(Shared {
             server: Mutex::new(server),
             parameters,
-            backend_pid,
+            backend_pid: AtomicI32::new(backend_pid),
             clients: AtomicUsize::new(0),
+            upstream: (
+                upstream_host.to_owned(),
+                upstream_port,
+                user.to_owned(),
+                database.to_owned(),
+            ),
         });
         let tasks: Arc<StdMutex<Vec<AbortHandle>>> = Arc::default();
         let accept = {
@@ -176,7 +186,21 @@ impl TxPool {
 
     /// The pid of the one server backend (from its `BackendKeyData`).
     pub fn backend_pid(&self) -> i32 {
-        self.shared.backend_pid
+        self.shared.backend_pid.load(Ordering::SeqCst)
+    }
+
+    /// Opens a new server connection and sends every later transaction of
+    /// every client there, as a pooler that gave a client another server
+    /// connection would; the old one is closed once no transaction runs on
+    /// it, so its backend ends and frees what it held. Returns the new
+    /// backend's pid.
+    pub async fn replace_server(&self) -> io::Result<i32> {
+        let (host, port, user, database) = &self.shared.upstream;
+        let (server, _, pid) = connect_server(host, *port, user, database).await?;
+        let old = std::mem::replace(&mut *self.shared.server.lock().await, server);
+        self.shared.backend_pid.store(pid, Ordering::SeqCst);
+        drop(old);
+        Ok(pid)
     }
 }
 

@@ -684,3 +684,38 @@ async fn lock_all_race_round(pool: PgPool, round: usize) -> (bool, bool) {
     b.close().await;
     (reached, waited)
 }
+
+/// The regression: `release()` of a lock whose client connection the
+/// pooler had moved to another server backend (the lock went with the old
+/// one) said `PoolerDetected`, against its documented `LockLost`; the
+/// heartbeat reports the same finding as `LossReason::BackendChanged`.
+#[sqlx::test(migrations = false)]
+async fn a_release_on_another_backend_reports_the_lock_lost(pool: PgPool) {
+    let proxy = txpool(&pool).await;
+    let client = through(&proxy, &pool, "moved").await;
+    // No heartbeat before the release (the first comes after 9 s): the
+    // release is the first to look.
+    let locker = PgLocker::builder(client.clone())
+        .heartbeat(Duration::from_secs(9))
+        .build()
+        .expect("valid settings");
+    let held = locker.try_lock(KEY).await.expect("try").expect("free");
+    let before = proxy.backend_pid();
+    let after = proxy
+        .replace_server()
+        .await
+        .expect("a new server connection");
+    let released = bounded("release", LIMIT, held.release()).await;
+    match released {
+        Err(Error::LockLost {
+            reason:
+                distlock::LossReason::BackendChanged {
+                    expected_pid,
+                    actual_pid,
+                },
+            ..
+        }) => assert_eq!((expected_pid, actual_pid), (before, after)),
+        other => panic!("expected LockLost(BackendChanged), got {other:?}"),
+    }
+    client.close().await;
+}

@@ -15,9 +15,11 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
 
 /// The leases' TTL; an attempt's answer is awaited for two thirds of it
-/// (the renewal deadline) beyond the caller's deadline.
-const TTL: Duration = Duration::from_millis(900);
-const GRACE: Duration = Duration::from_millis(600);
+/// (the renewal deadline) beyond the caller's deadline, and its task keeps
+/// the connection a third of it more (the window in which the tests that
+/// restore the network see the late grant released, not left to expire).
+const TTL: Duration = Duration::from_millis(1500);
+const GRACE: Duration = Duration::from_millis(1000);
 
 /// A migrated test database, a proxy in front of it, and a locker on a pool
 /// of one connection through the proxy (handing out connections without a

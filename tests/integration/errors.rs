@@ -285,19 +285,17 @@ async fn a_session_with_another_clients_marker_is_refused_with_that_evidence(poo
     );
 }
 
-/// The regression: a session that already has prepared statements under
-/// sqlx's names (another client's, through a transaction pooler that lets
-/// them leak) answers distlock's first prepared statement with 42P05. The
-/// single-key lock reported `PoolerDetected`; the multi-key lock and the
-/// semaphore reported the raw `Database` error.
-#[sqlx::test(migrations = false)]
-async fn a_foreign_prepared_statement_is_a_pooler_on_every_session_path(pool: PgPool) {
-    let foreign = PgPoolOptions::new()
+/// A pool of one connection to `pool`'s database whose session already has
+/// prepared statements named as sqlx names its own, `sqlx_s_{from}` to
+/// `sqlx_s_4` (another client's, as a transaction pooler that lets them
+/// leak hands out).
+async fn with_foreign_statements(pool: &PgPool, from: u32) -> PgPool {
+    PgPoolOptions::new()
         .max_connections(1)
-        .after_connect(|conn, _| {
+        .after_connect(move |conn, _| {
             Box::pin(async move {
                 // Simple protocol: does not advance sqlx's own numbering.
-                let names = (1..=4)
+                let names = (from..=4)
                     .map(|i| format!("PREPARE sqlx_s_{i} AS SELECT {i};"))
                     .collect::<String>();
                 sqlx::raw_sql(sqlx::AssertSqlSafe(names))
@@ -308,22 +306,56 @@ async fn a_foreign_prepared_statement_is_a_pooler_on_every_session_path(pool: Pg
         })
         .connect_with(pool.connect_options().as_ref().clone())
         .await
-        .expect("pool of one");
-    let locker = PgLocker::new(foreign.clone());
-    let refused = |what: &str, res: Result<bool, Error>| match res {
+        .expect("pool of one")
+}
+
+fn refused<T: std::fmt::Debug>(what: &str, res: Result<T, Error>) {
+    match res {
         Err(Error::PoolerDetected { .. }) => {}
         other => panic!("{what}: expected PoolerDetected, got {other:?}"),
-    };
-    refused("try_lock", locker.try_lock("k").await.map(|l| l.is_some()));
-    let all = locker.try_lock_all(["a", "b"]).await;
-    refused("try_lock_all", all.map(|l| l.is_some()));
-    let all = locker.lock_all(["a", "b"], Duration::from_secs(1)).await;
-    refused("lock_all", all.map(|_| true));
+    }
+}
+
+/// The regression: a session that already has prepared statements under
+/// sqlx's names answers distlock's first prepared statement with 42P05.
+/// The single-key lock reported `PoolerDetected`; the multi-key lock, the
+/// multiplexed wake-up wait and the semaphore reported the raw `Database`
+/// error.
+#[sqlx::test(migrations = false)]
+async fn a_foreign_prepared_statement_is_a_pooler_on_every_session_path(pool: PgPool) {
+    let foreign = with_foreign_statements(&pool, 1).await;
+    let locker = PgLocker::new(foreign.clone());
+    refused("try_lock", locker.try_lock("k").await);
+    refused("try_lock_all", locker.try_lock_all(["a", "b"]).await);
     let semaphore = locker.semaphore("s", 2).expect("valid");
+    refused("Semaphore::try_acquire", semaphore.try_acquire().await);
+    // A busy key: the multiplexed try (on a connection of its own, opened
+    // outside the pool) finds it held and waits on a pooled connection,
+    // whose first prepared statement collides.
+    let mut holder = observer_for(&pool).await;
+    sqlx::query("SELECT pg_advisory_lock(hashtext('b'))")
+        .execute(&mut holder)
+        .await
+        .expect("hold b");
+    let mux = PgLocker::builder(foreign.clone())
+        .multiplex(1)
+        .build()
+        .expect("valid settings");
     refused(
-        "Semaphore::try_acquire",
-        semaphore.try_acquire().await.map(|p| p.is_some()),
+        "multiplexed lock",
+        mux.lock("b", Duration::from_secs(1)).await,
     );
+    drop(mux);
+    foreign.close().await;
+    // Only the second statement collides: `lock_all`'s try (the first)
+    // finds `b` busy, its wait (the second) collides.
+    let foreign = with_foreign_statements(&pool, 2).await;
+    let locker = PgLocker::new(foreign.clone());
+    refused(
+        "lock_all's wait",
+        locker.lock_all(["a", "b"], Duration::from_secs(1)).await,
+    );
+    close(holder).await;
     foreign.close().await;
 }
 

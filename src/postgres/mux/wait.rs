@@ -135,7 +135,9 @@ impl Mux {
             sqlx::query_scalar::<_, String>(request::sql::WAIT_SETTINGS).fetch_one(conn.conn());
         match tokio::time::timeout_at(deadline, set).await {
             Ok(Ok(limit)) => Ok(Some((conn, unlimited::limited(Some(&limit))))),
-            Ok(Err(err)) => Err(err.into()),
+            // The connection's first prepared statement: where a session
+            // shared through a pooler shows (42P05).
+            Ok(Err(err)) => Err(session_locking_error(err, key)),
             Err(_) => Ok(None),
         }
     }

@@ -184,7 +184,11 @@ impl PgLocker {
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
         if remaining.is_zero() {
             // The try gave back what it took: the connection holds nothing.
-            return Err(self.blocked(conn, &keys, started, true).await);
+            let by = crate::deadline::after(
+                tokio::time::Instant::now(),
+                self.config().heartbeat_timeout,
+            );
+            return Err(self.blocked(conn, &keys, started, true, by).await);
         }
         let wait = wait_all(&mut conn, &set, remaining, limited);
         match tokio::time::timeout_at(grace, wait).await {
@@ -193,10 +197,16 @@ impl PgLocker {
             // Some keys are held: the connection is closed, not pooled, once
             // it has named the key that was not granted.
             Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                // The block's end and the lookup share one heartbeat
+                // deadline, so the call keeps its bound.
+                let by = crate::deadline::after(
+                    tokio::time::Instant::now(),
+                    self.config().heartbeat_timeout,
+                );
                 if limited {
-                    self.end_aborted_block(&mut conn).await;
+                    end_aborted_block(&mut conn, by).await;
                 }
-                Err(self.blocked(conn, &keys, started, false).await)
+                Err(self.blocked(conn, &keys, started, false, by).await)
             }
             Ok(Err(err)) => Err(session_locking_error(err, &keys[0])),
             Err(_) => {
@@ -208,29 +218,18 @@ impl PgLocker {
 
     /// [`Error::Timeout`] naming the key that was not granted and the chain
     /// behind its holder (see [`timeout`](super::timeout)), looked up on
-    /// `conn` itself within the heartbeat deadline.
+    /// `conn` itself by `by`.
     async fn blocked(
         &self,
         conn: HeldConn,
         keys: &[LockKey],
         started: Instant,
         holds_nothing: bool,
+        by: tokio::time::Instant,
     ) -> Error {
-        let within = self.config().heartbeat_timeout;
+        let within = by.saturating_duration_since(tokio::time::Instant::now());
         crate::postgres::timeout::timeout_error_all(within, keys, started, conn, holds_nothing)
             .await
-    }
-
-    /// Ends the transaction block a wait under a session
-    /// `statement_timeout` ran in (see `unlimited::session_wait`), which its
-    /// failure left aborted, so that the lookup of whom it waited behind
-    /// can run on the connection (the keys it took outlive the block; the
-    /// connection is closed after the lookup). 1 round trip, within the
-    /// heartbeat deadline; if it fails, so does the lookup, and the
-    /// `Timeout` names no holder.
-    async fn end_aborted_block(&self, conn: &mut HeldConn) {
-        let rollback = sqlx::raw_sql("ROLLBACK").execute(conn.conn());
-        let _ = tokio::time::timeout(self.config().heartbeat_timeout, rollback).await;
     }
 
     /// [`try_all`](Self::try_all) as an acquisition's first statement (see
@@ -295,6 +294,17 @@ impl PgLocker {
         );
         MultiLock { keys, inner }
     }
+}
+
+/// Ends the transaction block a wait under a session `statement_timeout`
+/// ran in (see `unlimited::session_wait`), which its failure left aborted,
+/// so that the lookup of whom it waited behind can run on the connection
+/// (the keys it took outlive the block; the connection is closed after the
+/// lookup). 1 round trip, by `by`; if it fails, so does the lookup, and the
+/// `Timeout` names no holder.
+async fn end_aborted_block(conn: &mut HeldConn, by: tokio::time::Instant) {
+    let rollback = sqlx::raw_sql("ROLLBACK").execute(conn.conn());
+    let _ = tokio::time::timeout_at(by, rollback).await;
 }
 
 /// Refuses two spellings of one server lock (they would be granted twice to

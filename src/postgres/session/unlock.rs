@@ -68,8 +68,16 @@ pub(crate) async fn unlock(
         Ok(row) => row?,
     };
     let (unlocked, actual): (bool, i32) = (row.try_get(0)?, row.try_get(1)?);
+    // Another backend answered (a pooler moved the connection): the lock
+    // went with the session that took it, as the heartbeat would report.
     if actual != pid {
-        return Err(crate::postgres::pooler::backend_changed(pid, actual));
+        return Err(Error::LockLost {
+            key: key.clone(),
+            reason: LossReason::BackendChanged {
+                expected_pid: pid,
+                actual_pid: actual,
+            },
+        });
     }
     if !unlocked {
         return Err(Error::LockLost {

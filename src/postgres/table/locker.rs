@@ -477,7 +477,11 @@ impl TableLocker {
     ///
     /// Giving up on the answer is safe for the same reason as dropping this
     /// future: the task goes on owning the connection, and the answer it
-    /// sends to nobody releases a grant.
+    /// sends to nobody releases a grant. The task itself gives up one TTL
+    /// after the send (see `spawn_statement`): the statement is dropped,
+    /// its connection closed, and a best-effort release sent, which may
+    /// reach the server before a late grant does; such a grant expires
+    /// after a TTL.
     async fn attempt(&self, key: &LockKey, expr: &KeyExpr) -> Result<Attempt, Error> {
         // Dropped while waiting for a connection: nothing was sent.
         let taken = self.inner.warm.connection(self.inner.pooled(key)).await?;
@@ -690,10 +694,13 @@ async fn acquire_statement(
 }
 
 /// A grant nobody has taken yet: dropped armed, it releases the key for its
-/// owner in the background (harmless if nothing was granted). It is only
-/// ever dropped armed after the acquiring statement has ended (answered,
-/// failed, or its task was stopped with the runtime), so the release cannot
-/// run before the grant it deletes.
+/// owner in the background (harmless if nothing was granted). It is
+/// dropped armed after the acquiring statement has ended (answered, failed,
+/// or its task was stopped with the runtime), so the release cannot run
+/// before the grant it deletes; or, one TTL after the send, with the
+/// statement still unanswered (`spawn_statement` gives up on a stalled
+/// link): then the release is best effort, it may reach the server before
+/// a late grant, which then expires after a TTL (nobody renews it).
 struct Grant {
     inner: Option<Arc<Inner>>,
     key: LockKey,

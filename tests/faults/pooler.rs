@@ -719,3 +719,41 @@ async fn a_release_on_another_backend_reports_the_lock_lost(pool: PgPool) {
     }
     client.close().await;
 }
+
+/// The same with the unlock statement already prepared on the connection
+/// (by an earlier release): on the new backend it is missing (26000), which
+/// `release()` reported as a raw `Error::Database`; now `LockLost` with
+/// `LossReason::SessionShared`, the heartbeat's reason for that error.
+#[sqlx::test(migrations = false)]
+async fn a_release_whose_statement_is_missing_on_the_backend_reports_the_lock_lost(
+    pool: PgPool,
+) {
+    let proxy = txpool(&pool).await;
+    let opts = (*pool.connect_options())
+        .clone()
+        .host("127.0.0.1")
+        .port(proxy.port());
+    // One connection, so the second lock runs where the first was released.
+    let client = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(opts)
+        .await
+        .expect("pool through the transaction pooler");
+    let locker = PgLocker::builder(client.clone())
+        .heartbeat(Duration::from_secs(9))
+        .build()
+        .expect("valid settings");
+    let first = locker.try_lock(KEY).await.expect("try").expect("free");
+    first.release().await.expect("the first release");
+    let held = locker.try_lock(KEY).await.expect("try").expect("free");
+    proxy.replace_server().await.expect("a new server connection");
+    let released = bounded("release", LIMIT, held.release()).await;
+    match released {
+        Err(Error::LockLost {
+            reason: distlock::LossReason::SessionShared(why),
+            ..
+        }) => assert!(why.contains("26000") || why.contains("does not exist"), "{why}"),
+        other => panic!("expected LockLost(SessionShared), got {other:?}"),
+    }
+    client.close().await;
+}

@@ -65,6 +65,15 @@ pub(crate) async fn unlock(
                 reason: LossReason::ConnectionFailed(err.to_string()),
             });
         }
+        // A prepared statement of this connection missing on the session
+        // (or another client's in its way): a pooler put the connection on
+        // another server session, and the lock went with the first one.
+        Ok(Err(err)) if crate::postgres::pooler::shared_session(&err) => {
+            return Err(Error::LockLost {
+                key: key.clone(),
+                reason: crate::postgres::pooler::loss_reason(&err),
+            });
+        }
         Ok(row) => row?,
     };
     let (unlocked, actual): (bool, i32) = (row.try_get(0)?, row.try_get(1)?);

@@ -725,9 +725,7 @@ async fn a_release_on_another_backend_reports_the_lock_lost(pool: PgPool) {
 /// `release()` reported as a raw `Error::Database`; now `LockLost` with
 /// `LossReason::SessionShared`, the heartbeat's reason for that error.
 #[sqlx::test(migrations = false)]
-async fn a_release_whose_statement_is_missing_on_the_backend_reports_the_lock_lost(
-    pool: PgPool,
-) {
+async fn a_release_whose_statement_is_missing_on_the_backend_reports_the_lock_lost(pool: PgPool) {
     let proxy = txpool(&pool).await;
     let opts = (*pool.connect_options())
         .clone()
@@ -746,13 +744,19 @@ async fn a_release_whose_statement_is_missing_on_the_backend_reports_the_lock_lo
     let first = locker.try_lock(KEY).await.expect("try").expect("free");
     first.release().await.expect("the first release");
     let held = locker.try_lock(KEY).await.expect("try").expect("free");
-    proxy.replace_server().await.expect("a new server connection");
+    proxy
+        .replace_server()
+        .await
+        .expect("a new server connection");
     let released = bounded("release", LIMIT, held.release()).await;
     match released {
         Err(Error::LockLost {
             reason: distlock::LossReason::SessionShared(why),
             ..
-        }) => assert!(why.contains("26000") || why.contains("does not exist"), "{why}"),
+        }) => assert!(
+            why.contains("26000") || why.contains("does not exist"),
+            "{why}"
+        ),
         other => panic!("expected LockLost(SessionShared), got {other:?}"),
     }
     client.close().await;

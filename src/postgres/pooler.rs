@@ -68,7 +68,9 @@ pub(crate) fn shared_session(err: &sqlx::Error) -> bool {
 /// clients ([`shared_session`]) is reported as [`Error::PoolerDetected`]
 /// with the server's error, not as a driver error; anything else as
 /// [`locking_error`]. Every session path (single key, multi-key, the
-/// multiplexed wake-up wait, the semaphore) maps its errors here. Whatever
+/// multiplexed wake-up wait, the semaphore) maps its errors here, but the
+/// multiplexed shared connection's try, which checks [`shared_session`]
+/// itself because the finding also ends that connection. Whatever
 /// the statement may have taken dies with its connection, which the
 /// caller closes.
 pub(crate) fn session_locking_error(err: sqlx::Error, key: &LockKey) -> Error {

@@ -761,3 +761,37 @@ async fn a_release_whose_statement_is_missing_on_the_backend_reports_the_lock_lo
     }
     client.close().await;
 }
+
+/// The same for a multiplexed lock: its driver reported a backend change at
+/// release as `PoolerDetected`.
+#[sqlx::test(migrations = false)]
+async fn a_multiplexed_release_on_another_backend_reports_the_lock_lost(pool: PgPool) {
+    let proxy = txpool(&pool).await;
+    let client = through(&proxy, &pool, "moved-mux").await;
+    // No heartbeat before the release (the first comes after 9 s).
+    let locker = PgLocker::builder(client.clone())
+        .multiplex(1)
+        .heartbeat(Duration::from_secs(9))
+        .build()
+        .expect("valid settings");
+    let held = locker.try_lock(KEY).await.expect("try").expect("free");
+    let before = proxy.backend_pid();
+    let after = proxy
+        .replace_server()
+        .await
+        .expect("a new server connection");
+    let released = bounded("release", LIMIT, held.release()).await;
+    match released {
+        Err(Error::LockLost {
+            reason:
+                distlock::LossReason::BackendChanged {
+                    expected_pid,
+                    actual_pid,
+                },
+            ..
+        }) => assert_eq!((expected_pid, actual_pid), (before, after)),
+        other => panic!("expected LockLost(BackendChanged), got {other:?}"),
+    }
+    drop(locker);
+    client.close().await;
+}

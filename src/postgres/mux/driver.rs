@@ -436,11 +436,9 @@ impl Driver {
                 (Err(err), Err(released_elsewhere(held.server)))
             }
             Err(reason) => {
+                // A changed backend is a lost lock here, as in the default
+                // mode's release (it went with the backend that took it).
                 let err = match &reason {
-                    LossReason::BackendChanged {
-                        expected_pid,
-                        actual_pid,
-                    } => backend_changed(*expected_pid, *actual_pid),
                     LossReason::HeartbeatTimedOut(after) => Error::ReleaseTimedOut {
                         key: held.key.clone(),
                         after: *after,

@@ -232,10 +232,9 @@ impl SessionLock {
     /// Releases the lock and returns its connection to the pool.
     ///
     /// Costs 1 round trip. Fails with [`Error::LockLost`] if the lock had been
-    /// lost (it may be held by someone else now; a lock of the
-    /// [multiplexed](crate::PgLockerBuilder::multiplex) mode whose shared
-    /// connection answers from another backend fails with
-    /// [`Error::PoolerDetected`] instead), and with
+    /// lost (it may be held by someone else now; a connection that answers
+    /// from another backend than the lock's, as a pooler would make it, is
+    /// such a loss: [`LossReason::BackendChanged`](crate::LossReason::BackendChanged)), and with
     /// [`Error::ReleaseTimedOut`] if the server did not answer within the
     /// release deadline; in both cases, and on any other error, the
     /// connection is closed, so PostgreSQL frees whatever the session held.

@@ -224,7 +224,9 @@ pub trait ElectionLocker: Locker {
     /// than [`Proclamation::MAX_GRACE`] is refused with
     /// [`Error::InvalidArgument`], recording nothing.
     ///
-    /// On [`PgLocker`]: 1 round trip, one durable row write.
+    /// On [`PgLocker`]: 1 round trip, one durable row write; no answer
+    /// within the heartbeat deadline (a stalled network) is
+    /// [`Error::CommandTimedOut`], its pooled connection closed.
     ///
     /// # Cancel safety
     ///
@@ -243,7 +245,8 @@ pub trait ElectionLocker: Locker {
     /// `term` no backend can record (above `i64::MAX`) names no record:
     /// nothing is cleared.
     ///
-    /// On [`PgLocker`]: 1 round trip, a durable row write when it clears.
+    /// On [`PgLocker`]: 1 round trip, a durable row write when it clears;
+    /// within the heartbeat deadline, as [`proclaim`](Self::proclaim).
     ///
     /// # Cancel safety
     ///
@@ -255,7 +258,8 @@ pub trait ElectionLocker: Locker {
     /// the key's lock at the moment it is read and the term has started
     /// (its grace is over); `Ok(None)` otherwise.
     ///
-    /// On [`PgLocker`]: 1 round trip, writes nothing.
+    /// On [`PgLocker`]: 1 round trip, writes nothing; within the heartbeat
+    /// deadline, as [`proclaim`](Self::proclaim).
     ///
     /// # Cancel safety
     ///

@@ -40,8 +40,9 @@ pub enum Error {
     /// a stalled network or server. The deadline is Redis's command deadline
     /// (`RedisLockerBuilder::command_timeout`), or for a PostgreSQL try
     /// (`try_lock`, `try_lock_shared`, `try_lock_upgradeable`,
-    /// `try_lock_all`, `with_advisory_lock`, `Semaphore::try_acquire`,
-    /// `TableLocker::try_lock`) the heartbeat deadline
+    /// `try_lock_all`, `with_advisory_lock`, `Semaphore::try_acquire` and
+    /// `available_permits`, the election records `proclaim`, `withdraw` and
+    /// `leader`, `TableLocker::try_lock`) the heartbeat deadline
     /// ([`PgLockerBuilder::heartbeat_timeout`](crate::PgLockerBuilder::heartbeat_timeout),
     /// the lease table's renewal deadline). The command may still take
     /// effect, and nothing is held for the caller: Redis deletes a key it
@@ -519,6 +520,43 @@ pub enum Error {
 impl From<sqlx::Error> for Error {
     fn from(err: sqlx::Error) -> Self {
         crate::postgres::sqlstate::driver_error(err)
+    }
+}
+
+impl Error {
+    /// The same error naming `key` where it names one lock: a kind built
+    /// from internal locks (the semaphore's slots) reports the name its
+    /// caller gave, not the internal key. `InvalidKey` and `NestedLock`
+    /// keep theirs: they describe that key itself.
+    pub(crate) fn naming(mut self, key: &LockKey) -> Self {
+        if let Some(named) = self.key_mut() {
+            named.clone_from(key);
+        }
+        self
+    }
+
+    fn key_mut(&mut self) -> Option<&mut LockKey> {
+        match self {
+            #[cfg(feature = "redis")]
+            Self::QuorumUnreachable { key, .. } => Some(key),
+            Self::CommandTimedOut { key, .. }
+            | Self::DuplicateKey { key }
+            | Self::Timeout { key, .. }
+            | Self::LockLost { key, .. }
+            | Self::LockTableFull { key }
+            | Self::ReleaseTimedOut { key, .. }
+            | Self::TransactionAborted { key }
+            | Self::TransactionEnded { key }
+            | Self::HotStandby { key }
+            | Self::NoConnection { key, .. }
+            | Self::PoolExhausted { key, .. }
+            | Self::MissingFencingToken { key }
+            | Self::NotGranted { key }
+            | Self::MultiplexFailed { key, .. }
+            | Self::TaskStopped { key, .. }
+            | Self::CampaignEnded { key } => Some(key),
+            _ => None,
+        }
     }
 }
 

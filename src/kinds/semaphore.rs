@@ -74,7 +74,8 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 ///   (announced in its unlock statement, no extra round trip), and every
 ///   200 ms (for a holder whose session ended without an unlock), the
 ///   process tries the slots in the background, on up to four pooled
-///   connections at once (1 round trip each), and hands every permit taken
+///   connections at once (1 round trip each, answered within the heartbeat
+///   deadline or its connection closed), and hands every permit taken
 ///   to its earliest waiters. At the start of the turn, when any number of
 ///   permits may be free, it tries on as many connections at once as it
 ///   has waiters, up to `permits` and never more than the pool has idle or
@@ -210,8 +211,11 @@ impl Semaphore {
     /// free a permit the next instant).
     ///
     /// On PostgreSQL ([`PgLocker::semaphore`](crate::PgLocker::semaphore))
-    /// one statement reading `pg_locks` on a pooled connection; `Ok(None)`
-    /// on every other backend, without a round trip.
+    /// one statement reading `pg_locks` on a pooled connection; no answer
+    /// within the heartbeat deadline (a stalled network) is
+    /// [`Error::CommandTimedOut`], naming the semaphore, and that
+    /// connection is closed. `Ok(None)` on every other backend, without a
+    /// round trip.
     ///
     /// # Cancel safety
     ///
@@ -239,7 +243,7 @@ impl Semaphore {
     /// connection closed; its errors name the semaphore
     /// (`LockKey::from(name)`), as its timeouts do. Elsewhere one
     /// `try_lock` per slot, in order, until one is granted: up to `permits`
-    /// of them.
+    /// of them; a backend error names the semaphore too.
     ///
     /// # Cancel safety
     ///
@@ -262,8 +266,10 @@ impl Semaphore {
     }
 
     async fn try_any(&self, locker: &Arc<dyn Locker>) -> Result<Option<SemaphorePermit>, Error> {
+        // The caller named the semaphore, not its slots.
+        let named = |err: Error| err.naming(&LockKey::from(&*self.name));
         for i in 0..self.permits.get() {
-            if let Some(lease) = locker.try_lock(self.slot(i)).await? {
+            if let Some(lease) = locker.try_lock(self.slot(i)).await.map_err(named)? {
                 return Ok(Some(SemaphorePermit::any(i, lease)));
             }
         }
@@ -278,7 +284,9 @@ impl Semaphore {
     /// the deadline. A zero `timeout` is one [`try_acquire`](Self::try_acquire).
     /// On PostgreSQL the call returns at most 50 ms after the deadline: a
     /// server answer slower than that (a slow or stalled network) is not
-    /// waited for, its connection is closed instead.
+    /// waited for, its connection is closed instead, as is that of a
+    /// background try of the slots (below) that gets no answer within the
+    /// heartbeat deadline.
     ///
     /// On PostgreSQL ([`PgLocker::semaphore`](crate::PgLocker::semaphore)):
     /// 1 round trip when a permit is free and no waiter of the process is

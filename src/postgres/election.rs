@@ -10,11 +10,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use sqlx::postgres::PgRow;
-use sqlx::{Postgres, Row};
+use sqlx::{PgConnection, Postgres, Row};
 
 use crate::capability::recorded_term;
 use crate::postgres::request::key::Bound;
 use crate::postgres::request::sql::ELECTION_KEY;
+use crate::postgres::timeout::answered_on_pool;
 use crate::{
     ElectionLocker, Error, FencingToken, LeaderInfo, Lease, LockKey, PgLocker, Proclaimed,
     Proclamation, Seat,
@@ -103,6 +104,21 @@ pub(super) fn leader_info(row: &PgRow) -> Result<LeaderInfo, Error> {
     ))
 }
 
+impl PgLocker {
+    /// A record's one statement on a pooled connection, answered within the
+    /// heartbeat deadline or [`Error::CommandTimedOut`], its connection
+    /// closed: a campaign holding the election's lock must not wait on a
+    /// stalled network until TCP gives up, nor an observer's abandoned
+    /// reads keep pool slots.
+    async fn answered_record<T>(
+        &self,
+        key: &LockKey,
+        statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, Error>,
+    ) -> Result<T, Error> {
+        answered_on_pool(self.pool(), (key, self.heartbeat_timeout()), statement).await
+    }
+}
+
 /// Each method's costs are on the trait; a seat is the backend pid of the
 /// session that holds the lock (its own connection, or in the multiplexed
 /// mode the shared one).
@@ -125,14 +141,15 @@ impl ElectionLocker for PgLocker {
         proclamation: &Proclamation,
     ) -> Result<Option<Proclaimed>, Error> {
         proclamation.check()?;
-        let row: PgRow = keyed(PROCLAIM, key)?
+        let query = keyed(PROCLAIM, key)?
             .bind(key.to_string())
             .bind(pid(seat)?)
             .bind(proclamation.identity.as_str())
             .bind(proclamation.value.as_str())
             .bind(proclamation.fencing_token.map(FencingToken::value))
-            .bind(i64::try_from(proclamation.grace.as_millis()).unwrap_or(i64::MAX))
-            .fetch_one(self.pool())
+            .bind(i64::try_from(proclamation.grace.as_millis()).unwrap_or(i64::MAX));
+        let row: PgRow = self
+            .answered_record(key, async |conn| Ok(query.fetch_one(conn).await?))
             .await?;
         proclaimed(&row, proclamation)
     }
@@ -141,16 +158,17 @@ impl ElectionLocker for PgLocker {
         let Some(number) = recorded_term(number) else {
             return Ok(());
         };
-        keyed(WITHDRAW, key)?
-            .bind(pid(seat)?)
-            .bind(number)
-            .execute(self.pool())
+        let query = keyed(WITHDRAW, key)?.bind(pid(seat)?).bind(number);
+        self.answered_record(key, async |conn| Ok(query.execute(conn).await?))
             .await?;
         Ok(())
     }
 
     async fn leader(&self, key: &LockKey) -> Result<Option<LeaderInfo>, Error> {
-        let row = keyed(LEADER, key)?.fetch_optional(self.pool()).await?;
+        let query = keyed(LEADER, key)?;
+        let row = self
+            .answered_record(key, async |conn| Ok(query.fetch_optional(conn).await?))
+            .await?;
         row.as_ref().map(leader_info).transpose()
     }
 

@@ -65,7 +65,7 @@ use crate::postgres::request::fragments::{
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
 use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, sqlstate};
-use crate::postgres::timeout::answered;
+use crate::postgres::timeout::{answered, answered_on_pool};
 use crate::{Error, FencingToken, LockKey};
 
 /// How long after its deadline a waiter still waits for the server's
@@ -655,7 +655,18 @@ impl PgSlots {
         deadline: tokio::time::Instant,
     ) -> Result<Option<(u32, SessionLock)>, Error> {
         let mut conn = self.connection(started, deadline).await?;
-        match self.try_on(&mut conn, Try::Ahead).await? {
+        // No caller waits on this task's deadline: a stalled try would keep
+        // its connection, and the process's fill, until TCP gives up. Its
+        // armed connection is closed instead, which frees whatever the
+        // statement took, and the try counts as one that took no slot: the
+        // waiters go on (a process resumed after a pause finds its timers
+        // due before the answers it got meanwhile are read).
+        let within = self.locker.config().heartbeat_timeout;
+        let tried = answered(&self.named(), within, self.try_on(&mut conn, Try::Ahead)).await;
+        if let Err(Error::CommandTimedOut { .. }) = tried {
+            return Ok(None);
+        }
+        match tried? {
             Some(Outcome::Granted(slot, pid, token)) => {
                 self.start(conn, slot, pid, token).map(Some)
             }
@@ -787,13 +798,17 @@ impl PgSlots {
     }
 
     /// How many slots no session holds, read from `pg_locks`: one
-    /// statement on a pooled connection.
+    /// statement on a pooled connection, answered within the heartbeat
+    /// deadline (see [`answered_on_pool`]).
     pub(crate) async fn available(&self) -> Result<u32, Error> {
-        let held: i64 = sqlx::query_scalar(AVAILABLE)
+        let query = sqlx::query_scalar(AVAILABLE)
             .bind(self.namespace)
-            .bind(&*self.slots)
-            .fetch_one(self.locker.pool())
-            .await?;
+            .bind(&*self.slots);
+        let within = (&self.named(), self.locker.config().heartbeat_timeout);
+        let held: i64 = answered_on_pool(self.locker.pool(), within, async |conn| {
+            Ok(query.fetch_one(conn).await?)
+        })
+        .await?;
         let total = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
         Ok(total.saturating_sub(u32::try_from(held).unwrap_or(u32::MAX)))
     }

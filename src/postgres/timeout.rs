@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 
 use crate::postgres::conn::held::HeldConn;
 use crate::postgres::holder::{AdvisoryKey, Holder, LockMode};
@@ -41,6 +41,27 @@ pub(crate) async fn answered<T>(
                 after: within,
             })
         })
+}
+
+/// One statement of a call that waits for nothing (a read, or a record of
+/// the crate's own) on a pooled connection, answered within `within` as
+/// [`answered`] once the pool handed the connection out (a pool that pings
+/// connections first waits up to its own `acquire_timeout` for that). The connection goes back to the pool only once the
+/// statement answered (with a server error too); unanswered or dropped
+/// mid-flight it is closed instead: sqlx gives a dropped query's connection
+/// back through a ping without a deadline, which under a stalled network
+/// keeps the pool slot until TCP gives up.
+pub(crate) async fn answered_on_pool<T>(
+    pool: &PgPool,
+    (key, within): (&LockKey, Duration),
+    statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, Error>,
+) -> Result<T, Error> {
+    let pooled = crate::postgres::conn::pooled::acquire(pool).await;
+    let pooled = pooled.map_err(|err| crate::postgres::conn::pooled::pool_error(pool, key, err))?;
+    let mut conn = HeldConn::new(pooled, true);
+    let answer = answered(key, within, async { Ok(statement(conn.conn()).await) }).await?;
+    conn.into_pool();
+    answer
 }
 
 /// Builds [`Error::Timeout`] for `key`, wanted in `mode`, with the chain

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::proxy::Proxy;
 use common::*;
-use distlock::{Error, LockKey, LossReason, PgLocker};
+use distlock::{ElectionLocker, Error, LockKey, LossReason, PgLocker, Proclamation, Seat};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
 
@@ -440,6 +440,14 @@ async fn stalled_try<T: std::fmt::Debug>(
         took <= heartbeat_timeout + Duration::from_millis(700),
         "{what}: {took:?}"
     );
+    // Its connection is closed, not given back to sqlx, whose return to the
+    // pool pings it without a deadline: a slot held until TCP gives up.
+    eventually(
+        &format!("{what}: its connection closed"),
+        Duration::from_secs(1),
+        async || pool.size() == 0,
+    )
+    .await;
     proxy.pass();
     let mut observer = sqlx::PgConnection::connect_with(connect_opts)
         .await
@@ -493,6 +501,115 @@ async fn tries_under_stalled_network_fail_within_the_heartbeat_deadline(
         async |l| l.semaphore("faults:s", 2)?.try_acquire().await,
     )
     .await;
+}
+
+/// The leader election's records (`proclaim`, `withdraw`, `leader`) and
+/// the semaphore's `available_permits` under a stalled network: each sent
+/// its statement on a pooled connection without a deadline and waited until
+/// TCP gave up, so a campaign could hold the election's lock and never
+/// lead, and each read the observer gave up on kept a pool slot. Each now
+/// fails within the heartbeat deadline, its connection closed.
+#[sqlx::test(migrations = false)]
+async fn election_records_under_stalled_network_fail_within_the_heartbeat_deadline(
+    pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    let direct = pool_opts.connect_with(connect_opts.clone()).await.unwrap();
+    distlock::migrate(&direct).await.expect("migrate");
+    let key = LockKey::from("faults:e");
+    let seat = Seat::new(1);
+    stalled_try(&connect_opts, ("leader()", "faults:e"), async |l| {
+        l.leader(&key).await
+    })
+    .await;
+    stalled_try(&connect_opts, ("withdraw()", "faults:e"), async |l| {
+        l.withdraw(&key, seat, None).await
+    })
+    .await;
+    let proclamation = Proclamation {
+        identity: "faults".into(),
+        value: String::new(),
+        fencing_token: None,
+        grace: Duration::ZERO,
+    };
+    stalled_try(&connect_opts, ("proclaim()", "faults:e"), async |l| {
+        l.proclaim(&key, seat, &proclamation).await
+    })
+    .await;
+    stalled_try(
+        &connect_opts,
+        ("Semaphore::available_permits()", "faults:s"),
+        async |l| l.semaphore("faults:s", 2)?.available_permits().await,
+    )
+    .await;
+    direct.close().await;
+}
+
+/// A semaphore's waiters under a stalled network. While its process holds
+/// the semaphore's queue, it tries the slots in the background (its fill)
+/// every 200 ms on other pooled connections; those tries had no deadline,
+/// so a try sent into the stall kept its connection, and the process's
+/// fill (no other could start), until TCP gave up, long after every waiter
+/// had returned. Each try now answers within the heartbeat deadline or its
+/// connection is closed.
+#[sqlx::test(migrations = false)]
+async fn a_semaphore_fill_under_a_stalled_network_closes_its_connections(
+    pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    const NAME: &str = "faults:fill";
+    let direct = pool_opts.connect_with(connect_opts.clone()).await.unwrap();
+    let holder = PgLocker::new(direct.clone()).semaphore(NAME, 1).unwrap();
+    let held = holder.try_acquire().await.unwrap().expect("free");
+    let proxy = Proxy::start(connect_opts.get_host(), connect_opts.get_port())
+        .await
+        .unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .test_before_acquire(false)
+        .connect_with(proxy.options(&connect_opts))
+        .await
+        .unwrap();
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat_timeout(Duration::from_millis(300))
+        .build()
+        .expect("valid settings");
+    let semaphore = locker.semaphore(NAME, 1).unwrap();
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let semaphore = semaphore.clone();
+            tokio::spawn(async move { semaphore.acquire(Duration::from_secs(2)).await })
+        })
+        .collect();
+    // The head holds the queue, and its fill has tried the slots (busy) on
+    // a healthy network. The stall starts between two fill rounds, when
+    // every connection but the queue's is back in the pool: one still on
+    // its way back (sqlx pings it first, without a deadline) would stay
+    // out under the stall whatever the fill does.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    eventually(
+        "the fill's connections back in the pool",
+        Duration::from_secs(1),
+        async || pool.size() >= 2 && pool.num_idle() + 1 == pool.size() as usize,
+    )
+    .await;
+    proxy.stall();
+    for waiter in waiters {
+        let res = bounded("a waiter under the stall", Duration::from_secs(5), waiter)
+            .await
+            .unwrap();
+        assert!(res.is_err(), "no permit was free: {res:?}");
+    }
+    // None out of the pool: an idle one no round reached may stay.
+    eventually(
+        "every connection of the stalled fill closed",
+        Duration::from_secs(1),
+        async || pool.size() as usize == pool.num_idle(),
+    )
+    .await;
+    held.release().await.unwrap();
+    teardown(proxy, pool).await;
+    direct.close().await;
 }
 
 #[sqlx::test(migrations = false)]

@@ -685,17 +685,17 @@ async fn lock_all_race_round(pool: PgPool, round: usize) -> (bool, bool) {
     (reached, waited)
 }
 
-/// The regression: `release()` of a lock whose client connection the
-/// pooler had moved to another server backend (the lock went with the old
-/// one) said `PoolerDetected`, against its documented `LockLost`; the
-/// heartbeat reports the same finding as `LossReason::BackendChanged`.
-#[sqlx::test(migrations = false)]
-async fn a_release_on_another_backend_reports_the_lock_lost(pool: PgPool) {
-    let proxy = txpool(&pool).await;
-    let client = through(&proxy, &pool, "moved").await;
-    // No heartbeat before the release (the first comes after 9 s): the
-    // release is the first to look.
-    let locker = PgLocker::builder(client.clone())
+/// A lock taken through `proxy` (heartbeat 9 s, so the release is the
+/// first to look), the pooler's server connection replaced, then
+/// `release()`: it must say `LockLost(BackendChanged)` with both pids.
+async fn release_on_another_backend(
+    pool: &PgPool,
+    app: &str,
+    builder: fn(PgPool) -> PgLockerBuilder,
+) {
+    let proxy = txpool(pool).await;
+    let client = through(&proxy, pool, app).await;
+    let locker = builder(client.clone())
         .heartbeat(Duration::from_secs(9))
         .build()
         .expect("valid settings");
@@ -717,7 +717,17 @@ async fn a_release_on_another_backend_reports_the_lock_lost(pool: PgPool) {
         }) => assert_eq!((expected_pid, actual_pid), (before, after)),
         other => panic!("expected LockLost(BackendChanged), got {other:?}"),
     }
+    drop(locker);
     client.close().await;
+}
+
+/// The regression: `release()` of a lock whose client connection the
+/// pooler had moved to another server backend (the lock went with the old
+/// one) said `PoolerDetected`, against its documented `LockLost`; the
+/// heartbeat reports the same finding as `LossReason::BackendChanged`.
+#[sqlx::test(migrations = false)]
+async fn a_release_on_another_backend_reports_the_lock_lost(pool: PgPool) {
+    release_on_another_backend(&pool, "moved", PgLocker::builder).await;
 }
 
 /// The same with the unlock statement already prepared on the connection
@@ -766,32 +776,8 @@ async fn a_release_whose_statement_is_missing_on_the_backend_reports_the_lock_lo
 /// release as `PoolerDetected`.
 #[sqlx::test(migrations = false)]
 async fn a_multiplexed_release_on_another_backend_reports_the_lock_lost(pool: PgPool) {
-    let proxy = txpool(&pool).await;
-    let client = through(&proxy, &pool, "moved-mux").await;
-    // No heartbeat before the release (the first comes after 9 s).
-    let locker = PgLocker::builder(client.clone())
-        .multiplex(1)
-        .heartbeat(Duration::from_secs(9))
-        .build()
-        .expect("valid settings");
-    let held = locker.try_lock(KEY).await.expect("try").expect("free");
-    let before = proxy.backend_pid();
-    let after = proxy
-        .replace_server()
-        .await
-        .expect("a new server connection");
-    let released = bounded("release", LIMIT, held.release()).await;
-    match released {
-        Err(Error::LockLost {
-            reason:
-                distlock::LossReason::BackendChanged {
-                    expected_pid,
-                    actual_pid,
-                },
-            ..
-        }) => assert_eq!((expected_pid, actual_pid), (before, after)),
-        other => panic!("expected LockLost(BackendChanged), got {other:?}"),
-    }
-    drop(locker);
-    client.close().await;
+    release_on_another_backend(&pool, "moved-mux", |client| {
+        PgLocker::builder(client).multiplex(1)
+    })
+    .await;
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use common::proxy::Proxy;
 use common::{bounded, eventually, init_tracing};
 use distlock::postgres::TableLocker;
-use distlock::{Error, LockKey};
+use distlock::{ElectionLocker, Error, LockKey, Proclamation, Seat};
 use sqlx::PgPool;
 use sqlx::postgres::{PgListener, PgPoolOptions};
 
@@ -199,4 +199,48 @@ async fn a_stalled_attempt_gives_its_connection_back_within_a_ttl(pool: PgPool) 
         .expect("the key is free");
     lease.release().await.expect("released");
     teardown(proxy, proxied).await;
+}
+
+/// The lease table's election records (`proclaim`, `withdraw`, `leader`)
+/// under a stalled network: each waited for its statement's answer without
+/// a deadline, until TCP gave up, so a campaign could hold the election's
+/// lease and never lead. Each now fails with `CommandTimedOut` after the
+/// renewal deadline (two thirds of the TTL), its connection closed.
+#[sqlx::test(migrations = false)]
+async fn election_records_under_stalled_network_are_command_timed_out(pool: PgPool) {
+    let key = LockKey::from("stalled:e");
+    let seat = Seat::new(1);
+    let proclamation = Proclamation {
+        identity: "stalled".into(),
+        value: String::new(),
+        fencing_token: None,
+        grace: Duration::ZERO,
+    };
+    for call in ["leader", "withdraw", "proclaim"] {
+        let (proxy, proxied, locker) = stalled(&pool).await;
+        let started = Instant::now();
+        let res = bounded(call, Duration::from_secs(10), async {
+            match call {
+                "leader" => locker.leader(&key).await.map(drop),
+                "withdraw" => locker.withdraw(&key, seat, None).await,
+                _ => locker.proclaim(&key, seat, &proclamation).await.map(drop),
+            }
+        })
+        .await;
+        let took = started.elapsed();
+        match res {
+            Err(Error::CommandTimedOut { key: named, after }) => {
+                assert_eq!((named, after), (key.clone(), TTL * 2 / 3), "{call}");
+            }
+            other => panic!("{call}: expected CommandTimedOut, got {other:?}"),
+        }
+        assert!(took < TTL, "{call}: {took:?}");
+        eventually(
+            &format!("{call}: its connection closed"),
+            Duration::from_secs(1),
+            async || proxied.size() == 0,
+        )
+        .await;
+        teardown(proxy, proxied).await;
+    }
 }

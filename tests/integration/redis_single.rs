@@ -246,6 +246,31 @@ async fn a_try_without_a_reply_in_time_is_command_timed_out_and_leaves_no_key() 
     Ok(())
 }
 
+/// A semaphore over the Redis locker (the generic path, one try per slot)
+/// names the semaphore in the errors of its acquisition, as the PostgreSQL
+/// semaphore does, not its internal slot key
+/// (`Namespaced(SLOT_NAMESPACE, "name#0")`).
+#[tokio::test]
+async fn a_semaphore_try_without_a_reply_in_time_names_the_semaphore() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker_with(&server, |b| b.command_timeout(Duration::from_millis(50))).await;
+    let semaphore = distlock::Semaphore::new(Arc::new(locker), "jobs:sem", 2)?;
+    for waiting in [Duration::ZERO, Duration::from_millis(200)] {
+        let _: String = server.run(&["CLIENT", "PAUSE", "300", "WRITE"]).await;
+        let err = semaphore.acquire(waiting).await.expect_err("no reply");
+        match &err {
+            Error::CommandTimedOut { key, .. } => assert_eq!(key, &LockKey::from("jobs:sem")),
+            other => panic!("expected CommandTimedOut, got {other:?}"),
+        }
+        assert_eq!(
+            err.to_string(),
+            "no reply within 50ms to the command for lock \"jobs:sem\""
+        );
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    Ok(())
+}
+
 /// The command deadline is the locker's: a server that answers after a
 /// second is waited for under the default 2 s deadline (redis-rs's own
 /// 500 ms response timeout must not cut it short), and a second deadline

@@ -11,8 +11,11 @@ use super::{Election, LeaderElection};
 use crate::setting::within;
 use crate::{Error, LockKey, Locker};
 
-/// How long one wait for the election's lock lasts before it is renewed.
-pub(super) const DEFAULT_WAIT: Duration = Duration::from_secs(3600);
+/// How long one wait for the election's lock lasts before it is renewed:
+/// short enough that a candidate whose waiting session a partition ended
+/// (see [`LeaderElectionBuilder::wait`]) is back in the race within about a
+/// minute.
+pub(super) const DEFAULT_WAIT: Duration = Duration::from_secs(60);
 /// Pause after an error that may pass before campaigning again.
 pub(super) const DEFAULT_RETRY: Duration = Duration::from_secs(1);
 /// How often an observer reads who leads.
@@ -94,9 +97,15 @@ impl LeaderElectionBuilder {
     }
 
     /// How long one wait for the election's lock lasts before it is
-    /// renewed (default one hour). On PostgreSQL the wait is on the server,
-    /// so it costs nothing while it lasts and a takeover is not delayed by
-    /// it; a shorter wait only renews more often.
+    /// renewed (default one minute). On PostgreSQL the wait is on the
+    /// server, so it costs nothing while it lasts and a takeover is not
+    /// delayed by it; a shorter wait only renews more often (on
+    /// PostgreSQL a renewal is the timed-out wait's holder look-up, 1 round
+    /// trip, and a new `lock()`, 2 round trips on a connection from the
+    /// pool). One case it bounds: a network partition long enough for the
+    /// server to end the waiting session (its keepalives, 25–30 s) leaves
+    /// this candidate waiting on a connection that will never answer, out
+    /// of the race until the wait and its heartbeat deadlines run out.
     ///
     /// Range: 10 ms to 24 hours.
     pub fn wait(mut self, wait: Duration) -> Self {

@@ -13,28 +13,28 @@ use sqlx::postgres::PgRow;
 use super::TableLocker;
 use super::sql::{self, KeyExpr, Owner};
 use crate::capability::recorded_term;
-use crate::postgres::conn::held::HeldConn;
 use crate::postgres::election::{leader_info, proclaimed};
+use crate::postgres::timeout::answered_on_pool;
 use crate::{ElectionLocker, Error, LeaderInfo, Lease, LockKey, Proclaimed, Proclamation, Seat};
 
 impl TableLocker {
-    /// Runs one simple-query statement; its rows. Only a connection that
-    /// answered goes back to the pool.
-    async fn simple(&self, sql: String) -> Result<Vec<PgRow>, Error> {
-        let mut conn = HeldConn::new(
-            crate::postgres::conn::pooled::acquire(self.pool()).await?,
-            true,
-        );
-        let rows = sqlx::raw_sql(AssertSqlSafe(sql))
-            .fetch_all(conn.conn())
-            .await?;
-        conn.into_pool();
-        Ok(rows)
+    /// Runs one simple-query statement for `key`; its rows. Answered
+    /// within the renewal deadline or [`Error::CommandTimedOut`] (a
+    /// campaign holding the election's lease must not wait on a stalled
+    /// network until TCP gives up); only a connection that answered goes
+    /// back to the pool.
+    async fn simple(&self, key: &LockKey, sql: String) -> Result<Vec<PgRow>, Error> {
+        let within = (key, self.inner.renewal_deadline());
+        answered_on_pool(self.pool(), within, async |conn| {
+            Ok(sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(conn).await?)
+        })
+        .await
     }
 }
 
-/// Each call is 1 round trip, one short transaction; a seat is the
-/// lease's owner.
+/// Each call is 1 round trip, one short transaction, answered within the
+/// renewal deadline (two thirds of the TTL) or [`Error::CommandTimedOut`];
+/// a seat is the lease's owner.
 #[async_trait]
 impl ElectionLocker for TableLocker {
     async fn lock_seat(
@@ -57,7 +57,7 @@ impl ElectionLocker for TableLocker {
         proclamation.check()?;
         let owner = Owner::from_bits(seat.id());
         let statement = sql::proclaim(&KeyExpr::new(key), owner, proclamation, &key.to_string());
-        let rows = self.simple(statement).await?;
+        let rows = self.simple(key, statement).await?;
         match rows.first() {
             Some(row) => proclaimed(row, proclamation),
             None => Ok(None),
@@ -70,14 +70,14 @@ impl ElectionLocker for TableLocker {
             return Ok(());
         };
         let owner = Owner::from_bits(seat.id());
-        self.simple(sql::withdraw(&KeyExpr::new(key), owner, number))
+        self.simple(key, sql::withdraw(&KeyExpr::new(key), owner, number))
             .await?;
         Ok(())
     }
 
     async fn leader(&self, key: &LockKey) -> Result<Option<LeaderInfo>, Error> {
         key.validate()?;
-        let rows = self.simple(sql::leader_of(&KeyExpr::new(key))).await?;
+        let rows = self.simple(key, sql::leader_of(&KeyExpr::new(key))).await?;
         rows.first().map(leader_info).transpose()
     }
 

@@ -23,7 +23,7 @@ pub use context::JobContext;
 pub use outcome::JobOutcome;
 
 use crate::{Error, Lease, LockKey, Locker, LossReason, PoolerEvidence};
-use window::{Claim, RunWindow, WindowStart};
+use window::{Claim, RECORD_WITHIN, RunWindow, WindowStart};
 
 /// Runs a job on at most one replica at a time: try the lock, run, release.
 ///
@@ -129,7 +129,13 @@ impl SingletonJob {
     /// Returns `Err` only when the lock backend or the run record fails
     /// before the job starts; everything that happens to the job itself is a
     /// [`JobOutcome`]. Costs the backend's try and release (for PostgreSQL 1
-    /// round trip each), plus 2 with a run record.
+    /// round trip each), plus 2 with a run record. A record statement
+    /// with no answer within 5 s (a stalled network) is given up, its
+    /// connection closed: before the job, the call returns
+    /// [`Error::CommandTimedOut`] naming the job's key after releasing the
+    /// lock (the window may have been recorded all the same, and is then
+    /// not run again: at most once); after it, the outcome is kept and a
+    /// warning logged.
     ///
     /// # Cancel safety
     ///
@@ -192,13 +198,17 @@ impl SingletonJob {
                 Err(err) => self.after_failed_release(outcome, &err),
             }
         };
-        if let (Some(window), Some(start)) = (&self.window, window_start)
-            && let Err(err) = window
-                .record
-                .finish(&window.job, start, outcome.name())
-                .await
-        {
-            tracing::warn!(job = %self.key, error = %err, "could not record how the job run ended");
+        if let (Some(window), Some(start)) = (&self.window, window_start) {
+            let finish = window.record.finish(&window.job, start, outcome.name());
+            match tokio::time::timeout(RECORD_WITHIN, finish).await {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => {
+                    tracing::warn!(job = %self.key, error = %err, "could not record how the job run ended");
+                }
+                Err(_) => {
+                    tracing::warn!(job = %self.key, after = ?RECORD_WITHIN, "no answer recording how the job run ended");
+                }
+            }
         }
         crate::metrics::job_finished(&self.key, outcome.name(), Some(took));
         Ok(outcome)
@@ -234,7 +244,15 @@ impl SingletonJob {
         let Some(window) = &self.window else {
             return Ok(Window::Run(lease, None));
         };
-        let claim = window.record.claim(&window.job, window.length_us).await;
+        let claim = window.record.claim(&window.job, window.length_us);
+        let claim = tokio::time::timeout(RECORD_WITHIN, claim)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::CommandTimedOut {
+                    key: self.key.clone(),
+                    after: RECORD_WITHIN,
+                })
+            });
         match claim {
             Ok(Claim::Claimed(start)) => Ok(Window::Run(lease, Some(start))),
             Ok(Claim::AlreadyRan(start)) => {

@@ -36,7 +36,15 @@ impl WindowStart {
     }
 }
 
-/// Where runs are recorded per (job, window start).
+/// How long the runner waits for a record's statement: no answer by then
+/// (a stalled network) ends the call with
+/// [`Error::CommandTimedOut`](crate::Error::CommandTimedOut) instead of
+/// holding the job's lock until TCP gives up. Generous for one durable
+/// write, as the leader election's withdrawal is.
+pub(crate) const RECORD_WITHIN: Duration = Duration::from_secs(5);
+
+/// Where runs are recorded per (job, window start). A statement the runner
+/// gives up on must not leave its connection to the pool.
 #[async_trait]
 pub(crate) trait RunRecord: Debug + Send + Sync {
     /// Records (job, the current window of `length_us` microseconds) unless

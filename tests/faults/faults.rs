@@ -612,6 +612,64 @@ async fn a_semaphore_fill_under_a_stalled_network_closes_its_connections(
     direct.close().await;
 }
 
+/// A singleton job's run record under a stalled network: the claim of the
+/// window waited for its answer without a deadline, until TCP gave up,
+/// holding the job's lock all the while (another replica could not run the
+/// job either). It now fails with `CommandTimedOut` naming the job after
+/// the record's deadline (5 s), its connection closed, and the lock is
+/// released.
+#[sqlx::test(migrations = false)]
+async fn a_job_run_record_under_stalled_network_fails_within_its_deadline(
+    pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    let direct = pool_opts.connect_with(connect_opts.clone()).await.unwrap();
+    distlock::migrate(&direct).await.expect("migrate");
+    let locker = std::sync::Arc::new(PgLocker::new(direct.clone()));
+    let (proxy, record) = proxied_unpinged(&connect_opts).await;
+    sqlx::query("SELECT 1").execute(&record).await.unwrap();
+    eventually(
+        "the record's connection is idle in the pool",
+        Duration::from_secs(5),
+        async || record.num_idle() == 1,
+    )
+    .await;
+    proxy.stall();
+    let job = distlock::SingletonJob::builder(locker.clone(), "faults:job")
+        .once_per_window(record.clone(), Duration::from_secs(86_400))
+        .build()
+        .expect("valid settings");
+    let started = Instant::now();
+    let ran = bounded(
+        "a run under a stalled record",
+        Duration::from_secs(15),
+        job.run(async |_ctx| Ok::<_, std::convert::Infallible>(())),
+    )
+    .await;
+    let took = started.elapsed();
+    match ran {
+        Err(Error::CommandTimedOut { key, after }) => {
+            assert_eq!(
+                (key, after),
+                (LockKey::from("faults:job"), Duration::from_secs(5))
+            );
+        }
+        other => panic!("expected CommandTimedOut, got {other:?}"),
+    }
+    assert!(took < Duration::from_secs(6), "{took:?}");
+    eventually(
+        "the record's connection closed",
+        Duration::from_secs(1),
+        async || record.size() == 0,
+    )
+    .await;
+    let again = locker.try_lock("faults:job").await.unwrap();
+    assert!(again.is_some(), "the job's lock was released");
+    drop(again);
+    teardown(proxy, record).await;
+    direct.close().await;
+}
+
 #[sqlx::test(migrations = false)]
 async fn lock_all_under_stalled_network_times_out_instead_of_hanging(
     _pool_opts: PgPoolOptions,

@@ -9,6 +9,7 @@ use sqlx::PgPool;
 use crate::Error;
 use crate::job::SingletonJobBuilder;
 use crate::job::window::{Claim, RunRecord, WindowStart};
+use crate::postgres::conn::held::HeldConn;
 
 /// The window is computed from the *server's* clock so that replicas with
 /// skewed clocks still agree on it; windows are aligned to the Unix epoch
@@ -36,11 +37,13 @@ struct JobRuns(PgPool);
 impl RunRecord for JobRuns {
     /// 1 round trip, one durable write when the window is new.
     async fn claim(&self, job: &str, length_us: i64) -> Result<Claim, Error> {
+        let mut conn = self.connection().await?;
         let (start, claimed): (i64, bool) = sqlx::query_as(CLAIM)
             .bind(job)
             .bind(length_us)
-            .fetch_one(&self.0)
+            .fetch_one(conn.conn())
             .await?;
+        conn.into_pool();
         let start = WindowStart(start);
         Ok(if claimed {
             Claim::Claimed(start)
@@ -51,13 +54,26 @@ impl RunRecord for JobRuns {
 
     /// 1 round trip, one durable write.
     async fn finish(&self, job: &str, start: WindowStart, outcome: &str) -> Result<(), Error> {
+        let mut conn = self.connection().await?;
         sqlx::query(FINISH)
             .bind(job)
             .bind(start.0)
             .bind(outcome)
-            .execute(&self.0)
+            .execute(conn.conn())
             .await?;
+        conn.into_pool();
         Ok(())
+    }
+}
+
+impl JobRuns {
+    /// A pooled connection that is closed, not pooled, if the statement on
+    /// it does not finish: the runner gives a record statement a deadline,
+    /// and sqlx would give a dropped query's connection back through a
+    /// ping without one.
+    async fn connection(&self) -> Result<HeldConn, Error> {
+        let pooled = crate::postgres::conn::pooled::acquire(&self.0).await?;
+        Ok(HeldConn::new(pooled, true))
     }
 }
 
@@ -84,8 +100,10 @@ impl SingletonJobBuilder {
     /// a key whose name there would be longer than 1,024 bytes
     /// ([`Error::InvalidKey`](crate::Error::InvalidKey)).
     ///
-    /// Costs 2 round trips per run (record, finish), each a durable write.
-    /// Needs [`migrate`](crate::migrate). Range: 1 µs to about 292,000
+    /// Costs 2 round trips per run (record, finish), each a durable write,
+    /// each given up after 5 s without an answer (see
+    /// [`SingletonJob::run`](crate::SingletonJob::run)). Needs
+    /// [`migrate`](crate::migrate). Range: 1 µs to about 292,000
     /// years (`i64::MAX` microseconds); [`build`](Self::build) refuses
     /// others with [`Error::InvalidSetting`].
     #[must_use = "the setter returns the changed builder"]

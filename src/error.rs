@@ -42,7 +42,8 @@ pub enum Error {
     /// (`try_lock`, `try_lock_shared`, `try_lock_upgradeable`,
     /// `try_lock_all`, `with_advisory_lock`, `Semaphore::try_acquire` and
     /// `available_permits`, the election records `proclaim`, `withdraw` and
-    /// `leader`, `TableLocker::try_lock`) the heartbeat deadline
+    /// `leader`, `TableLocker::try_lock`) the heartbeat deadline (5 s for
+    /// the run record of `SingletonJob::run`)
     /// ([`PgLockerBuilder::heartbeat_timeout`](crate::PgLockerBuilder::heartbeat_timeout),
     /// the lease table's renewal deadline). The command may still take
     /// effect, and nothing is held for the caller: Redis deletes a key it

@@ -23,7 +23,7 @@ pub use context::JobContext;
 pub use outcome::JobOutcome;
 
 use crate::{Error, Lease, LockKey, Locker, LossReason, PoolerEvidence};
-use window::{Claim, RECORD_WITHIN, RunWindow, WindowStart};
+use window::{Claim, RunWindow, WindowStart};
 
 /// Runs a job on at most one replica at a time: try the lock, run, release.
 ///
@@ -130,12 +130,14 @@ impl SingletonJob {
     /// before the job starts; everything that happens to the job itself is a
     /// [`JobOutcome`]. Costs the backend's try and release (for PostgreSQL 1
     /// round trip each), plus 2 with a run record. A record statement
-    /// with no answer within 5 s (a stalled network) is given up, its
-    /// connection closed: before the job, the call returns
-    /// [`Error::CommandTimedOut`] naming the job's key after releasing the
-    /// lock (the window may have been recorded all the same, and is then
-    /// not run again: at most once); after it, the outcome is kept and a
-    /// warning logged.
+    /// with no answer within 5 s of its send (a stalled network) is given
+    /// up, its connection closed: the claim of the window, before the job,
+    /// makes the call return [`Error::CommandTimedOut`] naming the job's
+    /// key once the lock is released (which under the same stall takes up
+    /// to the locker's release deadline; the window may have been recorded
+    /// all the same, and is then not run: at most once); the note of how
+    /// the run ended, after the job, only logs a warning and the outcome is
+    /// kept.
     ///
     /// # Cancel safety
     ///
@@ -199,15 +201,11 @@ impl SingletonJob {
             }
         };
         if let (Some(window), Some(start)) = (&self.window, window_start) {
-            let finish = window.record.finish(&window.job, start, outcome.name());
-            match tokio::time::timeout(RECORD_WITHIN, finish).await {
-                Ok(Ok(())) => {}
-                Ok(Err(err)) => {
-                    tracing::warn!(job = %self.key, error = %err, "could not record how the job run ended");
-                }
-                Err(_) => {
-                    tracing::warn!(job = %self.key, after = ?RECORD_WITHIN, "no answer recording how the job run ended");
-                }
+            let finish = window
+                .record
+                .finish(&self.key, &window.job, start, outcome.name());
+            if let Err(err) = finish.await {
+                tracing::warn!(job = %self.key, error = %err, "could not record how the job run ended");
             }
         }
         crate::metrics::job_finished(&self.key, outcome.name(), Some(took));
@@ -244,16 +242,10 @@ impl SingletonJob {
         let Some(window) = &self.window else {
             return Ok(Window::Run(lease, None));
         };
-        let claim = window.record.claim(&window.job, window.length_us);
-        let claim = tokio::time::timeout(RECORD_WITHIN, claim)
-            .await
-            .unwrap_or_else(|_| {
-                Err(Error::CommandTimedOut {
-                    key: self.key.clone(),
-                    after: RECORD_WITHIN,
-                })
-            });
-        match claim {
+        let claim = window
+            .record
+            .claim(&self.key, &window.job, window.length_us);
+        match claim.await {
             Ok(Claim::Claimed(start)) => Ok(Window::Run(lease, Some(start))),
             Ok(Claim::AlreadyRan(start)) => {
                 tracing::debug!(job = %self.key, "job skipped: it already ran in this window");

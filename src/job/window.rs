@@ -36,23 +36,29 @@ impl WindowStart {
     }
 }
 
-/// How long the runner waits for a record's statement: no answer by then
-/// (a stalled network) ends the call with
-/// [`Error::CommandTimedOut`](crate::Error::CommandTimedOut) instead of
-/// holding the job's lock until TCP gives up. Generous for one durable
-/// write, as the leader election's withdrawal is.
+/// How long a record's statement may go unanswered once sent: no answer by
+/// then (a stalled network) is
+/// [`Error::CommandTimedOut`](crate::Error::CommandTimedOut) naming the
+/// job's key, instead of holding the job's lock until TCP gives up.
+/// Generous for one durable write, as the leader election's withdrawal is.
 pub(crate) const RECORD_WITHIN: Duration = Duration::from_secs(5);
 
-/// Where runs are recorded per (job, window start). A statement the runner
-/// gives up on must not leave its connection to the pool.
+/// Where runs are recorded per (job, window start). Each statement answers
+/// within [`RECORD_WITHIN`] or fails, its connection closed.
 #[async_trait]
 pub(crate) trait RunRecord: Debug + Send + Sync {
     /// Records (job, the current window of `length_us` microseconds) unless
-    /// a record exists.
-    async fn claim(&self, job: &str, length_us: i64) -> Result<Claim, Error>;
+    /// a record exists; errors name `key`, the job's lock.
+    async fn claim(&self, key: &LockKey, job: &str, length_us: i64) -> Result<Claim, Error>;
 
     /// Notes how the run in the window starting at `start` ended.
-    async fn finish(&self, job: &str, start: WindowStart, outcome: &str) -> Result<(), Error>;
+    async fn finish(
+        &self,
+        key: &LockKey,
+        job: &str,
+        start: WindowStart,
+        outcome: &str,
+    ) -> Result<(), Error>;
 }
 
 /// A configured run record, the job's name in it and the windows' length

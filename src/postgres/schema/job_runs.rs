@@ -6,10 +6,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use sqlx::PgPool;
 
-use crate::Error;
 use crate::job::SingletonJobBuilder;
-use crate::job::window::{Claim, RunRecord, WindowStart};
-use crate::postgres::conn::held::HeldConn;
+use crate::job::window::{Claim, RECORD_WITHIN, RunRecord, WindowStart};
+use crate::postgres::timeout::answered_on_pool;
+use crate::{Error, LockKey};
 
 /// The window is computed from the *server's* clock so that replicas with
 /// skewed clocks still agree on it; windows are aligned to the Unix epoch
@@ -36,14 +36,13 @@ struct JobRuns(PgPool);
 #[async_trait]
 impl RunRecord for JobRuns {
     /// 1 round trip, one durable write when the window is new.
-    async fn claim(&self, job: &str, length_us: i64) -> Result<Claim, Error> {
-        let mut conn = self.connection().await?;
-        let (start, claimed): (i64, bool) = sqlx::query_as(CLAIM)
-            .bind(job)
-            .bind(length_us)
-            .fetch_one(conn.conn())
+    async fn claim(&self, key: &LockKey, job: &str, length_us: i64) -> Result<Claim, Error> {
+        let query = sqlx::query_as(CLAIM).bind(job).bind(length_us);
+        let (start, claimed): (i64, bool) =
+            answered_on_pool(&self.0, (key, RECORD_WITHIN), async |conn| {
+                Ok(query.fetch_one(conn).await?)
+            })
             .await?;
-        conn.into_pool();
         let start = WindowStart(start);
         Ok(if claimed {
             Claim::Claimed(start)
@@ -53,27 +52,19 @@ impl RunRecord for JobRuns {
     }
 
     /// 1 round trip, one durable write.
-    async fn finish(&self, job: &str, start: WindowStart, outcome: &str) -> Result<(), Error> {
-        let mut conn = self.connection().await?;
-        sqlx::query(FINISH)
-            .bind(job)
-            .bind(start.0)
-            .bind(outcome)
-            .execute(conn.conn())
-            .await?;
-        conn.into_pool();
+    async fn finish(
+        &self,
+        key: &LockKey,
+        job: &str,
+        start: WindowStart,
+        outcome: &str,
+    ) -> Result<(), Error> {
+        let query = sqlx::query(FINISH).bind(job).bind(start.0).bind(outcome);
+        answered_on_pool(&self.0, (key, RECORD_WITHIN), async |conn| {
+            Ok(query.execute(conn).await?)
+        })
+        .await?;
         Ok(())
-    }
-}
-
-impl JobRuns {
-    /// A pooled connection that is closed, not pooled, if the statement on
-    /// it does not finish: the runner gives a record statement a deadline,
-    /// and sqlx would give a dropped query's connection back through a
-    /// ping without one.
-    async fn connection(&self) -> Result<HeldConn, Error> {
-        let pooled = crate::postgres::conn::pooled::acquire(&self.0).await?;
-        Ok(HeldConn::new(pooled, true))
     }
 }
 

@@ -612,6 +612,43 @@ async fn a_semaphore_fill_under_a_stalled_network_closes_its_connections(
     direct.close().await;
 }
 
+/// A migrated test database with a locker on it, and a singleton job `key`
+/// on that locker whose run record (`once_per_window`) is on a pool of one
+/// unpinged connection through a proxy, so that the record can stall
+/// alone.
+async fn job_with_proxied_record(
+    pool_opts: PgPoolOptions,
+    connect_opts: &PgConnectOptions,
+    key: &str,
+) -> (
+    PgPool,
+    std::sync::Arc<PgLocker>,
+    (Proxy, PgPool),
+    distlock::SingletonJob,
+) {
+    let direct = pool_opts.connect_with(connect_opts.clone()).await.unwrap();
+    distlock::migrate(&direct).await.expect("migrate");
+    let locker = std::sync::Arc::new(PgLocker::new(direct.clone()));
+    let (proxy, record) = proxied_unpinged(connect_opts).await;
+    let job = distlock::SingletonJob::builder(locker.clone(), key)
+        .once_per_window(record.clone(), Duration::from_secs(86_400))
+        .build()
+        .expect("valid settings");
+    (direct, locker, (proxy, record), job)
+}
+
+/// Stalls `proxy` once the one connection of `record` is idle in its pool,
+/// not on its way back (sqlx's return ping, which a stall would hold).
+async fn stall_when_idle(proxy: &Proxy, record: &PgPool) {
+    eventually(
+        "the record's connection is idle in the pool",
+        Duration::from_secs(5),
+        async || record.num_idle() == 1,
+    )
+    .await;
+    proxy.stall();
+}
+
 /// A singleton job's run record under a stalled network: the claim of the
 /// window waited for its answer without a deadline, until TCP gave up,
 /// holding the job's lock all the while (another replica could not run the
@@ -623,22 +660,10 @@ async fn a_job_run_record_under_stalled_network_fails_within_its_deadline(
     pool_opts: PgPoolOptions,
     connect_opts: PgConnectOptions,
 ) {
-    let direct = pool_opts.connect_with(connect_opts.clone()).await.unwrap();
-    distlock::migrate(&direct).await.expect("migrate");
-    let locker = std::sync::Arc::new(PgLocker::new(direct.clone()));
-    let (proxy, record) = proxied_unpinged(&connect_opts).await;
+    let (direct, locker, (proxy, record), job) =
+        job_with_proxied_record(pool_opts, &connect_opts, "faults:job").await;
     sqlx::query("SELECT 1").execute(&record).await.unwrap();
-    eventually(
-        "the record's connection is idle in the pool",
-        Duration::from_secs(5),
-        async || record.num_idle() == 1,
-    )
-    .await;
-    proxy.stall();
-    let job = distlock::SingletonJob::builder(locker.clone(), "faults:job")
-        .once_per_window(record.clone(), Duration::from_secs(86_400))
-        .build()
-        .expect("valid settings");
+    stall_when_idle(&proxy, &record).await;
     let started = Instant::now();
     let ran = bounded(
         "a run under a stalled record",
@@ -678,27 +703,15 @@ async fn a_job_run_note_under_stalled_network_keeps_the_outcome(
     pool_opts: PgPoolOptions,
     connect_opts: PgConnectOptions,
 ) {
-    let direct = pool_opts.connect_with(connect_opts.clone()).await.unwrap();
-    distlock::migrate(&direct).await.expect("migrate");
-    let locker = std::sync::Arc::new(PgLocker::new(direct.clone()));
-    let (proxy, record) = proxied_unpinged(&connect_opts).await;
-    let job = distlock::SingletonJob::builder(locker, "faults:note")
-        .once_per_window(record.clone(), Duration::from_secs(86_400))
-        .build()
-        .expect("valid settings");
+    let (direct, _locker, (proxy, record), job) =
+        job_with_proxied_record(pool_opts, &connect_opts, "faults:note").await;
     let mut stalled_at = None;
     let ran = bounded(
         "a run whose note meets a stall",
         Duration::from_secs(15),
         job.run(async |_ctx| {
             // The claim's connection back in the pool, then the stall.
-            eventually(
-                "the record's connection is idle in the pool",
-                Duration::from_secs(5),
-                async || record.num_idle() == 1,
-            )
-            .await;
-            proxy.stall();
+            stall_when_idle(&proxy, &record).await;
             stalled_at = Some(Instant::now());
             Ok::<_, std::convert::Infallible>(7)
         }),

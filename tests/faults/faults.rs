@@ -637,6 +637,16 @@ async fn job_with_proxied_record(
     (direct, locker, (proxy, record), job)
 }
 
+/// The record's connection is closed, not left to sqlx's return ping.
+async fn record_closed(record: &PgPool) {
+    eventually(
+        "the record's connection closed",
+        Duration::from_secs(1),
+        async || record.size() == 0,
+    )
+    .await;
+}
+
 /// Stalls `proxy` once the one connection of `record` is idle in its pool,
 /// not on its way back (sqlx's return ping, which a stall would hold).
 async fn stall_when_idle(proxy: &Proxy, record: &PgPool) {
@@ -682,12 +692,7 @@ async fn a_job_run_record_under_stalled_network_fails_within_its_deadline(
         other => panic!("expected CommandTimedOut, got {other:?}"),
     }
     assert!(took < Duration::from_secs(7), "{took:?}");
-    eventually(
-        "the record's connection closed",
-        Duration::from_secs(1),
-        async || record.size() == 0,
-    )
-    .await;
+    record_closed(&record).await;
     let again = locker.try_lock("faults:job").await.unwrap();
     assert!(again.is_some(), "the job's lock was released");
     drop(again);
@@ -723,12 +728,7 @@ async fn a_job_run_note_under_stalled_network_keeps_the_outcome(
         "the outcome is kept: {ran:?}"
     );
     assert!(took < Duration::from_secs(7), "{took:?}");
-    eventually(
-        "the record's connection closed",
-        Duration::from_secs(1),
-        async || record.size() == 0,
-    )
-    .await;
+    record_closed(&record).await;
     teardown(proxy, record).await;
     direct.close().await;
 }

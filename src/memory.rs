@@ -149,12 +149,17 @@ impl MemoryLocker {
         let key = key.into();
         let lost = {
             let mut keys = self.table.lock();
-            keys.get_mut(&key).and_then(|entry| entry.holder.take())
+            let lost = keys.get_mut(&key).and_then(|entry| entry.holder.take());
+            // Told before the table is let go: nobody can take the key
+            // before its holder's `is_lost()` says so.
+            if let Some((_, loss)) = &lost {
+                loss.send_replace(Some(LossReason::Expired));
+            }
+            lost
         };
-        let Some((_, loss)) = lost else {
+        if lost.is_none() {
             return false;
-        };
-        loss.send_replace(Some(LossReason::Expired));
+        }
         self.table.freed.notify_waiters();
         true
     }
@@ -389,3 +394,50 @@ fn holding(entry: &Entry, seat: Seat) -> Option<u64> {
 }
 
 crate::lease::lease_from_inherent!(MemoryLease);
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    /// `lose` tells the holder before anyone can take the key: whoever
+    /// takes it next finds the old holder lost (an election's successor
+    /// must never see its predecessor still holding).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_holder_is_told_before_its_key_is_free() {
+        let memory = MemoryLocker::new();
+        for round in 0..50_000 {
+            let held = Arc::new(
+                memory
+                    .try_lock("memory:lose")
+                    .await
+                    .expect("try_lock")
+                    .expect("free"),
+            );
+            let started = Arc::new(AtomicBool::new(false));
+            let taker = {
+                let (memory, held, started) = (memory.clone(), held.clone(), started.clone());
+                tokio::spawn(async move {
+                    loop {
+                        started.store(true, Ordering::SeqCst);
+                        if let Some(next) = memory.try_lock("memory:lose").await.expect("try") {
+                            return (held.is_lost(), next);
+                        }
+                    }
+                })
+            };
+            while !started.load(Ordering::SeqCst) {
+                std::hint::spin_loop();
+            }
+            assert!(memory.lose("memory:lose"));
+            let (told, next) = taker.await.expect("taker");
+            assert!(
+                told,
+                "round {round}: the key was taken before its holder was told"
+            );
+            drop(next);
+        }
+    }
+}

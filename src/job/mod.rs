@@ -281,10 +281,16 @@ impl SingletonJob {
             window_start: window_start.map(WindowStart::to_system_time),
         };
         // A panicking job must not unwind through the runner, which still
-        // holds the lease and has to release it. AssertUnwindSafe: after a
-        // panic the future is never polled again (it is dropped), so no
-        // broken invariant can be observed.
-        let mut running = Box::pin(std::panic::AssertUnwindSafe(job(ctx)).catch_unwind());
+        // holds the lease and has to release it: neither from the closure's
+        // call (a plain closure that returns a future runs code there) nor
+        // from its future. AssertUnwindSafe: after a panic the job is never
+        // run again (it is dropped), so no broken invariant can be observed.
+        let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(ctx)));
+        let future = match started {
+            Ok(future) => future,
+            Err(payload) => return Finished::Panicked(panic_message(payload.as_ref())),
+        };
+        let mut running = Box::pin(std::panic::AssertUnwindSafe(future).catch_unwind());
         tokio::select! {
             // Loss first: a job finishing in the same poll as the loss did its
             // last steps without a lock.

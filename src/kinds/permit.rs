@@ -1,9 +1,6 @@
 //! A held permit of a [`Semaphore`](crate::Semaphore): one slot's lock,
 //! with the guard vocabulary.
 
-use std::future::Future;
-use std::pin::pin;
-use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::postgres::permit_relay::Relay;
@@ -120,18 +117,7 @@ impl SemaphorePermit {
         match &self.held {
             Held::Given => Some(LossReason::KeeperStopped),
             Held::Postgres(lock, _) => lock.loss(),
-            Held::Any(lease) => {
-                if !lease.is_lost() {
-                    return None;
-                }
-                // A lost lease's `lost()` is ready at once: read it with one
-                // poll rather than waiting.
-                let mut lost = pin!(lease.lost());
-                match lost.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-                    Poll::Ready(reason) => Some(reason),
-                    Poll::Pending => None,
-                }
-            }
+            Held::Any(lease) => lease.loss(),
         }
     }
 

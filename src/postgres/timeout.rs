@@ -16,11 +16,12 @@ use std::time::{Duration, Instant};
 use sqlx::{PgConnection, PgPool};
 
 use crate::postgres::conn::held::HeldConn;
+use crate::postgres::conn::warm::is_broken;
 use crate::postgres::holder::{AdvisoryKey, Holder, LockMode};
 use crate::postgres::holders::{self, Snapshot};
 use crate::postgres::request::key::BoundAll;
 use crate::postgres::wait_chain::{WaitChain, chain_from};
-use crate::{Error, LockKey};
+use crate::{Error, LockKey, LossReason};
 
 /// A try's statements (the pooler probe, the lock statement), answered
 /// within `within`, the heartbeat deadline: a try waits for nothing, so no
@@ -86,7 +87,9 @@ pub(crate) async fn timeout_error(
     };
     let chain = match conn {
         Some(mut conn) => {
-            let found = look(&mut conn, std::slice::from_ref(key), within).await;
+            let found = look(&mut conn, std::slice::from_ref(key), within)
+                .await
+                .found();
             if found.is_some() {
                 conn.into_pool();
             }
@@ -109,7 +112,7 @@ pub(crate) async fn timeout_error_all(
     mut conn: HeldConn,
     holds_nothing: bool,
 ) -> Error {
-    let found = look(&mut conn, keys, within).await;
+    let found = look(&mut conn, keys, within).await.found();
     if holds_nothing && found.is_some() {
         conn.into_pool();
     } else {
@@ -128,24 +131,30 @@ pub(crate) async fn timeout_error_all(
 /// Builds [`Error::Timeout`] for `key` on `conn`, a connection that stays
 /// the caller's and holds `key` itself in a weaker mode (an upgrade waiting
 /// beside its own read): the chain is that of another session holding
-/// `key`. A lookup that does not answer within `within` leaves it empty.
+/// `key`. A lookup that fails on a healthy connection leaves it empty; one that gets no
+/// answer within `within`, or finds the connection failed, leaves what the
+/// connection holds unknown: `Err` with the reason, for the caller to
+/// close it and report the lock lost.
 pub(crate) async fn timeout_error_beside(
     conn: &mut HeldConn,
     within: Duration,
     key: &LockKey,
     started: Instant,
-) -> Error {
-    let chain = look(conn, std::slice::from_ref(key), within)
-        .await
-        .and_then(|snapshot| {
-            let (_, wanted) = *snapshot.wanted.first()?;
-            let holder = snapshot
-                .holders
-                .iter()
-                .find(|h| h.granted && h.key == wanted && h.pid != snapshot.me)?;
-            Some(chain_from(&snapshot.holders, holder))
-        });
-    timeout_of(key, started, chain.unwrap_or_default())
+) -> Result<Error, LossReason> {
+    let snapshot = match look(conn, std::slice::from_ref(key), within).await {
+        Looked::Found(snapshot) => Some(snapshot),
+        Looked::Refused => None,
+        Looked::Unanswered(reason) => return Err(reason),
+    };
+    let chain = snapshot.and_then(|snapshot| {
+        let (_, wanted) = *snapshot.wanted.first()?;
+        let holder = snapshot
+            .holders
+            .iter()
+            .find(|h| h.granted && h.key == wanted && h.pid != snapshot.me)?;
+        Some(chain_from(&snapshot.holders, holder))
+    });
+    Ok(timeout_of(key, started, chain.unwrap_or_default()))
 }
 
 /// Builds [`Error::Timeout`] where no connection can look (the caller's
@@ -167,17 +176,47 @@ fn timeout_of(key: &LockKey, started: Instant, chain: WaitChain) -> Error {
     }
 }
 
-/// The snapshot around `keys` on `conn`, or `None` if it did not answer
-/// within `within`.
-async fn look(conn: &mut HeldConn, keys: &[LockKey], within: Duration) -> Option<Snapshot> {
+/// What a lookup on a caller's connection found.
+enum Looked {
+    /// The snapshot around the keys.
+    Found(Snapshot),
+    /// The server refused the statement, or its answer could not be read
+    /// (read whole all the same): the connection is as it was.
+    Refused,
+    /// No answer within the deadline (the statement may still run), or the
+    /// connection failed: what it holds is unknown.
+    Unanswered(LossReason),
+}
+
+impl Looked {
+    fn found(self) -> Option<Snapshot> {
+        match self {
+            Looked::Found(snapshot) => Some(snapshot),
+            Looked::Refused | Looked::Unanswered(_) => None,
+        }
+    }
+}
+
+/// The snapshot around `keys` on `conn`, within `within`.
+async fn look(conn: &mut HeldConn, keys: &[LockKey], within: Duration) -> Looked {
     let mut bound = BoundAll::default();
     for key in keys {
-        bound.push(key.args().ok()?.into());
+        let Ok(args) = key.args() else {
+            return Looked::Refused;
+        };
+        bound.push(args.into());
     }
     let lookup = holders::around(conn.conn(), &bound);
     match tokio::time::timeout(within, lookup).await {
-        Ok(Ok(snapshot)) => Some(snapshot),
-        _ => None,
+        Ok(Ok(snapshot)) => Looked::Found(snapshot),
+        // An answer read whole (a server error, a row that did not
+        // decode) leaves the connection as it was; a failed connection
+        // does not.
+        Ok(Err(Error::Database(err))) if is_broken(&err) => {
+            Looked::Unanswered(LossReason::ConnectionFailed(err.to_string()))
+        }
+        Ok(Err(_)) => Looked::Refused,
+        Err(_) => Looked::Unanswered(LossReason::HeartbeatTimedOut(within)),
     }
 }
 

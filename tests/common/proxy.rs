@@ -22,7 +22,9 @@
 //! that follows a server→client burst, or opens the connection. Bytes the
 //! client sends before the server answered (a pipelined statement) count
 //! with the burst they follow, as they cost once in latency. The pool's
-//! pings (bare `Sync` messages) count like any statement.
+//! pings (bare `Sync` messages) count like any statement. It can stall at a
+//! given round trip ([`Proxy::stall_at_round_trip`]), holding back the
+//! burst that starts it.
 //!
 //! It listens on `127.0.0.1:0` only. Dropping it stops it and cuts every
 //! connection.
@@ -68,6 +70,8 @@ pub struct Proxy {
     actions: broadcast::Sender<Action>,
     accepted: Arc<AtomicUsize>,
     round_trips: Arc<AtomicUsize>,
+    /// The round trip to stall at (`usize::MAX`: none).
+    stall_at: Arc<AtomicUsize>,
     upstream: Arc<Mutex<(String, u16)>>,
     /// While `true`, new connections wait before they connect upstream.
     hold_new: watch::Sender<bool>,
@@ -84,6 +88,7 @@ impl Proxy {
         let (actions, _) = broadcast::channel(16);
         let accepted = Arc::new(AtomicUsize::new(0));
         let round_trips = Arc::new(AtomicUsize::new(0));
+        let stall_at = Arc::new(AtomicUsize::new(usize::MAX));
         let upstream = Arc::new(Mutex::new((upstream_host.to_owned(), upstream_port)));
         let (hold_new, _) = watch::channel(false);
         let task = {
@@ -91,6 +96,7 @@ impl Proxy {
             let actions = actions.clone();
             let accepted = accepted.clone();
             let round_trips = round_trips.clone();
+            let stall_at = stall_at.clone();
             let upstream = upstream.clone();
             let hold_new = hold_new.clone();
             tokio::spawn(async move {
@@ -101,7 +107,12 @@ impl Proxy {
                     accepted.fetch_add(1, Ordering::SeqCst);
                     // Subscribe before spawning so no action is missed.
                     let rx = actions.subscribe();
-                    let turns = Turns::new(round_trips.clone());
+                    let turns = Turns {
+                        total: round_trips.clone(),
+                        answered: Arc::new(AtomicBool::new(true)),
+                        stall_at: stall_at.clone(),
+                        stall: mode.clone(),
+                    };
                     let mut held = hold_new.subscribe();
                     if !*held.borrow() {
                         let target = upstream.lock().expect("proxy mutex").clone();
@@ -125,6 +136,7 @@ impl Proxy {
             actions,
             accepted,
             round_trips,
+            stall_at,
             upstream,
             hold_new,
             listener: task.abort_handle(),
@@ -181,6 +193,14 @@ impl Proxy {
     /// Stops forwarding in both directions; nothing is closed.
     pub fn stall(&self) {
         self.set(Mode::Stall);
+    }
+
+    /// Stalls (as [`stall`](Self::stall)) as a client's burst would start
+    /// round trip `n` (as [`round_trips`](Self::round_trips) counts them):
+    /// that burst is held back, and all traffic with it, until the next
+    /// change of mode.
+    pub fn stall_at_round_trip(&self, n: usize) {
+        self.stall_at.store(n, Ordering::SeqCst);
     }
 
     /// Forwards every chunk after `delay` (both directions).
@@ -301,6 +321,9 @@ async fn next_action(actions: &mut broadcast::Receiver<Action>) -> Action {
 struct Turns {
     total: Arc<AtomicUsize>,
     answered: Arc<AtomicBool>,
+    /// The proxy's round trip to stall at, and its mode, to stall it.
+    stall_at: Arc<AtomicUsize>,
+    stall: watch::Sender<Mode>,
 }
 
 /// Which way a pump copies, for counting.
@@ -310,13 +333,6 @@ enum Direction {
 }
 
 impl Turns {
-    fn new(total: Arc<AtomicUsize>) -> Self {
-        Self {
-            total,
-            answered: Arc::new(AtomicBool::new(true)),
-        }
-    }
-
     fn to_server(&self) -> Direction {
         Direction::ToServer(self.clone())
     }
@@ -327,6 +343,25 @@ impl Turns {
 }
 
 impl Direction {
+    /// Whether the chunk about to be forwarded starts the round trip to
+    /// stall at; if so, the proxy is stalled (once).
+    fn stalls(&self) -> bool {
+        let Direction::ToServer(turns) = self else {
+            return false;
+        };
+        let next = turns.total.load(Ordering::SeqCst) + 1;
+        let starts = turns.answered.load(Ordering::SeqCst);
+        let due = starts
+            && turns
+                .stall_at
+                .compare_exchange(next, usize::MAX, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok();
+        if due {
+            turns.stall.send_replace(Mode::Stall);
+        }
+        due
+    }
+
     /// A chunk is being forwarded: a client chunk after the server spoke
     /// starts a round trip.
     fn forwarded(&self) {
@@ -364,6 +399,9 @@ async fn pump(
         }
         if n == 0 {
             let _ = to.shutdown().await;
+            return;
+        }
+        if direction.stalls() && mode.wait_for(|m| *m != Mode::Stall).await.is_err() {
             return;
         }
         direction.forwarded();

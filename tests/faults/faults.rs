@@ -836,3 +836,82 @@ async fn stalled_locker(
     proxy.stall();
     (proxy, pool, locker)
 }
+
+/// A timed-out upgrade names the reader it waited for with one more
+/// statement on the lock's own connection. If that lookup gets no answer
+/// within the heartbeat deadline, the connection is left mid-statement, and
+/// what its session holds is unknown: the lock is lost and the connection
+/// closed, not kept by a guard that reports a read lock still held.
+#[sqlx::test(migrations = false)]
+async fn a_timed_out_upgrade_whose_lookup_stalls_loses_the_lock(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    let key = "faults:upgrade-lookup";
+    let (proxy, pool) = proxied(&connect_opts, 2).await;
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat(Duration::from_secs(10))
+        .heartbeat_timeout(Duration::from_millis(500))
+        .build()
+        .expect("valid settings");
+    let direct = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(connect_opts.clone())
+        .await
+        .unwrap();
+    let reader = PgLocker::new(direct.clone());
+    let reader = reader.try_lock_shared(key).await.unwrap().expect("free");
+    let mut lock = locker
+        .try_lock_upgradeable(key)
+        .await
+        .unwrap()
+        .expect("shared");
+    let wait = Duration::from_millis(200);
+    // Once, for the statements to be prepared on the connection, and to
+    // count the round trips of a timed-out upgrade: the lookup is the last.
+    let err = lock.upgrade(wait).await.unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    let before = proxy.round_trips();
+    let err = lock.upgrade(wait).await.unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    let per_upgrade = proxy.round_trips() - before;
+    assert!(per_upgrade >= 2, "{per_upgrade} round trips");
+    proxy.stall_at_round_trip(proxy.round_trips() + per_upgrade);
+    let err = bounded(
+        "the upgrade ends",
+        Duration::from_secs(10),
+        lock.upgrade(wait),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::LockLost {
+                reason: LossReason::HeartbeatTimedOut(_),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(lock.is_lost());
+    proxy.pass();
+    // The closed connection's session ends: only the reader is left.
+    let mut obs = observer(&connect_opts).await;
+    let pid = lock.backend_pid();
+    eventually(
+        "the upgradeable session has ended",
+        Duration::from_secs(10),
+        async || {
+            advisory_locks(&mut obs)
+                .await
+                .iter()
+                .all(|row| row.pid != pid)
+        },
+    )
+    .await;
+    reader.release().await.unwrap();
+    close(obs).await;
+    direct.close().await;
+    teardown(proxy, pool).await;
+}

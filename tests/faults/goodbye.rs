@@ -8,14 +8,17 @@
 //! "Server-ended sessions", reports them). Half the trials end the session
 //! right after the grant, before a lock of its own connection is watched
 //! (its keeper starts a few milliseconds after the grant, and then reads
-//! the goodbye that came first); the other half once it is watched.
+//! the goodbye that came first); the other half once it is watched. An
+//! upgradeable lock is upgraded (and downgraded) on the caller's task once
+//! its keeper watches it: the statement's read of the socket must not leave
+//! the keeper deaf to the goodbye.
 
 use crate::common;
 
 use std::time::{Duration, Instant};
 
 use common::*;
-use distlock::{LossReason, MultiLock, PgLocker, SemaphorePermit, SessionLock};
+use distlock::{LossReason, MultiLock, PgLocker, SemaphorePermit, SessionLock, UpgradeableLock};
 use sqlx::PgPool;
 use sqlx::postgres::PgConnection;
 
@@ -36,12 +39,15 @@ enum Mode {
     Multiplexed,
     Fenced,
     Semaphore,
+    Upgraded,
+    Downgraded,
 }
 
 enum Held {
     One(SessionLock),
     Many(MultiLock),
     Permit(SemaphorePermit),
+    Upgradeable(UpgradeableLock),
 }
 
 impl Held {
@@ -50,6 +56,7 @@ impl Held {
             Self::One(lock) => lock.lost().await,
             Self::Many(lock) => lock.lost().await,
             Self::Permit(permit) => permit.lost().await,
+            Self::Upgradeable(lock) => lock.lost().await,
         }
     }
 
@@ -58,6 +65,7 @@ impl Held {
             Self::One(lock) => lock.is_lost(),
             Self::Many(lock) => lock.is_lost(),
             Self::Permit(permit) => permit.is_lost(),
+            Self::Upgradeable(lock) => lock.is_lost(),
         }
     }
 }
@@ -70,9 +78,12 @@ async fn locker(pool: &PgPool, mode: Mode) -> PgLocker {
             distlock::migrate(pool).await.expect("migrate");
             builder.fencing(true).build().expect("valid settings")
         }
-        Mode::Exclusive | Mode::Shared | Mode::Multi | Mode::Semaphore => {
-            builder.build().expect("valid settings")
-        }
+        Mode::Exclusive
+        | Mode::Shared
+        | Mode::Multi
+        | Mode::Semaphore
+        | Mode::Upgraded
+        | Mode::Downgraded => builder.build().expect("valid settings"),
     }
 }
 
@@ -105,7 +116,29 @@ async fn take(locker: &PgLocker, mode: Mode, trial: usize) -> Held {
                 .expect("try_acquire")
                 .expect("a free permit"),
         ),
+        Mode::Upgraded | Mode::Downgraded => {
+            Held::Upgradeable(changed(locker, &key, matches!(mode, Mode::Downgraded)).await)
+        }
     }
+}
+
+/// An upgradeable lock on `key`, upgraded (and `downgrade`d back to a read
+/// lock) on this task once its keeper watches its connection.
+async fn changed(locker: &PgLocker, key: &str, downgrade: bool) -> UpgradeableLock {
+    let mut lock = locker
+        .try_lock_upgradeable(key)
+        .await
+        .expect("try_lock_upgradeable")
+        .expect("free");
+    tokio::time::sleep(WATCHED_AFTER).await;
+    assert!(
+        lock.try_upgrade().await.expect("try_upgrade"),
+        "no other reader"
+    );
+    if downgrade {
+        lock.downgrade().await.expect("downgrade");
+    }
+    lock
 }
 
 /// The one session holding advisory locks in this test's database.
@@ -220,4 +253,14 @@ async fn fenced_lock_learns_of_a_server_ended_session_at_once(pool: PgPool) {
 #[sqlx::test(migrations = false)]
 async fn semaphore_permit_learns_of_a_server_ended_session_at_once(pool: PgPool) {
     run(pool, Mode::Semaphore).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn upgraded_lock_learns_of_a_server_ended_session_at_once(pool: PgPool) {
+    run(pool, Mode::Upgraded).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn downgraded_lock_learns_of_a_server_ended_session_at_once(pool: PgPool) {
+    run(pool, Mode::Downgraded).await;
 }

@@ -157,3 +157,62 @@ async fn an_unlock_that_finds_its_lock_gone_loses_every_lock_of_the_shared_conne
     assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(3)).await;
     close(obs).await;
 }
+
+/// Connections to `port` on 127.0.0.1 still open from the client's side,
+/// as the kernel sees them (`/proc/net/tcp`): the proxy's accepted sockets
+/// in state ESTABLISHED. A client that closes its socket moves the
+/// proxy's to CLOSE_WAIT, even while the proxy reads nothing (a stall).
+fn open_to(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    let local = format!("0100007F:{port:04X}");
+    table
+        .lines()
+        .skip(1)
+        .filter(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.get(1) == Some(&local.as_str()) && fields.get(3) == Some(&"01")
+        })
+        .count()
+}
+
+/// A shared connection lost to a stalled network is closed by dropping its
+/// socket, at once: a statement more (the `UNLISTEN *` a dropped listener
+/// sends) would wait on the stalled link without a deadline, keeping a
+/// task, the socket and the server session (with its locks) until TCP
+/// gives up.
+#[sqlx::test(migrations = false)]
+async fn a_shared_connection_lost_to_a_stalled_network_is_closed_at_once(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    let (proxy, pool) = proxied_unpinged(&connect_opts).await;
+    let locker = PgLocker::builder(pool.clone())
+        .multiplex(1)
+        .heartbeat(Duration::from_millis(200))
+        .heartbeat_timeout(Duration::from_millis(300))
+        .build()
+        .expect("valid settings");
+    let lock = bounded("try_lock", LIMIT, locker.try_lock("faults:mux:closed"))
+        .await
+        .unwrap()
+        .expect("free");
+    // The pool's connection and the shared one.
+    let open = open_to(proxy.port());
+    assert!(open >= 2, "{open} connections through the proxy");
+    proxy.stall();
+    let reason = bounded("lost()", LIMIT, lock.lost()).await;
+    assert!(
+        matches!(reason, LossReason::HeartbeatTimedOut(_)),
+        "{reason:?}"
+    );
+    eventually(
+        "the shared connection's socket is closed",
+        Duration::from_secs(2),
+        async || open_to(proxy.port()) == open - 1,
+    )
+    .await;
+    drop(lock);
+    proxy.pass();
+    proxy.cut();
+    bounded("pool close", LIMIT, pool.close()).await;
+}

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use distlock::postgres::LockWaiter;
-use distlock::{Error, JobOutcome, LockKey, Locker, LossReason, PgLocker, SingletonJob};
+use distlock::{
+    Error, JobContext, JobOutcome, LockKey, Locker, LossReason, PgLocker, SingletonJob,
+};
 use sqlx::PgPool;
 use tokio::sync::oneshot;
 
@@ -465,6 +467,17 @@ async fn a_panicking_job_releases_the_lock(pool: PgPool) {
         other => panic!("expected Panicked, got {other:?}"),
     }
     let mut obs = observer_for(&pool).await;
+    assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(2)).await;
+    // A plain function that returns a future runs code when called: a
+    // panic there is the job's too, not the runner's.
+    fn panics_before_its_future(_ctx: JobContext<'_>) -> std::future::Ready<Result<(), Error>> {
+        panic!("boom before the future")
+    }
+    let outcome = job.run(panics_before_its_future).await.expect("run");
+    match &outcome {
+        JobOutcome::Panicked(message) => assert_eq!(message, "boom before the future"),
+        other => panic!("expected Panicked, got {other:?}"),
+    }
     assert_no_advisory_locks_eventually(&mut obs, Duration::from_secs(2)).await;
     // And the next tick can run.
     let next = job

@@ -545,3 +545,44 @@ async fn the_documented_grants_are_enough_for_an_election(pool: PgPool) {
     let _ = drop_role(&pool, &app).await;
     let _ = drop_role(&pool, &other).await;
 }
+
+/// A campaign's task and an observer's reader run on the runtime that
+/// started them. When that runtime shuts down they go, the campaign's lease
+/// with its task (the key is free for another candidate): the term it led
+/// must end, the campaign must not say it leads, and the observer must not
+/// name a leader it no longer reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_term_and_an_observer_end_with_their_runtime() {
+    let memory = MemoryLocker::new();
+    let election = LeaderElection::new(Arc::new(memory.clone()), "leader:runtime");
+    let (campaign, term, observer) = tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let started = rt.block_on(async {
+            let campaign = election.campaign();
+            let term = bounded("it leads", Duration::from_secs(5), campaign.elected())
+                .await
+                .expect("a term");
+            let observer = election.observe();
+            bounded("the observer names it", Duration::from_secs(5), async {
+                while observer.leader().is_none() {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+            .await;
+            (campaign, term, observer)
+        });
+        drop(rt);
+        started
+    })
+    .await
+    .unwrap();
+    bounded("the term ends", Duration::from_secs(5), term.ended()).await;
+    assert!(!campaign.is_leader(), "its task and its lease are gone");
+    assert!(campaign.term().is_none());
+    assert!(campaign.fencing_token().is_none());
+    assert!(!*campaign.leadership().borrow());
+    assert_eq!(observer.leader(), None, "nobody reads the leader any more");
+    let key = LockKey::from("leader:runtime");
+    let free = memory.try_lock(key).await.expect("try_lock");
+    assert!(free.is_some(), "the lease went with the task");
+}

@@ -726,3 +726,35 @@ async fn max_locks_caps_the_locks_held_with_a_typed_error(pool: PgPool) {
         lock.release().await.unwrap();
     }
 }
+
+/// A multiplexed lock is kept by its shared connection's driver, on the
+/// runtime that opened that connection. A lock taken on another runtime,
+/// which then shuts down, stays held and trusted: nothing of it may live on
+/// that runtime (a task there that owned the lock's ticket let the lock go,
+/// as the runtime dropped it, behind a guard that still reported it held).
+#[sqlx::test(migrations = false)]
+async fn a_lock_outlives_the_runtime_that_took_it(pool: PgPool) {
+    let locker = mux(&pool, 1);
+    // The driver starts here, on the test's runtime.
+    let warm = locker.try_lock("mux:warm").await.unwrap().unwrap();
+    warm.release().await.unwrap();
+    let other = locker.clone();
+    let lock = tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let lock = rt.block_on(other.try_lock("mux:rt")).unwrap();
+        drop(rt);
+        lock.expect("free")
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!lock.is_lost(), "{:?}", lock.loss());
+    let rival = PgLocker::new(pool.clone());
+    assert!(
+        rival.try_lock("mux:rt").await.unwrap().is_none(),
+        "the lock was let go while its guard reports it held"
+    );
+    lock.release().await.unwrap();
+    let taken = rival.try_lock("mux:rt").await.unwrap();
+    assert!(taken.is_some(), "released");
+}

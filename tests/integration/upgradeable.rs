@@ -385,6 +385,55 @@ async fn a_terminated_backend_is_reported_lost(pool: PgPool) {
     close(obs).await;
 }
 
+/// Ends the session `pid` from another thread, blocking this one (and so
+/// every task of a current-thread runtime): no keeper runs meanwhile. Waits
+/// a moment more for the server's goodbye to reach the lock's socket.
+fn terminate_blocking(connect: &PgConnectOptions, pid: i32) {
+    let connect = connect.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let mut obs = observer(&connect).await;
+            terminate(&mut obs, pid).await;
+            close(obs).await;
+        });
+    })
+    .join()
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+}
+
+/// A downgrade that finds the connection broken closes it and reports the
+/// lock lost; the guard must say so at once, before its keeper has run (on
+/// a current-thread runtime it runs only once the caller yields): an
+/// `upgrade()` right after must not answer `Ok` from the guard's "already
+/// upgraded" shortcut.
+#[sqlx::test(migrations = false)]
+async fn a_broken_downgrade_is_a_loss_the_guard_reports_at_once(pool: PgPool) {
+    let a = locker(&pool);
+    let mut obs = observer_for(&pool).await;
+    let mut lock = a
+        .try_lock_upgradeable("upgradeable:broken-downgrade")
+        .await
+        .unwrap()
+        .expect("free");
+    // The keeper runs (and watches the connection) from 10 ms on.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(lock.try_upgrade().await.unwrap());
+    terminate_blocking(pool.connect_options().as_ref(), lock.backend_pid());
+    let err = lock.downgrade().await.unwrap_err();
+    assert!(matches!(err, Error::LockLost { .. }), "{err:?}");
+    assert!(lock.is_lost(), "downgrade said lost, is_lost() did not");
+    assert!(lock.loss().is_some());
+    let err = lock.upgrade(WAIT).await.unwrap_err();
+    assert!(matches!(err, Error::LockLost { .. }), "{err:?}");
+    assert_no_advisory_locks_eventually(&mut obs, WAIT).await;
+    close(obs).await;
+}
+
 #[sqlx::test(migrations = false)]
 async fn acquisitions_dropped_at_every_await_leave_nothing_held(pool: PgPool) {
     let a = locker(&pool);

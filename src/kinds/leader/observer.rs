@@ -22,7 +22,8 @@ const MIN_READ_DEADLINE: Duration = Duration::from_secs(1);
 /// the backend could not be read within the deadline (the poll interval,
 /// at least one second): a leader that cannot be confirmed is not named.
 /// So a leader is named at most one poll interval plus one read deadline
-/// after the backend last showed it holding the election's lock.
+/// after the backend last showed it holding the election's lock. Once the
+/// reader has ended (a failure, or its runtime shut down) nobody is named.
 ///
 /// Cheap to clone; clones share one background reader, which stops when
 /// the last clone is dropped.
@@ -78,9 +79,13 @@ impl Observer {
         observer
     }
 
-    /// The leader as last read; `None` if nobody led or the read failed.
-    /// No round trip.
+    /// The leader as last read; `None` if nobody led, the read failed, or
+    /// the observer has ended (its reader went with its runtime: nobody
+    /// confirms the leader any more). No round trip.
     pub fn leader(&self) -> Option<LeaderInfo> {
+        if self.leader.has_changed().is_err() {
+            return None;
+        }
         self.leader.borrow().clone()
     }
 
@@ -109,7 +114,10 @@ impl Observer {
     }
 
     /// A receiver of the leader as read, for code that composes watch
-    /// channels.
+    /// channels. Its channel closes when the reader ends; the value it
+    /// shows then is the last one read (a failure sends `None` first; a
+    /// runtime shut down under the reader cannot), so a closed channel
+    /// names nobody, as [`leader`](Self::leader) does.
     pub fn receiver(&self) -> watch::Receiver<Option<LeaderInfo>> {
         self.leader.clone()
     }

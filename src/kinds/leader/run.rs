@@ -5,6 +5,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::{oneshot, watch};
+use tokio_util::sync::DropGuard;
 
 use super::permanent::permanent;
 use super::{Election, Term};
@@ -194,15 +195,12 @@ impl Run {
         );
         // The term first, then the flag (no `.await` between): a reader of
         // the flag finds the term; `elected()` waits for the flag too.
-        self.term.send_replace(Some(term.clone()));
-        self.leader.send_replace(true);
+        let leading = Leading::start(self, &term);
         e.changed.notify_waiters();
         let ended = while_held(&*lease, stopped, std::future::pending::<()>()).await;
         // The term ends before anything else happens: before the lock is
         // released, and as soon as the loss is known.
-        term.end();
-        self.leader.send_replace(false);
-        self.term.send_replace(None);
+        drop(leading);
         match ended {
             Held::Stop(to) => self.let_go(lease, record, number, to).await,
             Held::Lost(reason) => self.lost(lease, record, number, reason).await,
@@ -299,5 +297,36 @@ fn failed_or_paused(err: Error) -> Round {
 fn reply(to: Option<Reply>, outcome: Result<(), Error>) {
     if let Some(to) = to {
         let _ = to.send(outcome);
+    }
+}
+
+/// A term being led, as its campaign's readers see it: published on start,
+/// ended and taken back when dropped, however the leading task lets go of
+/// it (the lock lost, the campaign stopped, or the task dropped with its
+/// runtime, which takes the lease with it). Never blocks; needs no runtime.
+struct Leading<'a> {
+    run: &'a Run,
+    ends: Option<DropGuard>,
+}
+
+impl<'a> Leading<'a> {
+    fn start(run: &'a Run, term: &Term) -> Self {
+        let ends = term.ends_with();
+        run.term.send_replace(Some(term.clone()));
+        run.leader.send_replace(true);
+        Self {
+            run,
+            ends: Some(ends),
+        }
+    }
+}
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        // The term's token first: the leader's work stops before the flag
+        // and the term say so.
+        drop(self.ends.take());
+        self.run.leader.send_replace(false);
+        self.run.term.send_replace(None);
     }
 }

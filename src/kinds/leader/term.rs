@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::FencingToken;
 
@@ -60,9 +60,12 @@ impl Term {
         }
     }
 
-    /// Ends the term: [`ended`](Self::ended) completes for every clone.
-    pub(super) fn end(&self) {
-        self.inner.cancel.cancel();
+    /// Ends the term when dropped: [`ended`](Self::ended) then completes
+    /// for every clone. Held by the campaign's task while it leads, so a
+    /// term ends with that task, however it ends: the lock lost, the
+    /// campaign stopped, or the task dropped with its runtime.
+    pub(super) fn ends_with(&self) -> DropGuard {
+        self.inner.cancel.clone().drop_guard()
     }
 
     /// The election-wide term number the backend recorded

@@ -159,30 +159,39 @@ impl WatchedConn {
     /// the pool: what a connection that may hold a lock needs. The server
     /// ends the session and frees its locks. Never blocks; needs no runtime.
     pub(crate) fn close(self) {
-        let Some(listener) = self.listener else {
-            return;
-        };
-        // Dropped, the listener spawns a task that would unlisten and return
-        // its connection to the pool. Spawned onto a runtime that is shut
-        // down at once, that task is dropped unpolled, and with it the
-        // connection: sqlx takes it out of the pool's accounting before the
-        // task starts (for tasks spawned onto a dying runtime), so dropping
-        // the task drops the socket and frees the pool's slot.
-        match tokio::runtime::Builder::new_current_thread().build() {
-            Ok(throwaway) => {
-                {
-                    let _entered = throwaway.enter();
-                    drop(listener);
-                }
-                // Never waits (and so never panics inside a runtime).
-                throwaway.shutdown_background();
-            }
-            // Building a runtime without drivers does not fail in practice.
-            // If it did, forgetting the listener is the one way neither to
-            // panic nor to pool a session that may hold a lock; its socket
-            // then closes when the process exits.
-            Err(_) => std::mem::forget(listener),
+        if let Some(listener) = self.listener {
+            close_listener(listener);
         }
+    }
+}
+
+/// Closes a listener's connection by dropping its socket (see
+/// [`WatchedConn::close`]). A listener merely dropped spawns a task that
+/// sends `UNLISTEN *` and waits for the answer without a deadline: on a
+/// network that stopped answering, that task and its socket would stay
+/// until the process exits, and the session would keep its locks until the
+/// server gives up on it.
+pub(crate) fn close_listener(listener: PgListener) {
+    // Dropped, the listener spawns a task that would unlisten and return
+    // its connection to the pool. Spawned onto a runtime that is shut
+    // down at once, that task is dropped unpolled, and with it the
+    // connection: sqlx takes it out of the pool's accounting before the
+    // task starts (for tasks spawned onto a dying runtime), so dropping
+    // the task drops the socket and frees the pool's slot.
+    match tokio::runtime::Builder::new_current_thread().build() {
+        Ok(throwaway) => {
+            {
+                let _entered = throwaway.enter();
+                drop(listener);
+            }
+            // Never waits (and so never panics inside a runtime).
+            throwaway.shutdown_background();
+        }
+        // Building a runtime without drivers does not fail in practice.
+        // If it did, forgetting the listener is the one way neither to
+        // panic nor to pool a session that may hold a lock; its socket
+        // then closes when the process exits.
+        Err(_) => std::mem::forget(listener),
     }
 }
 

@@ -22,6 +22,7 @@ use tokio::time::{sleep_until, timeout};
 
 use super::request::{Granted, Inbox, Request, Ticket, TryError, TryOutcome};
 use super::sql::{self, ServerKey};
+use crate::postgres::conn::watched::close_listener;
 use crate::postgres::pooler::{
     PoolerCheck, backend_changed, loss_reason, marker_seen, shared_session, shared_session_error,
 };
@@ -521,17 +522,17 @@ impl Driver {
             crate::metrics::lost("postgres", &held.key);
         }
         self.loss.send_replace(Some(reason));
-        // The listener hands its connection (if it still has one) to its
-        // closed pool in the background, which closes it: the session ends
-        // and frees whatever it held. It never goes back to any pool.
-        drop(self.conn);
+        // The socket is dropped (never a statement more, which a stalled
+        // network would leave waiting forever): the session ends and frees
+        // whatever it held. It never goes back to any pool.
+        close_listener(self.conn);
         refuse_all(requests, None);
     }
 
     /// Nobody can send anything any more: no lock is held. The connection is
-    /// closed in the background (see [`Driver::lost`]).
+    /// closed by dropping its socket (see [`Driver::lost`]).
     fn close(self) {
-        drop(self.conn);
+        close_listener(self.conn);
     }
 }
 

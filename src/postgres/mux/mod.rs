@@ -55,7 +55,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use sqlx::PgPool;
 use tokio::sync::oneshot;
-use tracing::Instrument;
 
 use crate::postgres::config::Config;
 use crate::postgres::session::guard::SessionLock;
@@ -82,7 +81,7 @@ pub(crate) struct Mux {
 }
 
 /// One place under `max_locks`, given back when dropped: by the attempt
-/// that did not get the lock, or by the guard's release task when it ends.
+/// that did not get the lock, or by the guard once released or dropped.
 #[derive(Debug)]
 pub(super) struct Place(Option<Arc<AtomicUsize>>);
 
@@ -203,7 +202,7 @@ impl Mux {
         }
     }
 
-    /// Turns a grant into the public guard; a task waits for its release.
+    /// Turns a grant into the public guard, which holds the ticket.
     fn new_guard(&self, key: LockKey, granted: Granted, place: Place) -> SessionLock {
         let Granted {
             ticket,
@@ -211,18 +210,14 @@ impl Mux {
             token,
             loss,
         } = granted;
-        let (release, request) = oneshot::channel();
-        let span = tracing::debug_span!("distlock.mux.lock", key = %key, pid);
-        let task = release::run(
-            key.clone(),
+        let held = release::Held {
+            key: key.clone(),
             ticket,
-            loss.clone(),
-            request,
-            self.config.release_timeout,
+            loss: loss.clone(),
+            deadline: self.config.release_timeout,
             place,
-        );
-        tokio::spawn(task.instrument(span));
-        SessionLock::from_parts(key, token, pid, loss, release)
+        };
+        SessionLock::from_parts(key, token, pid, loss, Box::new(held))
     }
 
     /// The pool that temporary waiting connections come from.

@@ -1,36 +1,49 @@
-//! The small task behind each multiplexed [`SessionLock`](crate::SessionLock):
-//! it waits for the guard's release request (or its drop) and hands the
-//! unlock to the shared connection's driver. It runs no heartbeat and owns no
-//! connection; it exists because a guard's `Drop` cannot await.
+//! What a multiplexed [`SessionLock`](crate::SessionLock) holds of its lock:
+//! the ticket the shared connection's driver granted, and its place under
+//! `max_locks`. `release()` hands the unlock to the driver and awaits its
+//! answer on the caller's task; a dropped guard drops the ticket, which
+//! queues the unlock. Nothing runs on the caller's runtime in between, so
+//! that runtime shutting down leaves the lock with its guard and its keeper
+//! (the driver), as it should.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use tokio::sync::{oneshot, watch};
 use tokio::time::timeout;
 
 use super::request::Ticket;
-use crate::postgres::session::guard::ReleaseRequest;
+use crate::postgres::session::kept_elsewhere::KeptElsewhere;
 use crate::{Error, LockKey, LossReason};
 
-/// Waits for the guard: `release()` sends where to put the outcome, a dropped
-/// guard closes the channel (then dropping the ticket queues the unlock).
-pub(super) async fn run(
-    key: LockKey,
-    ticket: Ticket,
-    loss: watch::Receiver<Option<LossReason>>,
-    request: oneshot::Receiver<ReleaseRequest>,
-    deadline: Duration,
-    place: super::Place,
-) {
-    // The place under `max_locks` is given back when this task ends, after
-    // the unlock was handed to the driver.
-    let _place = place;
-    let Ok(reply) = request.await else {
-        drop(ticket);
-        return;
-    };
-    let outcome = release(&key, ticket, &loss, deadline).await;
-    let _ = reply.send(outcome);
+/// One lock on a shared connection, as its guard holds it.
+pub(super) struct Held {
+    pub(super) key: LockKey,
+    /// Dropped before `place`, so the unlock is queued before the place is
+    /// given back.
+    pub(super) ticket: Ticket,
+    pub(super) loss: watch::Receiver<Option<LossReason>>,
+    /// The locker's release deadline.
+    pub(super) deadline: Duration,
+    pub(super) place: super::Place,
+}
+
+impl KeptElsewhere for Held {
+    fn release(self: Box<Self>) -> Pin<Box<dyn Future<Output = Result<(), Error>> + Send>> {
+        let Held {
+            key,
+            ticket,
+            loss,
+            deadline,
+            place,
+        } = *self;
+        Box::pin(async move {
+            let outcome = release(&key, ticket, &loss, deadline).await;
+            drop(place);
+            outcome
+        })
+    }
 }
 
 async fn release(

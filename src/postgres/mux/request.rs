@@ -52,9 +52,9 @@ pub(super) struct Granted {
 }
 
 /// One lock held on a shared connection. Dropping a ticket queues the unlock,
-/// so whoever ends up owning a grant (a guard's release task, or nobody
-/// because the caller's future was dropped while the answer was in flight)
-/// cannot leak the lock.
+/// so whoever ends up owning a grant (a guard, or nobody because the
+/// caller's future was dropped while the answer was in flight) cannot leak
+/// the lock.
 #[derive(Debug)]
 pub(super) struct Ticket {
     id: u64,

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
 use crate::loss_state::LossState;
 use crate::postgres::config::Config;
@@ -12,11 +12,9 @@ use crate::postgres::conn::held::HeldConn;
 use crate::postgres::session::hold::Hold;
 use crate::postgres::session::in_flight::InFlight;
 use crate::postgres::session::keeper::{Keeper, KeeperSlot};
+use crate::postgres::session::kept_elsewhere::KeptElsewhere;
 use crate::postgres::session::timer::Timer;
 use crate::{Error, FencingToken, LockKey, LossReason};
-
-/// What a multiplexed lock's `release()` sends: where to put the outcome.
-pub(crate) type ReleaseRequest = oneshot::Sender<Result<(), Error>>;
 
 /// A session-scoped advisory lock, held on a dedicated pooled connection until
 /// [`release`](Self::release) or drop.
@@ -41,11 +39,14 @@ pub(crate) type ReleaseRequest = oneshot::Sender<Result<(), Error>>;
 ///
 /// # Outliving the runtime
 ///
-/// The task keeping the lock runs on the runtime that took it. When that
-/// runtime shuts down while the guard lives on, nothing keeps the lock any
-/// more: its connection is closed (PostgreSQL frees the lock) and
-/// [`lost`](Self::lost) completes with [`LossReason::KeeperStopped`], on any
-/// runtime, as in the multiplexed mode.
+/// The task keeping the lock runs on the runtime that took it (in the
+/// multiplexed mode: the runtime that opened the shared connection). When
+/// that runtime shuts down while the guard lives on, nothing keeps the lock
+/// any more: its connection is closed (PostgreSQL frees the lock) and
+/// [`lost`](Self::lost) completes with [`LossReason::KeeperStopped`], on
+/// any runtime. A multiplexed lock taken on another runtime than its
+/// connection's stays held when the taking runtime shuts down: nothing of
+/// it runs there.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct SessionLock {
     key: LockKey,
@@ -67,8 +68,9 @@ enum Holding {
         release_timeout: Duration,
     },
     /// A connection shared by many locks (multiplexed mode), driven by
-    /// another task: `release()` and `Drop` are messages to it.
-    Shared(Option<oneshot::Sender<ReleaseRequest>>),
+    /// another task: `release()` and `Drop` are messages to it, sent by
+    /// what the guard holds of the lock (`None` once released).
+    Shared(Option<Box<dyn KeptElsewhere>>),
 }
 
 impl fmt::Debug for SessionLock {
@@ -122,13 +124,13 @@ impl SessionLock {
     }
 
     /// A guard for a lock kept by someone else (a multiplexed connection's
-    /// driver): `release` is where `release()` and `Drop` are sent.
+    /// driver): `release` unlocks it, or, dropped, queues the unlock.
     pub(crate) fn from_parts(
         key: LockKey,
         token: Option<FencingToken>,
         pid: i32,
         loss: watch::Receiver<Option<LossReason>>,
-        release: oneshot::Sender<ReleaseRequest>,
+        release: Box<dyn KeptElsewhere>,
     ) -> Self {
         Self {
             key,
@@ -207,20 +209,33 @@ impl SessionLock {
     ///
     /// Cancel safe: it only watches a channel.
     pub async fn lost(&self) -> LossReason {
-        self.loss.lost().await
+        match self.abandoned() {
+            Some(reason) => reason,
+            None => self.loss.lost().await,
+        }
     }
 
     /// `true` once [`lost`](Self::lost) would complete; exactly when
     /// [`loss`](Self::loss) is `Some`. No round trip: it reads what the
     /// heartbeat (or the multiplexed driver) last reported.
     pub fn is_lost(&self) -> bool {
-        self.loss.is_lost()
+        self.loss.is_lost() || self.abandoned().is_some()
     }
 
     /// Why the lock was lost, if it was: `None` while it is held. No round
     /// trip, as for [`is_lost`](Self::is_lost).
     pub fn loss(&self) -> Option<LossReason> {
-        self.loss.loss()
+        self.loss.loss().or_else(|| self.abandoned())
+    }
+
+    /// Why an operation on the lock's own connection (an upgrade, a
+    /// downgrade) closed it, on the guard's own task: known here before the
+    /// keeper, woken by it, reports it on the loss channel.
+    fn abandoned(&self) -> Option<LossReason> {
+        match &self.holding {
+            Holding::Own { slot, .. } => slot.abandoned(),
+            Holding::Shared(_) => None,
+        }
     }
 
     /// How long the lock has been held, from the grant as this process saw
@@ -272,17 +287,13 @@ impl SessionLock {
                 }
                 result
             }
-            Holding::Shared(request) => {
-                let (reply, outcome) = oneshot::channel();
-                let sent = request.take().map(|tx| tx.send(reply).is_ok());
-                match (sent, outcome.await) {
-                    (Some(true), Ok(result)) => result,
-                    _ => Err(Error::LockLost {
-                        key: self.key.clone(),
-                        reason: self.loss().unwrap_or(LossReason::KeeperStopped),
-                    }),
-                }
-            }
+            Holding::Shared(kept) => match kept.take() {
+                Some(kept) => kept.release().await,
+                None => Err(Error::LockLost {
+                    key: self.key.clone(),
+                    reason: self.loss().unwrap_or(LossReason::KeeperStopped),
+                }),
+            },
         };
         span.record("outcome", if result.is_ok() { "released" } else { "error" });
         result

@@ -65,14 +65,19 @@ impl<'a> InFlight<'a> {
     /// Ends the operation: the connection stays with the lock on `Ok` and
     /// [`Failure::Kept`]; on [`Failure::Broken`] it is closed and the lock
     /// reported lost, and the caller gets [`Error::LockLost`].
+    ///
+    /// A kept connection was read on the caller's task, which took the
+    /// socket's wake-up from the keeper: the keeper is asked to watch it
+    /// again, or a server ending the session would go unnoticed until the
+    /// next heartbeat.
     pub(crate) fn finish<T>(mut self, outcome: Result<T, Failure>) -> Result<T, Error> {
         match outcome {
             Ok(value) => {
-                self.conn = None;
+                self.keep();
                 Ok(value)
             }
             Err(Failure::Kept(err)) => {
-                self.conn = None;
+                self.keep();
                 Err(err)
             }
             Err(Failure::Broken(reason)) => {
@@ -83,6 +88,12 @@ impl<'a> InFlight<'a> {
                 })
             }
         }
+    }
+
+    /// Lets go of the slot, the connection still in it.
+    fn keep(&mut self) {
+        self.conn = None;
+        self.slot.signal_rewatch();
     }
 
     fn abandon(&mut self, reason: LossReason) {

@@ -158,6 +158,9 @@ impl Keeper {
                     }
                     next = crate::deadline::from_now(self.heartbeat);
                 }
+                // An upgrade or downgrade read the socket on its caller's
+                // task: watch it again, from a fresh read.
+                () = slot.rewatch() => {}
                 // Released or lost: either way nothing is left to keep.
                 _ = self.watch() => return,
             }
@@ -171,8 +174,11 @@ impl Keeper {
     /// Each poll reads the socket under the slot's mutex taken without
     /// waiting, and lets go of it before returning, so `release()` and the
     /// heartbeat take the connection at once between two polls. If the slot
-    /// is busy right then (a `release()` emptying it), nothing is read: the
-    /// release wakes the keeper when it is done (see `Slot::release`).
+    /// is busy right then (a `release()` emptying it, an upgrade running on
+    /// it), nothing is read: the release wakes the keeper when it is done
+    /// (see `Slot::release`), the upgrade asks for a fresh watch (see
+    /// `Slot::signal_rewatch`). So does an upgrade that finds the slot free:
+    /// the socket wakes only the task that read it last.
     fn watch(&self) -> impl Future<Output = Beat> + '_ {
         std::future::poll_fn(move |cx| {
             let Some(mut slot) = self.slot.try_conn() else {

@@ -34,6 +34,11 @@ pub(crate) struct Slot<K> {
     /// before its keeper started signals nothing, so no wake-up sits on the
     /// release path of a short lock.
     let_go: Notify,
+    /// Signalled when an operation on the held lock (an upgrade, a
+    /// downgrade) let go of the connection it kept: its reads of the
+    /// socket, on the caller's task, took the socket's wake-up from the
+    /// keeper's watch, which must read the socket again to get it back.
+    rewatch: Notify,
     /// The keeper until it is due to start: a lock held for less than that
     /// never spawns a task.
     parked: std::sync::Mutex<Option<K>>,
@@ -49,6 +54,7 @@ impl<K> Slot<K> {
         Arc::new(Self {
             conn: Mutex::new(Some(conn)),
             let_go: Notify::new(),
+            rewatch: Notify::new(),
             parked: std::sync::Mutex::new(None),
             abandoned: std::sync::Mutex::new(None),
         })
@@ -100,6 +106,18 @@ impl<K> Slot<K> {
     /// Completes once [`signal_let_go`](Self::signal_let_go) was called.
     pub(crate) async fn let_go(&self) {
         self.let_go.notified().await;
+    }
+
+    /// Asks a running keeper to read the connection's socket again (see
+    /// `rewatch`). A permit is stored if the keeper is not waiting at that
+    /// moment (or not started: it then reads once more than it needed).
+    pub(crate) fn signal_rewatch(&self) {
+        self.rewatch.notify_one();
+    }
+
+    /// Completes once [`signal_rewatch`](Self::signal_rewatch) was called.
+    pub(crate) async fn rewatch(&self) {
+        self.rewatch.notified().await;
     }
 
     /// The connection, waiting for an in-flight heartbeat or release.

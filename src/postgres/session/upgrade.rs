@@ -14,6 +14,7 @@ use tokio::time::{Instant, timeout_at};
 use tracing::Instrument;
 
 use crate::postgres::conn::held::HeldConn;
+use crate::postgres::conn::warm::is_broken;
 use crate::postgres::pooler;
 use crate::postgres::request::lock_request::Request;
 use crate::postgres::request::row::SessionRow;
@@ -101,9 +102,10 @@ impl UpgradeableLock {
     /// `lock_timeout` can express (about 24.8 days) means "as long as the
     /// server allows". With fencing,
     /// the upgrade draws a fresh token. If the server does not answer within
-    /// `timeout` plus the heartbeat deadline, the lock counts as lost
-    /// ([`Error::LockLost`]) and its connection is closed. While an upgrade
-    /// waits, its statement stands in for the heartbeat.
+    /// `timeout` plus the heartbeat deadline (each statement after the wait:
+    /// within the heartbeat deadline), or ends the session, the lock counts
+    /// as lost ([`Error::LockLost`]) and its connection is closed. While an
+    /// upgrade waits, its statement stands in for the heartbeat.
     ///
     /// # Cancel safety
     ///
@@ -300,7 +302,7 @@ impl<'a> OnLock<'a> {
     /// A failed statement that waited for nothing: a server error leaves
     /// the lock as it was; anything else leaves it unknown.
     fn failed(&self, err: sqlx::Error) -> Failure {
-        if err.as_database_error().is_none() || pooler::shared_session(&err) {
+        if session_unknown(&err) {
             return Failure::Broken(pooler::loss_reason(&err));
         }
         Failure::Kept(locking_error(err, self.key))
@@ -320,7 +322,7 @@ impl<'a> OnLock<'a> {
         deadline: Option<Instant>,
         started: std::time::Instant,
     ) -> Result<Upgrade, Failure> {
-        if err.as_database_error().is_none() || pooler::shared_session(&err) {
+        if session_unknown(&err) {
             return Err(Failure::Broken(pooler::loss_reason(&err)));
         }
         self.undo(request, in_block).await?;
@@ -355,13 +357,13 @@ impl<'a> OnLock<'a> {
     }
 
     /// [`Error::Timeout`], naming another session that holds the key and
-    /// whom it waits behind, looked up on the lock's connection.
+    /// whom it waits behind, looked up on the lock's connection; a lookup
+    /// left without an answer leaves the lock unknown (lost).
     async fn timeout(&mut self, started: std::time::Instant) -> Result<Error, Failure> {
         let within = self.answer_within;
-        Ok(
-            crate::postgres::timeout::timeout_error_beside(self.conn, within, self.key, started)
-                .await,
-        )
+        crate::postgres::timeout::timeout_error_beside(self.conn, within, self.key, started)
+            .await
+            .map_err(Failure::Broken)
     }
 
     /// The statement ran on a session other than the lock's, or one whose
@@ -381,6 +383,14 @@ impl<'a> OnLock<'a> {
     fn decode(&self, row: &PgRow) -> Result<SessionRow, Failure> {
         SessionRow::decode(row, self.key, self.fencing).map_err(unreadable)
     }
+}
+
+/// Whether a failed statement leaves what the session holds unknown: no
+/// answer from the server (the connection failed, the answer could not be
+/// read), the server ending the session (a FATAL goodbye, SQLSTATE 57P01 and
+/// the like, is a database error too), or another client's session.
+fn session_unknown(err: &sqlx::Error) -> bool {
+    err.as_database_error().is_none() || is_broken(err) || pooler::shared_session(err)
 }
 
 /// Waits for `statement` until `by`; past it the server is not answering,

@@ -17,7 +17,10 @@
 //! - **unknown**: no outcome recorded; treated like clean (possibly holding).
 //! - **killed**: no outcome recorded, and its process was killed (`kill -9`,
 //!   a recorded fault) after it entered: its section ended at the kill, no
-//!   earlier than the moment the `kill` call was made. Its lock is freed
+//!   earlier than the moment the `kill` call was made (or than its entry,
+//!   for a section entered while the call was under way: the signal lands
+//!   a moment after the call, and a process records nothing after its
+//!   death). Its lock is freed
 //!   only once the process has died, which is after that moment; when the
 //!   call *returned* is no bound, since the caller may be descheduled
 //!   between the call and reading the clock (CI once saw a successor enter
@@ -173,6 +176,9 @@ pub struct Fault {
     pub t: u64,
     /// When the injection call returned (the event's time).
     pub end: u64,
+    /// For a kill, when the `kill` call had returned, as read afterwards
+    /// (the event's `dead` field).
+    pub returned: Option<u64>,
     pub kind: String,
     /// Aimed at this backend pid only.
     pub backend_pid: Option<i64>,
@@ -230,6 +236,7 @@ impl History {
                         .and_then(|t| u64::try_from(t).ok())
                         .unwrap_or(ev.t),
                     end: ev.t,
+                    returned: ev.int("dead").and_then(|t| u64::try_from(t).ok()),
                     kind: ev.text("kind").unwrap_or("?").to_owned(),
                     backend_pid: ev.int("bp"),
                     target: ev.int("target"),
@@ -287,8 +294,11 @@ impl History {
         }
         h.acqs = acqs.into_values().collect();
         h.acqs.sort_by_key(|a| (a.invoke, a.op));
-        // A section without an outcome whose process was killed after it
-        // entered ended at the kill.
+        // A section without an outcome whose process was killed while in
+        // it ended at the kill, or at its entry if it entered after the
+        // `kill` call was made but before that call returned (the signal
+        // lands a moment after the call: the process may still record its
+        // entry, never anything after its death).
         for acq in &mut h.acqs {
             let no_outcome = acq.released.is_none() && acq.detected().is_none();
             let Some(entered) = acq.entered.filter(|_| no_outcome) else {
@@ -298,8 +308,8 @@ impl History {
                 .faults
                 .iter()
                 .filter(|f| f.kind == "kill" && f.target == Some(acq.op.0))
-                .map(|f| f.t)
-                .filter(|&killed| killed >= entered)
+                .filter(|f| entered <= f.t.max(f.returned.unwrap_or(0)))
+                .map(|f| f.t.max(entered))
                 .min();
         }
         for fault in &mut h.faults {

@@ -344,8 +344,42 @@ fn checker_ends_a_killed_processes_section_at_the_kill() {
     ]);
     let verdict = check_exclusion(&h);
     assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
-    let h = history(vec![open, timed, section(1, 1, 7, 38, 70, "released", 101)]);
+    let h = history(vec![
+        open,
+        timed.clone(),
+        section(1, 1, 7, 38, 70, "released", 101),
+    ]);
     assert_eq!(check_exclusion(&h).violations.len(), 1);
+    // A section entered while the `kill` call was under way (the signal
+    // lands a moment after the call) was cut by it too, at its entry: a
+    // successor after that is fine, one before it a violation. One entered
+    // after the call returned was not (a kill that did not take).
+    let mut late = section(0, 1, 7, 41, 10, "released", 100);
+    late.truncate(3);
+    let h = history(vec![
+        late.clone(),
+        timed.clone(),
+        section(1, 1, 7, 45, 70, "released", 101),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert_eq!((verdict.killed, verdict.unknown), (1, 0), "{verdict:?}");
+    assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+    let h = history(vec![
+        late,
+        timed.clone(),
+        section(1, 1, 7, 40, 70, "released", 101),
+    ]);
+    assert_eq!(check_exclusion(&h).violations.len(), 1);
+    let mut after = section(0, 1, 7, 56, 10, "released", 100);
+    after.truncate(3);
+    let h = history(vec![
+        after,
+        timed,
+        section(1, 1, 7, 60, 70, "released", 101),
+    ]);
+    let verdict = check_exclusion(&h);
+    assert_eq!((verdict.killed, verdict.unknown), (0, 1), "{verdict:?}");
+    assert_eq!(verdict.violations.len(), 1);
 }
 
 #[test]

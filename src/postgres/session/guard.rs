@@ -253,13 +253,18 @@ impl SessionLock {
     /// [`Error::ReleaseTimedOut`] if the server did not answer within the
     /// release deadline; in both cases, and on any other error, the
     /// connection is closed, so PostgreSQL frees whatever the session held.
+    /// In the multiplexed mode the shared connection holds other locks: it
+    /// is not closed for one release; the unlock stays queued on it, and
+    /// its driver closes it (every lock on it lost) if the server does not
+    /// answer a statement within the heartbeat deadline.
     ///
     /// # Cancel safety
     ///
     /// The unlock runs on the caller's task. Dropping this future after it
     /// took the connection closes the connection, so the server frees the
     /// lock; dropped earlier, it drops the guard, whose background task then
-    /// releases the lock.
+    /// releases the lock. In the multiplexed mode, dropped at any point, the
+    /// unlock is queued on the shared connection all the same.
     pub async fn release(mut self) -> Result<(), Error> {
         let span = tracing::debug_span!(
             "distlock.release",

@@ -282,11 +282,13 @@ impl Semaphore {
     /// semaphore, or [`Error::NoConnection`] when the pool had no connection
     /// to give before it. A pool that times out sooner is asked again until
     /// the deadline. A zero `timeout` is one [`try_acquire`](Self::try_acquire).
-    /// On PostgreSQL the call returns at most 50 ms after the deadline: a
-    /// server answer slower than that (a slow or stalled network) is not
-    /// waited for, its connection is closed instead, as is that of a
-    /// background try of the slots (below) that gets no answer within the
-    /// heartbeat deadline.
+    /// On PostgreSQL the call returns at most 50 ms after the deadline, or
+    /// after 250 ms if that is later (a timeout shorter than the pool's
+    /// round trips for a connection still gets one, and its try, as every
+    /// waiting lock call does): a server answer slower than that (a slow or
+    /// stalled network) is not waited for, its connection is closed
+    /// instead, as is that of a background try of the slots (below) that
+    /// gets no answer within the heartbeat deadline.
     ///
     /// On PostgreSQL ([`PgLocker::semaphore`](crate::PgLocker::semaphore)):
     /// 1 round trip when a permit is free and no waiter of the process is

@@ -266,8 +266,10 @@ impl PgLockerBuilder {
     /// with [`Error::TooManyLocks`], without a round trip, instead of growing
     /// PostgreSQL's shared lock table (`max_locks_per_transaction` ×
     /// connections, shared by the whole cluster) until it is full for
-    /// everyone. A released or dropped guard frees its place once its unlock
-    /// has been handed to its connection. Default: no cap.
+    /// everyone. A released or dropped guard frees its place once its
+    /// connection has run its unlock (or has been closed, which frees it
+    /// too): a `release()` that timed out keeps its place until then.
+    /// Default: no cap.
     ///
     /// Range: at least 1, and only together with
     /// [`multiplex`](Self::multiplex)`(n)`, n ≥ 1 (without it the cap would

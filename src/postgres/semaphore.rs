@@ -55,6 +55,7 @@ use sqlx::postgres::PgRow;
 use tokio::sync::Semaphore as Line;
 
 use crate::postgres::conn::held::HeldConn;
+use crate::postgres::conn::pooled::ACQUIRE_FLOOR;
 use crate::postgres::conn::watched::WatchedConn;
 use crate::postgres::locker::PgLocker;
 use crate::postgres::permit_relay::{Pass, Passed, Relay, TURN, Tenure, Waiting};
@@ -310,10 +311,11 @@ impl PgSlots {
     ) -> Result<(u32, SessionLock), Error> {
         let mut pass = self.relay.expect();
         // Every step keeps the deadline (the first use's pooler probe and
-        // the tries too): an answer later than shortly after it is not
-        // waited for. Dropped, the head's connection is closed, which frees
-        // whatever its statement took.
-        let grace = crate::deadline::after(deadline, ANSWER_GRACE);
+        // the tries too), or the floor a connection may take: an answer
+        // later than shortly after it is not waited for. Dropped, the
+        // head's connection is closed, which frees whatever its statement
+        // took.
+        let grace = crate::deadline::after(deadline.max(floor(started)), ANSWER_GRACE);
         let waited = self.wait(&mut pass, name, started, deadline);
         let failed = match tokio::time::timeout_at(grace, waited).await {
             Ok(Ok(taken)) => return Ok(taken),
@@ -686,11 +688,10 @@ impl PgSlots {
         }
     }
 
-    /// Subscribes the head's connection to the permit channel: 1 round trip.
+    /// Subscribes the head's connection to the permit channel and sets its
+    /// client check, in one simple query ([`LISTEN`]): 1 round trip.
     async fn listen(&self, conn: &mut HeldConn) -> Result<(), Error> {
-        if let Some(watched) = conn.watched_mut() {
-            watched.listen(permit_channel!()).await?;
-        }
+        sqlx::raw_sql(LISTEN).execute(conn.conn()).await?;
         Ok(())
     }
 
@@ -773,16 +774,20 @@ impl PgSlots {
         }
     }
 
-    /// A pooled connection before `deadline`. A pool that times out is
-    /// asked again: a waiter gives up at its own deadline, not the pool's.
+    /// A pooled connection before `deadline`, or [`ACQUIRE_FLOOR`] after
+    /// `started` if that is later (a timeout too short for the pool's
+    /// round trips means "try once", as every lock's does). A pool that
+    /// times out is asked again: a waiter gives up at its own deadline,
+    /// not the pool's.
     async fn connection(
         &self,
         started: Instant,
         deadline: tokio::time::Instant,
     ) -> Result<HeldConn, Error> {
         let pool = self.locker.pool();
+        let until = deadline.max(floor(started));
         loop {
-            match tokio::time::timeout_at(deadline, WatchedConn::acquire(pool)).await {
+            match tokio::time::timeout_at(until, WatchedConn::acquire(pool)).await {
                 Ok(Ok(conn)) => return Ok(HeldConn::watched(conn, true)),
                 Ok(Err(sqlx::Error::PoolTimedOut)) => {}
                 Ok(Err(err)) => return Err(err.into()),
@@ -879,6 +884,12 @@ fn turn(permits: u32, fencing: bool) -> u32 {
     } else {
         permits.saturating_mul(TURN)
     }
+}
+
+/// How long after `started` a waiter may still take a connection, however
+/// short its timeout ([`ACQUIRE_FLOOR`]).
+fn floor(started: Instant) -> tokio::time::Instant {
+    tokio::time::Instant::from_std(started) + ACQUIRE_FLOOR
 }
 
 /// Whether `err` says the head's session is over (its queue freed).
@@ -1032,6 +1043,15 @@ const LINE_UP: &str = line_up!("NULL::pg_catalog.int8");
 const LINE_UP_FENCED: &str = line_up!(slot_token!());
 const HEAD_TRY: &str = head_try!("NULL::pg_catalog.int8");
 const HEAD_TRY_FENCED: &str = head_try!(slot_token!());
+
+/// The head's `LISTEN`, and the client check its line-up needs: the
+/// server reads `client_connection_check_interval` when a statement
+/// starts, so the line-up's own `set_config` would come too late for its
+/// wait, and a head dropped while it waits in the server's lock queue
+/// (its connection closed) would stay there until granted or its
+/// `lock_timeout`. The notifications reach the connection's listener
+/// whichever statement subscribed it.
+const LISTEN: &str = concat!("LISTEN ", permit_channel!(), "; SELECT ", client_check!());
 
 /// The head gives the queue back and waits for it again (`$3` its backend,
 /// which the marker check confirms, `$4` the `lock_timeout`): PostgreSQL

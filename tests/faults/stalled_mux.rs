@@ -216,3 +216,52 @@ async fn a_shared_connection_lost_to_a_stalled_network_is_closed_at_once(
     proxy.cut();
     bounded("pool close", LIMIT, pool.close()).await;
 }
+
+/// A multiplexed `release()` that times out (the network stalls under its
+/// unlock) keeps its place under `max_locks` until the unlock has run on
+/// the shared connection: the lock may still be held on the server, so
+/// another lock is refused (`TooManyLocks`), not queued behind it. Once the
+/// network comes back the unlock runs and the place is free again.
+#[sqlx::test(migrations = false)]
+async fn a_timed_out_release_keeps_its_place_under_max_locks(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    let (proxy, pool) = proxied_unpinged(&connect_opts).await;
+    let locker = PgLocker::builder(pool.clone())
+        .multiplex(1)
+        .max_locks(1)
+        .release_timeout(Duration::from_millis(100))
+        .heartbeat_timeout(Duration::from_secs(3))
+        .build()
+        .expect("valid settings");
+    let lock = bounded("try_lock", LIMIT, locker.try_lock("faults:mux:place"))
+        .await
+        .unwrap()
+        .expect("free");
+    proxy.stall();
+    let released = bounded("release()", LIMIT, lock.release()).await;
+    assert!(
+        matches!(released, Err(Error::ReleaseTimedOut { .. })),
+        "{released:?}"
+    );
+    let refused = bounded("try_lock", LIMIT, locker.try_lock("faults:mux:other")).await;
+    assert!(
+        matches!(refused, Err(Error::TooManyLocks { limit: 1 })),
+        "{refused:?}"
+    );
+    proxy.pass();
+    let mut other = None;
+    eventually(
+        "the unlock ran and gave the place back",
+        Duration::from_secs(5),
+        async || {
+            other = locker.try_lock("faults:mux:other").await.ok().flatten();
+            other.is_some()
+        },
+    )
+    .await;
+    drop(other);
+    proxy.cut();
+    bounded("pool close", LIMIT, pool.close()).await;
+}

@@ -34,6 +34,7 @@ mod redlock;
 mod search_path;
 mod security;
 mod semaphore;
+mod semaphore_edges;
 mod semaphore_fill;
 mod semaphore_relay;
 mod session;

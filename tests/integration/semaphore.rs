@@ -15,11 +15,11 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 /// The semaphore under test: the PostgreSQL path.
-fn semaphore(locker: &PgLocker, name: &str, permits: u32) -> Semaphore {
+pub(crate) fn semaphore(locker: &PgLocker, name: &str, permits: u32) -> Semaphore {
     locker.semaphore(name, permits).expect("a valid semaphore")
 }
 
-async fn pool_of(opts: &PgConnectOptions, size: u32) -> PgPool {
+pub(crate) async fn pool_of(opts: &PgConnectOptions, size: u32) -> PgPool {
     PgPoolOptions::new()
         .max_connections(size)
         .acquire_timeout(Duration::from_secs(2))

@@ -8,9 +8,10 @@
 //! also reads it between statements (for notifications) and runs statements
 //! on it. A `PgListener` can only take its connection from a pool itself, so
 //! a session lock's connection is taken as one from the start: the same
-//! `pool.acquire()` (and a channel allocation), no statement more. It is
-//! never given a channel to listen to, so all that can arrive while no
-//! statement runs is the goodbye.
+//! `pool.acquire()` (and a channel allocation), no statement more. A lock's
+//! connection listens to no channel, so all that can arrive while no
+//! statement runs is the goodbye; a semaphore's head `LISTEN`s (a statement
+//! of its own) and reads its notifications with [`WatchedConn::notice`].
 //!
 //! Two habits of `PgListener` need care here:
 //! - Dropped, it returns its connection to the pool in a task it spawns,
@@ -113,26 +114,8 @@ impl WatchedConn {
         }
     }
 
-    /// Subscribes the connection to `channel` (`LISTEN`): 1 round trip. Its
-    /// notifications are then read by [`notice`](Self::notice); going back
-    /// to the pool unsubscribes it (`UNLISTEN *`).
-    ///
-    /// # Cancel safety
-    ///
-    /// Not cancel safe: the caller closes the connection if it is dropped.
-    pub(crate) async fn listen(&mut self, channel: &str) -> Result<(), sqlx::Error> {
-        match self.listener.as_mut() {
-            // Boxed, as the listener's futures are large (about 9 KB).
-            Some(listener) => Box::pin(listener.listen(channel)).await,
-            None => Err(sqlx::Error::Io(std::io::Error::new(
-                std::io::ErrorKind::ConnectionAborted,
-                "the server ended the session",
-            ))),
-        }
-    }
-
     /// The payload of the next notification on a channel the connection
-    /// [`listen`](Self::listen)s to, waiting for it while no statement runs;
+    /// `LISTEN`s to (whichever statement subscribed it), waiting for it while no statement runs;
     /// `Err` with why the session is over once the server has ended it.
     /// Reads nothing from the server that was not sent to it.
     ///

@@ -271,7 +271,13 @@ impl Driver {
                 fencing,
                 reply,
             } => self.try_lock(key, fencing, reply).await,
-            Request::Unlock { id, reply } => self.unlock(id, reply).await,
+            Request::Unlock { id, reply, place } => {
+                let unlocked = self.unlock(id, reply).await;
+                // Only now is the lock surely gone (or its connection
+                // with it, when this is an error).
+                drop(place);
+                unlocked
+            }
         }
     }
 

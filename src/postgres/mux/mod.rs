@@ -44,13 +44,14 @@
 
 mod driver;
 mod gate;
+mod place;
 mod release;
 mod request;
 mod sql;
 mod wait;
 
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use sqlx::PgPool;
@@ -60,6 +61,7 @@ use crate::postgres::config::Config;
 use crate::postgres::session::guard::SessionLock;
 use crate::{Error, LockKey};
 use driver::DriverConfig;
+use place::Place;
 use request::{Granted, Inbox, Request, TryError};
 
 /// How many times a try moves to a fresh connection when the shared one
@@ -80,19 +82,6 @@ pub(crate) struct Mux {
     held: Arc<AtomicUsize>,
 }
 
-/// One place under `max_locks`, given back when dropped: by the attempt
-/// that did not get the lock, or by the guard once released or dropped.
-#[derive(Debug)]
-pub(super) struct Place(Option<Arc<AtomicUsize>>);
-
-impl Drop for Place {
-    fn drop(&mut self) {
-        if let Some(held) = &self.0 {
-            held.fetch_sub(1, Ordering::AcqRel);
-        }
-    }
-}
-
 impl Mux {
     /// A multiplexer over `connections` shared connections (at least one),
     /// opened lazily on first use. Needs no runtime until then.
@@ -111,10 +100,9 @@ impl Mux {
     /// [`Error::TooManyLocks`].
     fn place(&self) -> Result<Place, Error> {
         let Some(limit) = self.config.max_locks else {
-            return Ok(Place(None));
+            return Ok(Place::unlimited());
         };
-        let before = self.held.fetch_add(1, Ordering::AcqRel);
-        let place = Place(Some(self.held.clone()));
+        let (place, before) = Place::counted(&self.held);
         if before >= limit {
             return Err(Error::TooManyLocks { limit });
         }
@@ -140,7 +128,8 @@ impl Mux {
     /// Cancel safe: it only awaits the driver's answer, and the guard is
     /// built after that without awaiting. A grant whose caller went away is
     /// dropped in the channel, and its ticket's `Drop` queues the unlock; the
-    /// place under `max_locks` is given back with the future.
+    /// place under `max_locks` is given back with the future (a granted
+    /// lock's, with its unlock: see [`Place`]).
     async fn attempt(&self, key: &LockKey) -> Result<Option<SessionLock>, Error> {
         key.validate()?;
         let place = self.place()?;
@@ -205,17 +194,17 @@ impl Mux {
     /// Turns a grant into the public guard, which holds the ticket.
     fn new_guard(&self, key: LockKey, granted: Granted, place: Place) -> SessionLock {
         let Granted {
-            ticket,
+            mut ticket,
             pid,
             token,
             loss,
         } = granted;
+        ticket.keep(place);
         let held = release::Held {
             key: key.clone(),
             ticket,
             loss: loss.clone(),
             deadline: self.config.release_timeout,
-            place,
         };
         SessionLock::from_parts(key, token, pid, loss, Box::new(held))
     }

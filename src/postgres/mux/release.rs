@@ -1,6 +1,6 @@
 //! What a multiplexed [`SessionLock`](crate::SessionLock) holds of its lock:
-//! the ticket the shared connection's driver granted, and its place under
-//! `max_locks`. `release()` hands the unlock to the driver and awaits its
+//! the ticket the shared connection's driver granted (with the lock's place
+//! under `max_locks`, which goes with the unlock). `release()` hands the unlock to the driver and awaits its
 //! answer on the caller's task; a dropped guard drops the ticket, which
 //! queues the unlock. Nothing runs on the caller's runtime in between, so
 //! that runtime shutting down leaves the lock with its guard and its keeper
@@ -20,13 +20,12 @@ use crate::{Error, LockKey, LossReason};
 /// One lock on a shared connection, as its guard holds it.
 pub(super) struct Held {
     pub(super) key: LockKey,
-    /// Dropped before `place`, so the unlock is queued before the place is
-    /// given back.
+    /// Holds the lock's place under `max_locks`: the driver gives it back
+    /// once it has run the unlock.
     pub(super) ticket: Ticket,
     pub(super) loss: watch::Receiver<Option<LossReason>>,
     /// The locker's release deadline.
     pub(super) deadline: Duration,
-    pub(super) place: super::Place,
 }
 
 impl KeptElsewhere for Held {
@@ -36,13 +35,8 @@ impl KeptElsewhere for Held {
             ticket,
             loss,
             deadline,
-            place,
         } = *self;
-        Box::pin(async move {
-            let outcome = release(&key, ticket, &loss, deadline).await;
-            drop(place);
-            outcome
-        })
+        Box::pin(async move { release(&key, ticket, &loss, deadline).await })
     }
 }
 

@@ -3,6 +3,7 @@
 
 use tokio::sync::{mpsc, oneshot, watch};
 
+use super::place::Place;
 use crate::{Error, FencingToken, LockKey, LossReason};
 
 /// A driver's inbox. Unbounded so that a `Drop` (of a ticket) can queue an
@@ -24,6 +25,9 @@ pub(super) enum Request {
     Unlock {
         id: u64,
         reply: Option<oneshot::Sender<Result<(), Error>>>,
+        /// The lock's place under `max_locks`, given back once the unlock
+        /// has run (or the request is dropped with the connection).
+        place: Option<Place>,
     },
 }
 
@@ -60,6 +64,7 @@ pub(super) struct Ticket {
     id: u64,
     inbox: Inbox,
     armed: bool,
+    place: Option<Place>,
 }
 
 impl Ticket {
@@ -68,7 +73,13 @@ impl Ticket {
             id,
             inbox,
             armed: true,
+            place: None,
         }
+    }
+
+    /// Keeps the lock's place under `max_locks` until its unlock has run.
+    pub(super) fn keep(&mut self, place: Place) {
+        self.place = Some(place);
     }
 
     /// Asks the driver to unlock and report the outcome on `reply`; returns
@@ -79,6 +90,7 @@ impl Ticket {
         let request = Request::Unlock {
             id: self.id,
             reply: Some(reply),
+            place: self.place.take(),
         };
         self.inbox.send(request).is_ok()
     }
@@ -92,6 +104,7 @@ impl Drop for Ticket {
             let _ = self.inbox.send(Request::Unlock {
                 id: self.id,
                 reply: None,
+                place: self.place.take(),
             });
         }
     }

@@ -372,7 +372,9 @@ pub enum Error {
 
     /// A transaction-scoped lock (`with_advisory_lock` and its variants)
     /// was asked for on a key that an enclosing call of the same Tokio task
-    /// already holds on the same database. The inner call could never get
+    /// already holds on the same database, in a mode that excludes the
+    /// inner one (a shared call inside a shared one takes the key beside
+    /// it). The inner call could never get
     /// it (the outer one only ends after the inner one), so it fails at
     /// once instead of answering "busy" or waiting for itself until its
     /// timeout. Nothing was sent to the server. Two branches of one task
@@ -534,6 +536,21 @@ impl Error {
             named.clone_from(key);
         }
         self
+    }
+
+    /// Whether a try that failed with this error may succeed if made
+    /// again: no answer within the command deadline, or a Redis failure
+    /// that passes (a connection refused or reset, a server loading its
+    /// data or in a failover). A waiting kind built from plain tries (the
+    /// semaphore over any locker) treats it as a busy try until its
+    /// deadline, as a backend's own waiting `lock` does.
+    pub(crate) fn passes(&self) -> bool {
+        match self {
+            Self::CommandTimedOut { .. } => true,
+            #[cfg(feature = "redis")]
+            Self::Redis(err) => crate::redis::node::is_transient(err),
+            _ => false,
+        }
     }
 
     fn key_mut(&mut self) -> Option<&mut LockKey> {

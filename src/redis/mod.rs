@@ -190,8 +190,11 @@
 //! instance, while Redlock retries until the validity runs out. A waiting
 //! `lock` treats a failure that passes (a connection refused or reset, a
 //! reply that misses its deadline, `LOADING`, a failover) like a busy lock
-//! and tries again until its deadline; a permanent error (a wrong type,
-//! failed authentication, a missing ACL permission) ends it at once. Spans
+//! and tries again until its deadline; a permanent error (a lock's key of
+//! another type on a single instance, failed authentication, a missing ACL
+//! permission) ends it at once. Redlock sets its keys with `SET NX`, which
+//! cannot tell a key of another type from a held lock: such a node counts
+//! as one that refuses. Spans
 //! `distlock.acquire` and `distlock.release` (at `DEBUG`) carry the key, the
 //! backend (`redis`, `redlock`), the wait or hold time and the outcome.
 //!
@@ -206,7 +209,7 @@ mod backoff;
 mod builder;
 mod claim;
 mod lease;
-mod node;
+pub(crate) mod node;
 mod redlock;
 mod retry;
 mod scripts;

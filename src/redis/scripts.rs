@@ -13,7 +13,9 @@ use super::signals;
 /// of the same wait whose reply was lost); with fencing (keys 2 and 3), also
 /// issues the next fencing token in the same atomic step, so a token always
 /// belongs to exactly one holder. Returns -1 when another holder has the
-/// lock (or the key is not a string), else the token (0 without fencing).
+/// lock, else the token (0 without fencing); a key of another type (an
+/// application's data under the lock's name) fails the script with
+/// `WRONGTYPE`, a permanent error, before it writes anything.
 ///
 /// The first token ever counted in the counter (key 2) continues above the
 /// counter of earlier versions (key 3) if that holds a plain count; a lock's
@@ -25,7 +27,7 @@ use super::signals;
 /// not a number) must come before the `SET`, or the key would stay held with
 /// no lease to release it.
 const ACQUIRE: &str = "\
-local held = redis.pcall('GET', KEYS[1])
+local held = redis.call('GET', KEYS[1])
 if held and held ~= ARGV[1] then return -1 end
 local token = 0
 if KEYS[2] then

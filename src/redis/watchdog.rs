@@ -190,6 +190,11 @@ impl<B: Backend> Watchdog<B> {
         let valid_until = self.state.borrow().valid_until;
         let outcome = timeout_at(valid_until, self.backend.extend(&self.claim)).await;
         match outcome {
+            // A reply read only after the validity ran out (a starved
+            // runtime: the timeout looks at its future before its timer)
+            // comes too late: the guard may already have reported the
+            // lease lost by the clock, and a loss is never taken back.
+            Ok(Extension::Extended) if Instant::now() >= valid_until => Err(LossReason::Expired),
             Ok(Extension::Extended) => {
                 let until = started + self.claim.window();
                 self.state.send_modify(|state| state.valid_until = until);

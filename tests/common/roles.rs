@@ -52,6 +52,7 @@ pub async fn grant_documented_rights(admin: &PgPool, role: &str) {
              GRANT SELECT, INSERT, UPDATE, DELETE ON distlock.idempotency_keys,
                              distlock.job_runs TO {role};
              GRANT SELECT, INSERT, UPDATE ON distlock.leaders TO {role};
+             GRANT SELECT, INSERT, UPDATE, DELETE ON distlock.leases TO {role};
              GRANT USAGE ON SEQUENCE distlock.token_counter TO {role};"
         )))
         .await

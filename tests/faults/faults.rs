@@ -34,7 +34,7 @@ async fn proxied(connect_opts: &PgConnectOptions, max: u32) -> (Proxy, PgPool) {
 
 /// Restores the network and closes everything (a pool cannot close over a
 /// stalled link).
-async fn teardown(proxy: Proxy, pool: PgPool) {
+pub(crate) async fn teardown(proxy: Proxy, pool: PgPool) {
     proxy.pass();
     proxy.cut();
     bounded("pool close", Duration::from_secs(10), pool.close()).await;

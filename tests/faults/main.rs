@@ -20,5 +20,6 @@ mod pooler;
 mod prepared;
 mod stalled_mux;
 mod stalled_table;
+mod stalled_xact;
 mod standby;
 mod table_switchover;

@@ -449,14 +449,7 @@ async fn two_clients_behind_a_single_connection_transaction_pooler_never_both_ho
 #[sqlx::test(migrations = false)]
 async fn after_the_first_client_releases_the_second_can_lock_through_the_pooler(pool: PgPool) {
     let (proxy, a, b) = two_clients(&pool).await;
-    let (locker_a, locker_b) = (
-        builder(a.clone()).build().expect("valid settings"),
-        builder(b.clone()).build().expect("valid settings"),
-    );
-    let held = bounded("A's try_lock", LIMIT, locker_a.try_lock(KEY))
-        .await
-        .expect("A's try_lock")
-        .expect("A takes the free key");
+    let (held, locker_b) = a_holds_the_key(&a, &b).await;
     bounded("A's release", LIMIT, held.release())
         .await
         .expect("A releases");
@@ -483,6 +476,17 @@ async fn after_the_first_client_releases_the_second_can_lock_through_the_pooler(
     b.close().await;
 }
 
+/// Client A takes [`KEY`] with `try_lock`; returns its lock and client B's
+/// locker.
+async fn a_holds_the_key(a: &PgPool, b: &PgPool) -> (SessionLock, PgLocker) {
+    let locker_a = builder(a.clone()).build().expect("valid settings");
+    let held = bounded("A's try_lock", LIMIT, locker_a.try_lock(KEY))
+        .await
+        .expect("A's try_lock")
+        .expect("A takes the free key");
+    (held, builder(b.clone()).build().expect("valid settings"))
+}
+
 /// The same with a shared lock for B: the shared try is re-entrant on the
 /// shared backend too (and a shared hold beside A's exclusive one is a
 /// second holder as much as an exclusive one).
@@ -491,14 +495,7 @@ async fn two_clients_behind_a_single_connection_transaction_pooler_never_share_a
     pool: PgPool,
 ) {
     let (proxy, a, b) = two_clients(&pool).await;
-    let (locker_a, locker_b) = (
-        builder(a.clone()).build().expect("valid settings"),
-        builder(b.clone()).build().expect("valid settings"),
-    );
-    let held = bounded("A's try_lock", LIMIT, locker_a.try_lock(KEY))
-        .await
-        .expect("A's try_lock")
-        .expect("A takes the free key");
+    let (held, locker_b) = a_holds_the_key(&a, &b).await;
     for (what, attempt) in [
         ("try_lock_shared", locker_b.try_lock_shared(KEY).await),
         (
@@ -526,14 +523,7 @@ async fn two_clients_behind_a_single_connection_transaction_pooler_never_both_ho
     pool: PgPool,
 ) {
     let (proxy, a, b) = two_clients(&pool).await;
-    let (locker_a, locker_b) = (
-        builder(a.clone()).build().expect("valid settings"),
-        builder(b.clone()).build().expect("valid settings"),
-    );
-    let held = bounded("A's try_lock", LIMIT, locker_a.try_lock(KEY))
-        .await
-        .expect("A's try_lock")
-        .expect("A takes the free key");
+    let (held, locker_b) = a_holds_the_key(&a, &b).await;
     match bounded(
         "B's try_lock_all",
         LIMIT,
@@ -780,4 +770,66 @@ async fn a_multiplexed_release_on_another_backend_reports_the_lock_lost(pool: Pg
         PgLocker::builder(client).multiplex(1)
     })
     .await;
+}
+
+/// Transaction-scoped locks check the session marker too: while client A
+/// holds a session lock on the pooler's one backend, client B's
+/// transaction-scoped lock on the same key (its own transaction, or the
+/// caller's) would be granted re-entrantly by that backend. Each of B's
+/// forms must come back busy, timed out or refused.
+#[sqlx::test(migrations = false)]
+async fn transaction_scoped_locks_behind_a_single_connection_transaction_pooler_never_join_a_session_lock(
+    pool: PgPool,
+) {
+    let (proxy, a, b) = two_clients(&pool).await;
+    let (held, locker_b) = a_holds_the_key(&a, &b).await;
+    let wait = Duration::from_millis(300);
+    let inside = async |_: &mut sqlx::PgConnection| Ok::<_, Error>(());
+    let mut outcomes = vec![
+        (
+            "with_advisory_lock",
+            locker_b
+                .with_advisory_lock(KEY, inside)
+                .await
+                .map(|ran| ran.is_some()),
+        ),
+        (
+            "with_shared_advisory_lock",
+            locker_b
+                .with_shared_advisory_lock(KEY, inside)
+                .await
+                .map(|ran| ran.is_some()),
+        ),
+        (
+            "with_advisory_lock_wait",
+            locker_b
+                .with_advisory_lock_wait(KEY, wait, inside)
+                .await
+                .map(|()| true),
+        ),
+    ];
+    let mut tx = b.begin().await.expect("B's transaction");
+    outcomes.push(("try_lock_xact", distlock::try_lock_xact(&mut tx, KEY).await));
+    drop(tx);
+    let mut tx = b.begin().await.expect("B's transaction");
+    outcomes.push((
+        "lock_xact",
+        distlock::lock_xact(&mut tx, KEY, wait).await.map(|()| true),
+    ));
+    drop(tx);
+    for (what, outcome) in outcomes {
+        match outcome {
+            Ok(false) | Err(Error::PoolerDetected { .. } | Error::Timeout { .. }) => {}
+            Ok(true) => panic!(
+                "{what}: client B took {KEY:?} in a transaction on the pooler's one backend ({}) \
+                 while client A holds it there (backend {})",
+                proxy.backend_pid(),
+                held.backend_pid()
+            ),
+            Err(other) => panic!("{what}: expected busy or PoolerDetected, got {other:?}"),
+        }
+    }
+    a_still_holds_then_releases(&pool, held).await;
+    a.close().await;
+    b.close().await;
 }

@@ -169,6 +169,45 @@ async fn a_nested_waiting_lock_fails_at_once_instead_of_waiting_for_itself(pool:
     assert!(shown(&err).contains("this task"));
 }
 
+/// A shared lock inside a shared lock on the same key is no nesting that
+/// waits for itself: readers share the key, and the inner call takes it on
+/// its own connection. An exclusive one inside a shared one (or the other
+/// way round) still is.
+#[sqlx::test(migrations = false)]
+async fn a_shared_lock_inside_a_shared_lock_on_the_same_key_is_taken(pool: PgPool) {
+    let locker = PgLocker::new(pool);
+    let (shared, exclusive) = locker
+        .with_shared_advisory_lock("k", async |_conn| {
+            let shared = locker
+                .with_shared_advisory_lock("k", async |_conn| Ok::<_, Error>(()))
+                .await;
+            let exclusive = locker
+                .with_advisory_lock("k", async |_conn| Ok::<_, Error>(()))
+                .await;
+            Ok::<_, Error>((shared, exclusive))
+        })
+        .await
+        .expect("outer")
+        .expect("outer took the free key");
+    assert!(matches!(shared, Ok(Some(()))), "{shared:?}");
+    assert!(
+        matches!(exclusive, Err(Error::NestedLock { .. })),
+        "{exclusive:?}"
+    );
+    let inner = locker
+        .with_advisory_lock("k", async |_conn| {
+            Ok::<_, Error>(
+                locker
+                    .with_shared_advisory_lock("k", async |_conn| Ok::<_, Error>(()))
+                    .await,
+            )
+        })
+        .await
+        .expect("outer")
+        .expect("free");
+    assert!(matches!(inner, Err(Error::NestedLock { .. })), "{inner:?}");
+}
+
 /// Other tasks of the process are other holders: they wait as usual.
 #[sqlx::test(migrations = false)]
 async fn the_same_key_in_another_task_is_contention_not_nesting(pool: PgPool) {

@@ -249,25 +249,37 @@ async fn a_try_without_a_reply_in_time_is_command_timed_out_and_leaves_no_key() 
 /// A semaphore over the Redis locker (the generic path, one try per slot)
 /// names the semaphore in the errors of its acquisition, as the PostgreSQL
 /// semaphore does, not its internal slot key
-/// (`Namespaced(SLOT_NAMESPACE, "name#0")`).
+/// (`Namespaced(SLOT_NAMESPACE, "name#0")`): a try without a reply in time
+/// is `CommandTimedOut`, a wait that met only such tries times out.
 #[tokio::test]
 async fn a_semaphore_try_without_a_reply_in_time_names_the_semaphore() -> anyhow::Result<()> {
     let server = RedisServer::start().await;
     let locker = locker_with(&server, |b| b.command_timeout(Duration::from_millis(50))).await;
     let semaphore = distlock::Semaphore::new(Arc::new(locker), "jobs:sem", 2)?;
-    for waiting in [Duration::ZERO, Duration::from_millis(200)] {
-        let _: String = server.run(&["CLIENT", "PAUSE", "300", "WRITE"]).await;
-        let err = semaphore.acquire(waiting).await.expect_err("no reply");
-        match &err {
-            Error::CommandTimedOut { key, .. } => assert_eq!(key, &LockKey::from("jobs:sem")),
-            other => panic!("expected CommandTimedOut, got {other:?}"),
-        }
-        assert_eq!(
-            err.to_string(),
-            "no reply within 50ms to the command for lock \"jobs:sem\""
-        );
-        tokio::time::sleep(Duration::from_millis(400)).await;
+    let _: String = server.run(&["CLIENT", "PAUSE", "300", "WRITE"]).await;
+    let err = semaphore
+        .acquire(Duration::ZERO)
+        .await
+        .expect_err("no reply");
+    match &err {
+        Error::CommandTimedOut { key, .. } => assert_eq!(key, &LockKey::from("jobs:sem")),
+        other => panic!("expected CommandTimedOut, got {other:?}"),
     }
+    assert_eq!(
+        err.to_string(),
+        "no reply within 50ms to the command for lock \"jobs:sem\""
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let _: String = server.run(&["CLIENT", "PAUSE", "300", "WRITE"]).await;
+    let err = semaphore
+        .acquire(Duration::from_millis(200))
+        .await
+        .expect_err("no reply");
+    match &err {
+        Error::Timeout { key, .. } => assert_eq!(key, &LockKey::from("jobs:sem")),
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
     Ok(())
 }
 
@@ -707,6 +719,55 @@ async fn an_acquisition_failing_in_the_script_never_sets_the_key() -> anyhow::Re
         None,
         "a failed lock left the key held with no lease to release it"
     );
+    Ok(())
+}
+
+/// A lock's key that holds another type (an application's list under the
+/// lock's name) is a permanent error, as documented: `try_lock` reports it,
+/// and a waiting `lock` ends at once rather than at its deadline. The key
+/// is left as it was.
+#[tokio::test]
+async fn a_lock_key_of_another_type_is_a_permanent_error() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let _: i64 = server
+        .run(&["RPUSH", "jobs:list", "an application's item"])
+        .await;
+    let locker = RedisLocker::connect(&server.url()).await?;
+    let tried = locker.try_lock("jobs:list").await;
+    assert!(matches!(tried, Err(Error::Redis(_))), "{tried:?}");
+    let started = Instant::now();
+    let waited = locker.lock("jobs:list", Duration::from_secs(3)).await;
+    assert!(matches!(waited, Err(Error::Redis(_))), "{waited:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    let kept: i64 = server.run(&["LLEN", "jobs:list"]).await;
+    assert_eq!(kept, 1);
+    Ok(())
+}
+
+/// A semaphore's wait over Redis rides out a failure that passes, as a
+/// lock's wait does: the server pauses every client for 1 s (each try then
+/// misses its 300 ms command deadline) and the permit freed after the
+/// pause still reaches the waiter.
+#[tokio::test]
+async fn a_semaphore_wait_survives_a_paused_server() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker_with(&server, |b| b.command_timeout(Duration::from_millis(300))).await;
+    let semaphore = distlock::Semaphore::new(Arc::new(locker), "jobs:paused", 1)?;
+    let held = semaphore.try_acquire().await?.expect("free");
+    let waiter = tokio::spawn({
+        let semaphore = semaphore.clone();
+        async move { semaphore.acquire(Duration::from_secs(10)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let _: String = server.run(&["CLIENT", "PAUSE", "1000", "ALL"]).await;
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    held.release().await?;
+    let permit = waiter.await?.expect("the wait outlives the pause");
+    permit.release().await?;
     Ok(())
 }
 

@@ -252,6 +252,11 @@ async fn an_application_role_cannot_lower_or_delete_fencing_state(
     );
     drop(conn);
     second.release().await.unwrap();
+    // And the lease table.
+    let table = distlock::postgres::TableLocker::new(app_pool.clone());
+    let lease = table.try_lock("leased").await.unwrap().expect("free");
+    assert!(lease.fencing_token().unwrap() > issued);
+    lease.release().await.unwrap();
 
     let before = fencing_state(&pool).await;
     let ok = successful_attacks(&app_pool).await;

@@ -190,6 +190,13 @@ macro_rules! session_marker {
     (read) => {
         "pg_catalog.current_setting('distlock.locks', true)"
     };
+    // No lock counted on the session (a bare condition, no standby check):
+    // a transaction-scoped lock's, which takes nothing for the session but
+    // would be granted re-entrantly on a session that holds the key.
+    (none) => {
+        "coalesce(pg_catalog.current_setting('distlock.locks', true), '') \
+         OPERATOR(pg_catalog.=) ANY ('{\"\",0}'::pg_catalog.text[])"
+    };
 }
 pub(crate) use session_marker;
 

@@ -1,6 +1,7 @@
-//! What a session lock statement answered (the columns of every statement
+//! What a lock statement answered (the columns of every statement
 //! [`sql::session`](super::sql::session) and [`sql::mux_try`](super::sql::mux_try)
-//! build), read in one place.
+//! build, and the first column of the transaction-scoped ones), read in one
+//! place.
 
 use sqlx::Row;
 use sqlx::postgres::PgRow;
@@ -70,4 +71,17 @@ fn resolved(row: &PgRow) -> Result<Option<(i32, i64, i64)>, Error> {
         (Some(space), Some(a), Some(b)) => Some((space, a, b)),
         _ => None,
     })
+}
+
+/// The first column of a transaction-scoped lock statement: whether the
+/// lock was taken, or `Err(pid)` when the statement did not attempt it
+/// because the session carries distlock's session marker (another client's
+/// session lock on a session a pooler shares, which the backend would grant
+/// the key again: see `session_marker`). The pid is the statement's last
+/// column.
+pub(crate) fn xact_taken(row: &PgRow) -> Result<Result<bool, i32>, sqlx::Error> {
+    match row.try_get::<Option<bool>, _>(0)? {
+        Some(taken) => Ok(Ok(taken)),
+        None => Ok(Err(row.try_get(row.len().saturating_sub(1))?)),
+    }
 }

@@ -763,13 +763,15 @@ macro_rules! xact_try {
         concat!(
             "WITH ",
             resolved!(),
-            ", l AS (SELECT ",
+            ", l AS (SELECT CASE WHEN ",
+            session_marker!(none),
+            " THEN ",
             call!("k", $try),
-            " AS ok, ",
+            " END AS ok, ",
             xact_guards!(),
             ", pg_catalog.current_setting('statement_timeout') AS st FROM k) \
              SELECT l.ok, l.st, CASE WHEN NOT l.ok AND $4::pg_catalog.bool AND l.st OPERATOR(pg_catalog.<>) '0' \
-             THEN pg_catalog.set_config('statement_timeout', '0', true) END FROM l"
+             THEN pg_catalog.set_config('statement_timeout', '0', true) END, pg_catalog.pg_backend_pid() FROM l"
         )
     };
 }
@@ -801,7 +803,15 @@ macro_rules! xact_wait {
 /// Column 0: taken.
 macro_rules! xact_try_only {
     ($try:literal) => {
-        concat!("SELECT ", call_in_place!($try), ", ", xact_guards!())
+        concat!(
+            "SELECT CASE WHEN ",
+            session_marker!(none),
+            " THEN ",
+            call_in_place!($try),
+            " END, ",
+            xact_guards!(),
+            ", pg_catalog.pg_backend_pid()"
+        )
     };
 }
 
@@ -831,11 +841,13 @@ pub(crate) fn xact_wait(lock: Lock) -> &'static str {
 pub(crate) const CALLER_XACT_TRY: &str = concat!(
     "WITH ",
     resolved!(),
-    " SELECT ",
+    " SELECT CASE WHEN ",
+    session_marker!(none),
+    " THEN ",
     call!("k", "pg_try_advisory_xact_lock"),
-    ", ",
+    " END, ",
     standby_check!(),
-    " FROM k"
+    ", pg_catalog.pg_backend_pid() FROM k"
 );
 
 /// The first statement of `lock_xact` in the caller's transaction: waits at
@@ -851,13 +863,16 @@ pub(crate) const CALLER_XACT_FIRST: &str = concat!(
        pg_catalog.current_setting('statement_timeout') AS st, \
        pg_catalog.set_config('lock_timeout', $4, true), ",
     standby_check!(),
-    ", CASE WHEN pg_catalog.current_setting('statement_timeout') OPERATOR(pg_catalog.=) '0' THEN ",
+    ", CASE WHEN NOT ",
+    session_marker!(none),
+    " THEN NULL WHEN pg_catalog.current_setting('statement_timeout') OPERATOR(pg_catalog.=) '0' THEN ",
     wait_call!("k", "pg_advisory_xact_lock"),
     " ELSE ",
     call!("k", "pg_try_advisory_xact_lock"),
     " END AS ok FROM k) \
      SELECT l.ok, l.st, pg_catalog.set_config('lock_timeout', l.prev, true), \
-       CASE WHEN NOT l.ok THEN pg_catalog.set_config('statement_timeout', '0', true) END FROM l"
+       CASE WHEN NOT l.ok THEN pg_catalog.set_config('statement_timeout', '0', true) END, \
+       pg_catalog.pg_backend_pid() FROM l"
 );
 
 #[cfg(test)]

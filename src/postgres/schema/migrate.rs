@@ -8,6 +8,7 @@ use sqlx::{PgPool, SqlSafeStr};
 
 use crate::Error;
 use crate::postgres::conn::held::HeldConn;
+use crate::postgres::request::fragments::keepalives;
 
 /// The schema holding every object of this crate.
 pub const SCHEMA: &str = "distlock";
@@ -17,6 +18,16 @@ pub const SCHEMA: &str = "distlock";
 /// The two-`int4` keyspace with namespace `0x646c` ("dl") keeps it apart from
 /// application keys.
 const MIGRATE_LOCK: (i32, i32) = (0x646c, 1);
+
+/// Waits for [`MIGRATE_LOCK`] (`$1`, `$2`), after setting the keepalives
+/// every lock statement sets (they come first in the select list: a
+/// setting a wait's own statement made is in force during the wait only if
+/// it acts at once, as the socket options do).
+const LOCK: &str = concat!(
+    "SELECT ",
+    keepalives!(),
+    ", pg_catalog.pg_advisory_lock($1, $2)"
+);
 
 /// The crate's migrations: version, description and text of each file in
 /// `migrations/`. Embedded with `include_str!` rather than `sqlx::migrate!`
@@ -146,7 +157,11 @@ impl Migrator {
     pub async fn run(&self, pool: &PgPool) -> Result<(), Error> {
         // Armed: if this future is dropped, the session (and its lock) ends.
         let mut conn = HeldConn::new(crate::postgres::conn::pooled::acquire(pool).await?, true);
-        let locked = sqlx::query("SELECT pg_catalog.pg_advisory_lock($1, $2)")
+        // The keepalives first: they take effect at once, so that a
+        // migrator cut off while it holds the lock (or waits for it) has
+        // its session, and the lock, ended by the server within about
+        // 30 s, as a lock's holder does.
+        let locked = sqlx::query(LOCK)
             .bind(MIGRATE_LOCK.0)
             .bind(MIGRATE_LOCK.1)
             .execute(conn.conn());
@@ -169,17 +184,24 @@ impl Migrator {
 /// [`Migrator::new().run(pool)`](Migrator::run).
 ///
 /// Idempotent, and safe to run from many processes at once: they queue on an
-/// advisory lock and the later ones find nothing to do.
+/// advisory lock and the later ones find nothing to do. That lock is a
+/// session lock, held across several statements: run `migrate` on a direct
+/// connection, not through a transaction pooler (PgBouncer in transaction
+/// mode), where its statements would reach different server sessions and
+/// the lock could stay on one of them after the call.
 ///
 /// # Privileges
 ///
 /// A superuser is not needed. The role running it must either own schema
 /// `distlock` (created beforehand by an administrator:
 /// `CREATE SCHEMA distlock AUTHORIZATION app;`) or may create it
-/// (`GRANT CREATE ON DATABASE mydb TO app;`). Other roles that use the tables
-/// need `GRANT USAGE ON SCHEMA distlock TO other;`,
-/// `GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA distlock TO other;`
-/// and `GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA distlock TO other;`.
+/// (`GRANT CREATE ON DATABASE mydb TO app;`). Other roles that use the
+/// schema need the narrow grants the README lists ("Locks, fencing tokens
+/// and idempotency keys": `USAGE` on the schema, `EXECUTE` on its functions, reads of the fencing
+/// tables and writes of the others), never write privileges on the fencing
+/// counters, the floor, the fence or the epoch, with which a role could
+/// lower them and have a stale token accepted. The functions that write
+/// fencing state run as the schema's owner.
 ///
 /// # Trusted schema
 ///

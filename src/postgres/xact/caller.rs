@@ -6,9 +6,11 @@ use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection};
 
+use crate::postgres::pooler::marker_seen;
 use crate::postgres::request::fragments::millis_setting;
 use crate::postgres::request::key::Bound;
 use crate::postgres::request::lock_request::Request;
+use crate::postgres::request::row::xact_taken;
 use crate::postgres::request::{Lock, sql, unlimited};
 use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
 use crate::{Error, LockKey, span};
@@ -27,7 +29,14 @@ use crate::{Error, LockKey, span};
 ///
 /// Costs 1 round trip; it takes the same server lock as hand-written
 /// `SELECT pg_try_advisory_xact_lock(hashtext('k'))`. Changes none of the
-/// transaction's settings. Writes nothing.
+/// transaction's settings, nor the connection's: unlike the statements on
+/// connections distlock takes from the pool, it sets no TCP keepalives, so
+/// a holder cut off by a partition keeps the lock until the server's own
+/// keepalive settings notice (hours by default) unless the application set
+/// them in its connect options. Writes nothing. Like every lock statement
+/// it takes nothing on a session that carries another client's session
+/// lock (a transaction pooler sharing one server session, which would
+/// grant the key again): that is [`Error::PoolerDetected`].
 ///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), distlock::Error> {
@@ -65,7 +74,7 @@ async fn try_in_caller(conn: &mut PgConnection, key: &LockKey) -> Result<bool, E
         .fetch_one(&mut *conn)
         .await
         .map_err(|err| locking_error(err, key))?;
-    Ok(sqlx::Row::try_get(&row, 0)?)
+    xact_taken(&row)?.map_err(marker_seen)
 }
 
 /// Takes the transaction-scoped advisory lock `key` inside the transaction
@@ -128,7 +137,8 @@ async fn wait_in_caller(
     in_transaction(conn)?;
     let started = Instant::now();
     match wait_in_xact(conn, args.into(), timeout).await {
-        Ok(()) => Ok(()),
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(pid)) => Err(marker_seen(pid)),
         // The timeout aborted the caller's transaction, the one connection
         // there is: nothing can look for the holder.
         Err(err) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
@@ -147,7 +157,9 @@ fn in_transaction(conn: &PgConnection) -> Result<(), Error> {
     }
 }
 
-/// Waits for the lock under our `lock_timeout`, putting the caller's back.
+/// Waits for the lock under our `lock_timeout`, putting the caller's back;
+/// `Err(pid)` when the session carries another client's lock marker
+/// (nothing was attempted).
 /// A session without `statement_timeout` waits in the first statement; one
 /// with it only tries there (the timer is armed when a statement starts,
 /// so a wait under it would end at the session's limit), lifts the limit
@@ -158,15 +170,17 @@ async fn wait_in_xact(
     conn: &mut PgConnection,
     key: Bound<'_>,
     timeout: Duration,
-) -> Result<(), sqlx::Error> {
+) -> Result<Result<(), i32>, sqlx::Error> {
     let started = tokio::time::Instant::now();
     let row = key
         .bind(sqlx::query(sql::CALLER_XACT_FIRST))
         .bind(millis_setting(timeout))
         .fetch_one(&mut *conn)
         .await?;
-    if sqlx::Row::try_get::<bool, _>(&row, 0)? {
-        return Ok(());
+    match xact_taken(&row)? {
+        Ok(true) => return Ok(Ok(())),
+        Ok(false) => {}
+        Err(pid) => return Ok(Err(pid)),
     }
     let limit: Option<String> = sqlx::Row::try_get(&row, 1)?;
     let restore = limit.filter(|limit| unlimited::limited(Some(limit)));
@@ -180,5 +194,5 @@ async fn wait_in_xact(
         .xact_wait(remaining, restore)
         .execute(conn)
         .await
-        .map(|_| ())
+        .map(|_| Ok(()))
 }

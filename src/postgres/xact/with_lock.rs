@@ -15,6 +15,7 @@ use crate::postgres::request::Lock;
 use crate::postgres::request::fragments::xact_marker;
 use crate::postgres::request::key::Bound;
 use crate::postgres::request::lock_request::Request;
+use crate::postgres::request::row::xact_taken;
 use crate::postgres::sqlstate::{
     IN_FAILED_TRANSACTION, LOCK_NOT_AVAILABLE, UNDEFINED_OBJECT, locking_error, sqlstate,
 };
@@ -251,7 +252,8 @@ impl PgLocker {
         let args = key.args()?;
         // Before any connection: a nested call could only wait for itself.
         let database = crate::postgres::xact::nesting::database_of(self.pool());
-        crate::postgres::xact::nesting::refuse_nested(&database, &key)?;
+        let shared = mode.lock() == Lock::Shared;
+        crate::postgres::xact::nesting::refuse_nested(&database, &key, shared)?;
         let started = Instant::now();
         let deadline = mode
             .timeout()
@@ -280,6 +282,7 @@ impl PgLocker {
         // deadline (lock_timeout); no answer a heartbeat deadline later, to
         // the `BEGIN` or the lock statement, means the network is stalled:
         // give up too, and close the armed connection.
+        let within = self.config().heartbeat_timeout;
         let now = tokio::time::Instant::now();
         let mut grace = crate::deadline::after(
             deadline.unwrap_or(now).max(now),
@@ -320,36 +323,51 @@ impl PgLocker {
             return Err(failed(self.stalled(&key, mode, started, held).await).into());
         };
         let locked = match attempt {
-            Ok(locked) => locked,
+            Ok(Ok(locked)) => locked,
+            // Nothing was taken on a session a pooler shares.
+            Ok(Err(pid)) => {
+                if matches!(rollback_within(tx, within).await, Ok(true)) {
+                    held.into_pool();
+                }
+                let err = crate::postgres::pooler::marker_seen(pid);
+                return Err(span::failed(&key, "postgres", started, err).into());
+            }
             Err(err) => {
-                let rolled_back = tx.rollback().await.is_ok();
+                let rolled_back = matches!(rollback_within(tx, within).await, Ok(true));
                 let err = self.xact_lock_failed(err, &key, mode, started, held, rolled_back);
                 return Err(span::failed(&key, "postgres", started, err.await).into());
             }
         };
         if !locked {
-            if let Err(err) = tx.rollback().await {
-                return Err(span::failed(&key, "postgres", started, err.into()).into());
-            }
+            // A rollback without an answer (a stalled network) closes the
+            // connection: the server rolls back when the session ends.
+            let held = match rollback_within(tx, within).await {
+                Ok(clean) => clean.then_some(held),
+                Err(err) => {
+                    return Err(span::failed(&key, "postgres", started, err.into()).into());
+                }
+            };
             if deadline.is_some() {
                 let wanted = mode.lock().wanted();
-                let err = self
-                    .timeout_error_as(&key, wanted, started, Some(held))
-                    .await;
+                let err = self.timeout_error_as(&key, wanted, started, held).await;
                 return Err(span::failed(&key, "postgres", started, err).into());
             }
             span::ended(&key, "postgres", started, false);
-            held.into_pool();
+            if let Some(held) = held {
+                held.into_pool();
+            }
             return Ok(None);
         }
         span::ended(&key, "postgres", started, true);
         let span = tracing::Span::current();
         let hold = Instant::now();
-        let result = crate::postgres::xact::nesting::holding(database, &key, f(&mut tx)).await;
+        let result =
+            crate::postgres::xact::nesting::holding(database, (&key, shared), f(&mut tx)).await;
         let end = match &result {
-            Ok(_) => commit_checked(tx).await,
-            Err(_) => match tx.rollback().await {
-                Ok(()) => End::RolledBack,
+            Ok(_) => commit_checked(tx, within).await,
+            Err(_) => match rollback_within(tx, within).await {
+                Ok(true) => End::RolledBack,
+                Ok(false) => End::Unanswered,
                 Err(err) => End::Failed(err),
             },
         };
@@ -359,10 +377,16 @@ impl PgLocker {
         let value = match result {
             Ok(value) => value,
             Err(err) => {
-                if let End::Failed(rollback) = &end {
-                    tracing::warn!(%rollback, "rollback after closure error failed; connection closed");
-                } else {
-                    held.into_pool();
+                match &end {
+                    End::Failed(rollback) => {
+                        tracing::warn!(%rollback, "rollback after closure error failed; connection closed");
+                    }
+                    End::Unanswered => {
+                        tracing::warn!(
+                            "rollback after closure error got no answer within the heartbeat deadline; connection closed"
+                        );
+                    }
+                    _ => held.into_pool(),
                 }
                 return Err(err);
             }
@@ -383,7 +407,9 @@ impl PgLocker {
             // The session's state is not what sqlx believes: close it.
             End::EndedInClosure => Err(Error::TransactionEnded { key: key.clone() }.into()),
             End::Failed(err) => Err(Error::from(err).into()),
-            End::RolledBack => Err(Error::TransactionAborted { key: key.clone() }.into()),
+            End::RolledBack | End::Unanswered => {
+                Err(Error::TransactionAborted { key: key.clone() }.into())
+            }
         }
     }
 
@@ -464,6 +490,10 @@ enum End {
     RolledBack,
     /// `COMMIT` (or the rollback after a closure error) failed.
     Failed(sqlx::Error),
+    /// The rollback after a closure error got no answer within the
+    /// heartbeat deadline (a stalled network): the connection is closed,
+    /// and the server rolls back when the session ends.
+    Unanswered,
 }
 
 impl End {
@@ -474,7 +504,7 @@ impl End {
             End::Aborted { .. } => "aborted",
             End::EndedInClosure => "ended_in_closure",
             End::Failed(_) if closure_ok => "commit_failed",
-            End::Failed(_) => "rollback_failed",
+            End::Failed(_) | End::Unanswered => "rollback_failed",
         }
     }
 }
@@ -512,7 +542,7 @@ fn ended_in_closure(err: &sqlx::Error) -> bool {
 /// ([`HeldConn::send_queued`]): it costs the caller no round trip, and the
 /// next lock on the kept connection finds it answered. An error
 /// skips the rest of the query string, so nothing after a failed check runs.
-async fn commit_checked(mut tx: sqlx::Transaction<'_, sqlx::Postgres>) -> End {
+async fn commit_checked(mut tx: sqlx::Transaction<'_, sqlx::Postgres>, within: Duration) -> End {
     const COMMIT_CHECKED: &str = concat!(xact_marker!(check), "; COMMIT; BEGIN");
     let Err(err) = sqlx::raw_sql(COMMIT_CHECKED).execute(&mut *tx).await else {
         drop(tx);
@@ -523,14 +553,30 @@ async fn commit_checked(mut tx: sqlx::Transaction<'_, sqlx::Postgres>) -> End {
     }
     match sqlstate(&err).as_deref() {
         Some(IN_FAILED_TRANSACTION) => End::Aborted {
-            rolled_back: tx.rollback().await.is_ok(),
+            rolled_back: matches!(rollback_within(tx, within).await, Ok(true)),
         },
         _ => End::Failed(err),
     }
 }
 
+/// `ROLLBACK` of `tx`, answered within `within` (the heartbeat deadline):
+/// `Ok(true)` rolled back, `Ok(false)` no answer in time (a stalled
+/// network must not hang the call: the caller closes the connection, and
+/// the server rolls back when the session ends), `Err` the server's error.
+async fn rollback_within(
+    tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    within: Duration,
+) -> Result<bool, sqlx::Error> {
+    match tokio::time::timeout(within, tx.rollback()).await {
+        Ok(Ok(())) => Ok(true),
+        Ok(Err(err)) => Err(err),
+        Err(_) => Ok(false),
+    }
+}
+
 /// Takes the lock inside the open transaction; `Ok(false)` means busy (and,
-/// when waiting, that the deadline passed). A wait after a busy try runs
+/// when waiting, that the deadline passed), `Err(pid)` that the session
+/// carries another client's lock marker (nothing was attempted). A wait after a busy try runs
 /// with the session's `statement_timeout` lifted by the try and put back by
 /// the wait (see [`unlimited`](crate::postgres::request::unlimited)), and the
 /// caller's `lock_timeout` put back too, before the closure runs.
@@ -539,7 +585,7 @@ async fn lock_in_xact(
     key: Bound<'_>,
     mode: Mode,
     deadline: Option<tokio::time::Instant>,
-) -> Result<bool, sqlx::Error> {
+) -> Result<Result<bool, i32>, sqlx::Error> {
     let request = Request {
         key,
         lock: mode.lock(),
@@ -549,20 +595,23 @@ async fn lock_in_xact(
         .xact_try(deadline.is_some())
         .fetch_one(&mut *conn)
         .await?;
-    let locked: bool = sqlx::Row::try_get(&row, 0)?;
+    let locked = match xact_taken(&row)? {
+        Ok(locked) => locked,
+        Err(pid) => return Ok(Err(pid)),
+    };
     let Some(deadline) = deadline.filter(|_| !locked) else {
-        return Ok(locked);
+        return Ok(Ok(locked));
     };
     let limit: Option<String> = sqlx::Row::try_get(&row, 1)?;
     let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
     if remaining.is_zero() {
         // The caller rolls back, which puts a lifted statement_timeout back.
-        return Ok(false);
+        return Ok(Ok(false));
     }
     let restore = limit.filter(|limit| crate::postgres::request::unlimited::limited(Some(limit)));
     request
         .xact_wait(remaining, restore)
         .execute(&mut *conn)
         .await
-        .map(|_| true)
+        .map(|_| Ok(true))
 }

@@ -135,8 +135,10 @@
 //!
 //! [`Redlock::check_setup`] and [`RedisLocker::check_setup`] ask every node
 //! with `INFO` and report (and log at `WARN`) a node that is a replica, has
-//! replicas, is the same server as another node (same `run_id`), or does not
-//! answer. Both `connect` functions run this check once.
+//! replicas, is the same server as another node (same `run_id`), evicts
+//! keys at its memory limit (a held lock's key, or a fencing counter, can
+//! be deleted), or does not answer. Both `connect` functions run this check
+//! once.
 //!
 //! # Waiting
 //!

@@ -26,6 +26,12 @@ pub struct NodeStatus {
     /// only persistence that can keep a lock and a fencing counter across a
     /// restart (an RDB snapshot is minutes old). `None` if not reported.
     pub append_only: Option<bool>,
+    /// The memory limit in bytes (`maxmemory`; 0: none). `None` if not
+    /// reported.
+    pub max_memory: Option<u64>,
+    /// What the server deletes once it reaches `maxmemory`
+    /// (`maxmemory_policy`). `None` if not reported.
+    pub eviction_policy: Option<String>,
     /// Why the node could not be asked, if it could not.
     pub error: Option<String>,
 }
@@ -65,6 +71,20 @@ pub enum SetupWarning {
         /// The node.
         node: String,
     },
+    /// The node deletes keys once its memory limit is reached (a
+    /// `maxmemory` with a policy other than `noeviction`): a `volatile-*`
+    /// policy can delete a held lock's key (every lock key has a TTL), so
+    /// another client is granted the lock while its holder still believes
+    /// it holds it; an `allkeys-*` policy can also delete a fencing counter,
+    /// and tokens start over. Use `maxmemory-policy noeviction` (writes then
+    /// fail with `OOM` at the limit, a permanent error), or a server of its
+    /// own for locks.
+    Evicts {
+        /// The node.
+        node: String,
+        /// Its `maxmemory-policy`.
+        policy: String,
+    },
     /// Two configured nodes are the same server process (same `run_id`), so
     /// one server casts two votes.
     SameServer {
@@ -94,6 +114,10 @@ impl fmt::Display for SetupWarning {
             Self::NoPersistence { node } => write!(
                 f,
                 "node {node} has no append-only file while fencing is on: a restart grants held locks again and repeats fencing tokens (use appendonly yes, appendfsync always)"
+            ),
+            Self::Evicts { node, policy } => write!(
+                f,
+                "node {node} evicts keys at its memory limit (maxmemory-policy {policy}): a held lock's key, or a fencing counter, can be deleted (use maxmemory-policy noeviction)"
             ),
             Self::SameServer {
                 first,
@@ -153,6 +177,8 @@ impl NodeStatus {
             primary: None,
             connected_replicas: 0,
             append_only: None,
+            max_memory: None,
+            eviction_policy: None,
             error: None,
         }
     }
@@ -186,6 +212,8 @@ fn fill(status: &mut NodeStatus, info: &str) {
         .and_then(|n| n.parse().ok())
         .unwrap_or(0);
     status.append_only = field("aof_enabled").map(|v| v == "1");
+    status.max_memory = field("maxmemory").and_then(|n| n.parse().ok());
+    status.eviction_policy = field("maxmemory_policy");
 }
 
 fn warnings(nodes: &[NodeStatus], fencing: bool) -> Vec<SetupWarning> {
@@ -194,6 +222,14 @@ fn warnings(nodes: &[NodeStatus], fencing: bool) -> Vec<SetupWarning> {
         if fencing && node.append_only == Some(false) {
             warnings.push(SetupWarning::NoPersistence {
                 node: node.node.clone(),
+            });
+        }
+        if let (Some(1..), Some(policy)) = (node.max_memory, &node.eviction_policy)
+            && policy != "noeviction"
+        {
+            warnings.push(SetupWarning::Evicts {
+                node: node.node.clone(),
+                policy: policy.clone(),
             });
         }
         if let Some(error) = &node.error {

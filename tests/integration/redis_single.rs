@@ -803,6 +803,54 @@ async fn server_in_own_dir(args: &[&str]) -> (RedisServer, std::path::PathBuf) {
     (RedisServer::start_with(&all).await, dir)
 }
 
+/// A server that evicts keys at its memory limit deletes a held lock's key
+/// (every lock key has a TTL, so a `volatile-*` policy picks it), and the
+/// lock is free for another client while its holder still believes it holds
+/// it. `check_setup` says so beforehand; with `noeviction` it does not.
+#[tokio::test]
+async fn a_server_that_evicts_keys_is_flagged() -> anyhow::Result<()> {
+    use distlock::redis::SetupWarning;
+    let evicts = |report: &distlock::redis::SetupReport| {
+        report
+            .warnings
+            .iter()
+            .any(|w| matches!(w, SetupWarning::Evicts { .. }))
+    };
+    let evicting = RedisServer::start_with(&[
+        "--maxmemory",
+        "4mb",
+        "--maxmemory-policy",
+        "volatile-ttl",
+        "--enable-debug-command",
+        "yes",
+    ])
+    .await;
+    let holder = locker(&evicting).await;
+    let report = holder.check_setup().await;
+    assert!(evicts(&report), "{report:?}");
+    // What it warns of: memory fills with keys without a TTL, and the next
+    // write makes the server evict the only key it may, the lock's.
+    let held = holder.try_lock("jobs:evicted").await?.expect("free");
+    let _: String = evicting
+        .run(&["DEBUG", "POPULATE", "8000", "junk", "1024"])
+        .await;
+    let _: Result<Option<distlock::redis::RedisLease>, Error> =
+        locker(&evicting).await.try_lock("jobs:other").await;
+    assert_eq!(
+        evicting.get("jobs:evicted").await,
+        None,
+        "the lock's key was evicted"
+    );
+    assert!(!held.is_lost(), "its holder does not know yet");
+    drop(held);
+
+    let bounded =
+        RedisServer::start_with(&["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"]).await;
+    let report = locker(&bounded).await.check_setup().await;
+    assert!(!evicts(&report), "{report:?}");
+    Ok(())
+}
+
 /// Without persistence a restart forgets every lock and every fencing
 /// counter: the key is granted again at once and tokens repeat.
 /// `check_setup` says so beforehand. With `appendfsync always`, neither

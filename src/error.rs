@@ -372,9 +372,11 @@ pub enum Error {
 
     /// A transaction-scoped lock (`with_advisory_lock` and its variants)
     /// was asked for on a key that an enclosing call of the same Tokio task
-    /// already holds on the same database, in a mode that excludes the
-    /// inner one (a shared call inside a shared one takes the key beside
-    /// it). The inner call could never get
+    /// already holds on the same database, in any mode: a shared call inside
+    /// a shared one too, since a writer that queues for the key between
+    /// them would wait for the outer one, and the inner one behind the
+    /// writer (PostgreSQL queues a new request behind the waiting ones).
+    /// The inner call could never get
     /// it (the outer one only ends after the inner one), so it fails at
     /// once instead of answering "busy" or waiting for itself until its
     /// timeout. Nothing was sent to the server. Two branches of one task

@@ -35,8 +35,17 @@ async fn a_head_dropped_in_the_servers_queue_leaves_it(pool: PgPool) {
     common::semaphore_head_idle_with_queue(&mut obs, NAME).await;
 
     for round in 0..3 {
-        // A fresh pool: no connection of it has run a lock statement yet.
-        let second = semaphore(&PgLocker::new(pool_of(&opts, 3).await), NAME, 1);
+        // Every connection of this pool is used once (closed when given
+        // back), so the head's has run no lock statement, whatever the
+        // arrival try's set on its own.
+        let once = PgPoolOptions::new()
+            .max_connections(3)
+            .test_before_acquire(false)
+            .after_release(|_conn, _meta| Box::pin(async { Ok(false) }))
+            .connect_with(opts.clone())
+            .await
+            .expect("pool");
+        let second = semaphore(&PgLocker::new(once), NAME, 1);
         let waiter = tokio::spawn(async move { second.acquire(Duration::from_secs(30)).await });
         common::wait_for_waiters(&mut obs, 1, Duration::from_secs(10)).await;
         waiter.abort();

@@ -20,6 +20,7 @@ use sqlx::{Acquire, ConnectOptions, Connection};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{sleep_until, timeout};
 
+use super::place::Place;
 use super::request::{Granted, Inbox, Request, Ticket, TryError, TryOutcome};
 use super::sql::{self, ServerKey};
 use crate::postgres::conn::watched::close_listener;
@@ -270,14 +271,9 @@ impl Driver {
                 key,
                 fencing,
                 reply,
-            } => self.try_lock(key, fencing, reply).await,
-            Request::Unlock { id, reply, place } => {
-                let unlocked = self.unlock(id, reply).await;
-                // Only now is the lock surely gone (or its connection
-                // with it, when this is an error).
-                drop(place);
-                unlocked
-            }
+                place,
+            } => self.try_lock(key, fencing, reply, place).await,
+            Request::Unlock { id, reply, place } => self.unlock(id, reply, place).await,
         }
     }
 
@@ -288,6 +284,7 @@ impl Driver {
         key: LockKey,
         fencing: bool,
         reply: oneshot::Sender<TryOutcome>,
+        place: Place,
     ) -> Result<(), LossReason> {
         if reply.is_closed() {
             return Ok(()); // the caller went away before we started
@@ -402,10 +399,12 @@ impl Driver {
         let Some(inbox) = self.own.upgrade() else {
             // Unreachable while we serve requests (a request came through an
             // inbox), but never hand out a lock nobody can release.
-            return self.unlock(id, None).await;
+            return self.unlock(id, None, Some(place)).await;
         };
+        let mut ticket = Ticket::new(id, inbox);
+        ticket.keep(place);
         let granted = Granted {
-            ticket: Ticket::new(id, inbox),
+            ticket,
             pid: self.pid,
             token: row.token,
             loss: self.loss.subscribe(),
@@ -420,6 +419,7 @@ impl Driver {
         &mut self,
         id: u64,
         reply: Option<oneshot::Sender<Result<(), Error>>>,
+        place: Option<Place>,
     ) -> Result<(), LossReason> {
         let Some(held) = self.locks.remove(&id) else {
             return Ok(());
@@ -458,6 +458,10 @@ impl Driver {
                 (Err(err), Err(reason))
             }
         };
+        // The lock is gone (or its connection goes with it, on an error):
+        // its place under `max_locks` is free before its releaser learns
+        // so, which may take another lock at once.
+        drop(place);
         match reply {
             Some(reply) => drop(reply.send(result)),
             None => {

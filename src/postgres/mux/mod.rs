@@ -55,6 +55,7 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use sqlx::PgPool;
+use tokio::sync::mpsc::error::SendError;
 use tokio::sync::oneshot;
 
 use crate::postgres::config::Config;
@@ -128,25 +129,35 @@ impl Mux {
     /// Cancel safe: it only awaits the driver's answer, and the guard is
     /// built after that without awaiting. A grant whose caller went away is
     /// dropped in the channel, and its ticket's `Drop` queues the unlock; the
-    /// place under `max_locks` is given back with the future (a granted
-    /// lock's, with its unlock: see [`Place`]).
+    /// place under `max_locks` travels with the request, and a grant's
+    /// ticket keeps it until the unlock has run (see [`Place`]).
     async fn attempt(&self, key: &LockKey) -> Result<Option<SessionLock>, Error> {
         key.validate()?;
-        let place = self.place()?;
+        let mut kept = Some(self.place()?);
         let fencing = self.config.fencing;
         for _ in 0..ATTEMPTS {
+            // The driver keeps the place with a grant, or drops it.
+            let place = match kept.take() {
+                Some(place) => place,
+                None => self.place()?,
+            };
             let (reply, answer) = oneshot::channel();
             let request = Request::Try {
                 key: key.clone(),
                 fencing,
                 reply,
+                place,
             };
-            if self.inbox(key).send(request).is_err() {
-                continue; // the driver just ended; the next call opens a new one
+            if let Err(SendError(unsent)) = self.inbox(key).send(request) {
+                // The driver just ended; the next call opens a new one.
+                if let Request::Try { place, .. } = unsent {
+                    kept = Some(place);
+                }
+                continue;
             }
             match answer.await {
                 Ok(Ok(Some(granted))) => {
-                    return Ok(Some(self.new_guard(key.clone(), granted, place)));
+                    return Ok(Some(self.new_guard(key.clone(), granted)));
                 }
                 Ok(Ok(None)) => return Ok(None),
                 Ok(Err(TryError::Failed(err))) => return Err(err),
@@ -192,14 +203,13 @@ impl Mux {
     }
 
     /// Turns a grant into the public guard, which holds the ticket.
-    fn new_guard(&self, key: LockKey, granted: Granted, place: Place) -> SessionLock {
+    fn new_guard(&self, key: LockKey, granted: Granted) -> SessionLock {
         let Granted {
-            mut ticket,
+            ticket,
             pid,
             token,
             loss,
         } = granted;
-        ticket.keep(place);
         let held = release::Held {
             key: key.clone(),
             ticket,

@@ -3,12 +3,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// One place under `max_locks`, given back when dropped: by the attempt
-/// that did not get the lock, or, once granted, with the lock's unlock
-/// request when the driver has run it (or dropped it with its connection,
-/// which freed the lock on the server). Until then the lock may still be
-/// held on the server, so its place stays taken, whatever the guard's
-/// `release()` reported.
+/// One place under `max_locks`, given back when dropped: by the attempt or
+/// the driver when the try took nothing, or, once granted, with the lock's
+/// unlock request when the driver has run it (or dropped it with its
+/// connection, which freed the lock on the server). Until then the lock may
+/// still be held on the server, so its place stays taken, whatever the
+/// guard's `release()` reported, and whether or not the caller was still
+/// there to receive the grant.
 #[derive(Debug)]
 pub(super) struct Place(Option<Arc<AtomicUsize>>);
 

@@ -19,6 +19,10 @@ pub(super) enum Request {
         /// Whether to issue a fencing token with the lock.
         fencing: bool,
         reply: oneshot::Sender<TryOutcome>,
+        /// The attempt's place under `max_locks`: a grant's ticket keeps
+        /// it, so that it goes with the lock's unlock even when the caller
+        /// went away before the grant reached it.
+        place: Place,
     },
     /// Unlock the lock `id` (a released or dropped guard, or a grant whose
     /// caller went away). `reply` is `None` for background releases.

@@ -117,7 +117,13 @@ async fn try_in_caller(conn: &mut PgConnection, key: &LockKey) -> Result<bool, E
 /// # Cancel safety
 ///
 /// As for [`try_lock_xact`]: the caller's transaction, rolled back when
-/// dropped, ends whatever the statement was doing.
+/// dropped, ends whatever the statement was doing. Drop the transaction
+/// with the future (as `?` on a timeout wrapper does): this call does not
+/// cancel its wait on the server, so a transaction used on after a dropped
+/// `lock_xact` first waits for that statement to end (it may still be
+/// granted the lock), and, if the session has a `statement_timeout` and the
+/// future was dropped between its two statements, runs without that limit
+/// (the second statement is the one that puts it back).
 pub async fn lock_xact(
     conn: &mut PgConnection,
     key: impl Into<LockKey>,

@@ -5,7 +5,10 @@
 //! An inner `with_advisory_lock("k")` inside an outer one on `"k"` runs on
 //! a second connection: the server sees two sessions, and the inner one
 //! can never get the lock, because the outer one ends only after the inner
-//! one returns (unless both are shared: readers share the key). The server cannot tell that apart from real contention; the
+//! one returns. Two shared calls too: a writer that queues for the key
+//! between them waits for the outer one, and PostgreSQL queues the inner
+//! one behind the writer. The server cannot tell that apart from real
+//! contention (nor see the cycle, whose last link is in the client); the
 //! process can, as far as it sees its own holds. A hold is recorded in a
 //! task-local scope around the closure's future only, keyed by the database
 //! (host, port, name), since the same key on another database is another
@@ -20,9 +23,9 @@ use sqlx::PgPool;
 use crate::{Error, LockKey};
 
 tokio::task_local! {
-    /// The (database, key, shared) triples held by the enclosing closures
-    /// of the future being polled.
-    static HELD: Vec<(String, LockKey, bool)>;
+    /// The (database, key) pairs held by the enclosing closures of the
+    /// future being polled.
+    static HELD: Vec<(String, LockKey)>;
 }
 
 /// The database `pool` connects to, as far as its options show.
@@ -37,14 +40,10 @@ pub(crate) fn database_of(pool: &PgPool) -> String {
 }
 
 /// `Err(NestedLock)` when an enclosing call already holds `key` on
-/// `database` in a mode that excludes this one: a `shared` call inside
-/// shared holds of the key takes it beside them.
-pub(crate) fn refuse_nested(database: &str, key: &LockKey, shared: bool) -> Result<(), Error> {
+/// `database`.
+pub(crate) fn refuse_nested(database: &str, key: &LockKey) -> Result<(), Error> {
     let nested = HELD
-        .try_with(|held| {
-            held.iter()
-                .any(|(d, k, s)| d == database && k == key && !(shared && *s))
-        })
+        .try_with(|held| held.iter().any(|(d, k)| d == database && k == key))
         .unwrap_or(false);
     if nested {
         return Err(Error::NestedLock { key: key.clone() });
@@ -53,13 +52,9 @@ pub(crate) fn refuse_nested(database: &str, key: &LockKey, shared: bool) -> Resu
 }
 
 /// Runs `f` with `key` on `database` recorded as held by it (and by what it
-/// awaits), `shared` or not.
-pub(crate) async fn holding<F: Future>(
-    database: String,
-    (key, shared): (&LockKey, bool),
-    f: F,
-) -> F::Output {
+/// awaits).
+pub(crate) async fn holding<F: Future>(database: String, key: &LockKey, f: F) -> F::Output {
     let mut held = HELD.try_with(Clone::clone).unwrap_or_default();
-    held.push((database, key.clone(), shared));
+    held.push((database, key.clone()));
     HELD.scope(held, f).await
 }

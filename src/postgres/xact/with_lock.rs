@@ -252,8 +252,7 @@ impl PgLocker {
         let args = key.args()?;
         // Before any connection: a nested call could only wait for itself.
         let database = crate::postgres::xact::nesting::database_of(self.pool());
-        let shared = mode.lock() == Lock::Shared;
-        crate::postgres::xact::nesting::refuse_nested(&database, &key, shared)?;
+        crate::postgres::xact::nesting::refuse_nested(&database, &key)?;
         let started = Instant::now();
         let deadline = mode
             .timeout()
@@ -361,8 +360,7 @@ impl PgLocker {
         span::ended(&key, "postgres", started, true);
         let span = tracing::Span::current();
         let hold = Instant::now();
-        let result =
-            crate::postgres::xact::nesting::holding(database, (&key, shared), f(&mut tx)).await;
+        let result = crate::postgres::xact::nesting::holding(database, &key, f(&mut tx)).await;
         let end = match &result {
             Ok(_) => commit_checked(tx, within).await,
             Err(_) => match rollback_within(tx, within).await {

@@ -144,7 +144,8 @@ pub struct SetupReport {
 
 impl SetupReport {
     /// `true` when every node answered as an independent primary without
-    /// replicas.
+    /// replicas that does not evict keys (and, with fencing, keeps an
+    /// append-only file): no warning.
     pub fn is_sound(&self) -> bool {
         self.warnings.is_empty()
     }
@@ -282,6 +283,25 @@ mod tests {
         assert_eq!(status.run_id.as_deref(), Some("abc"));
         assert_eq!(status.primary.as_deref(), Some("127.0.0.1:7001"));
         assert_eq!(warnings(&[status], false).len(), 1);
+    }
+
+    #[test]
+    fn flags_a_server_that_evicts_keys_at_a_memory_limit() {
+        let evicts = |info: &str| {
+            matches!(
+                warnings(&[parsed(info)], false).as_slice(),
+                [SetupWarning::Evicts { policy, .. }] if policy == "volatile-lru"
+            )
+        };
+        assert!(evicts(
+            "maxmemory:4194304\r\nmaxmemory_policy:volatile-lru\r\nrole:master\r\n"
+        ));
+        // No limit: nothing is ever evicted, whatever the policy says.
+        assert!(!evicts(
+            "maxmemory:0\r\nmaxmemory_policy:volatile-lru\r\nrole:master\r\n"
+        ));
+        let kept = parsed("maxmemory:4194304\r\nmaxmemory_policy:noeviction\r\nrole:master\r\n");
+        assert!(warnings(&[kept], false).is_empty());
     }
 
     #[test]

@@ -197,8 +197,9 @@ impl Migrator {
 /// `CREATE SCHEMA distlock AUTHORIZATION app;`) or may create it
 /// (`GRANT CREATE ON DATABASE mydb TO app;`). Other roles that use the
 /// schema need the narrow grants the README lists ("Locks, fencing tokens
-/// and idempotency keys": `USAGE` on the schema, `EXECUTE` on its functions, reads of the fencing
-/// tables and writes of the others), never write privileges on the fencing
+/// and idempotency keys": `USAGE` on the schema, `EXECUTE` on its
+/// functions, reads of the fencing tables and writes of the others), never
+/// write privileges on the fencing
 /// counters, the floor, the fence or the epoch, with which a role could
 /// lower them and have a stale token accepted. The functions that write
 /// fencing state run as the schema's owner.

@@ -391,13 +391,12 @@ async fn release(lease: Box<dyn Lease>) -> Released {
 }
 
 /// Whether a failed release shows that the lock was no longer held: lost
-/// (or not held by the session at release), a different backend answering, or the lock's
-/// PostgreSQL connection failed (which ends the session and its locks).
+/// (or not held by the session at release; a session lock whose connection
+/// failed says so too, as that ends the session and its locks), or a
+/// different backend answering. A database error does not: a lease-table
+/// row whose delete failed still holds until it expires.
 fn shows_loss(err: &Error) -> bool {
-    matches!(
-        err,
-        Error::LockLost { .. } | Error::PoolerDetected { .. } | Error::Database(_)
-    )
+    matches!(err, Error::LockLost { .. } | Error::PoolerDetected { .. })
 }
 
 /// Releases the lease on the way out of a failure, printing (even with

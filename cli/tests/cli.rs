@@ -1351,6 +1351,43 @@ async fn with_lease_table_a_lost_lease_stops_the_command_and_exits_76(pool: PgPo
     );
 }
 
+#[sqlx::test(migrations = false)]
+async fn with_lease_table_a_release_that_fails_while_the_lease_holds_keeps_the_exit_code(
+    pool: PgPool,
+) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let url = url_of(&pool);
+    let run = distlock(
+        &url,
+        &[
+            "run",
+            "--lease-table",
+            "kept",
+            "--",
+            "sh",
+            "-c",
+            "sleep 1; exit 3",
+        ],
+    )
+    .spawn()
+    .expect("spawn");
+    wait_until_leased(&pool, "kept").await;
+    refuse_lease_deletes(&pool).await;
+    let out = finish(run, "run whose release fails").await;
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "the command's own code: {}",
+        text(&out)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("releasing lock kept failed") && !stderr.contains("was lost"),
+        "{}",
+        text(&out)
+    );
+}
+
 // ---- supervisors killed with SIGKILL, many at once -----------------------------
 
 /// The command under test: it leaves a marker named after its pid while it

@@ -343,10 +343,12 @@ impl SingletonJob {
     }
 }
 
-/// The loss a failed release shows, if it shows one: the lock was lost, the
-/// server no longer held it, a different backend answered, or the lock's
-/// connection failed (which ends the session and its locks). A release that
-/// timed out or could not reach Redis shows none.
+/// The loss a failed release shows, if it shows one: the lock was lost
+/// (a session lock's connection that failed ends the session and its
+/// locks: its release says `LockLost`), the server no longer held it, or a
+/// different backend answered. A release that timed out, could not reach
+/// Redis, or failed with a database error shows none: a lease-table row
+/// whose delete failed still holds until it expires.
 fn loss_shown_by(err: &Error) -> Option<LossReason> {
     match err {
         Error::LockLost { reason, .. } => Some(reason.clone()),
@@ -358,7 +360,6 @@ fn loss_shown_by(err: &Error) -> Option<LossReason> {
             PoolerEvidence::SessionShared { message } => LossReason::SessionShared(message.clone()),
             _ => LossReason::SessionShared(err.to_string()),
         }),
-        Error::Database(err) => Some(LossReason::ConnectionFailed(err.to_string())),
         _ => None,
     }
 }

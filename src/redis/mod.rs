@@ -194,9 +194,8 @@
 //! reply that misses its deadline, `LOADING`, a failover) like a busy lock
 //! and tries again until its deadline; a permanent error (a lock's key of
 //! another type on a single instance, failed authentication, a missing ACL
-//! permission) ends it at once. Redlock sets its keys with `SET NX`, which
-//! cannot tell a key of another type from a held lock: such a node counts
-//! as one that refuses. Spans
+//! permission) ends it at once; on Redlock, once the nodes failing for good
+//! leave no quorum. Spans
 //! `distlock.acquire` and `distlock.release` (at `DEBUG`) carry the key, the
 //! backend (`redis`, `redlock`), the wait or hold time and the outcome.
 //!

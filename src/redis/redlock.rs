@@ -37,8 +37,9 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(1);
 /// Hands out leases granted by a majority of N independent Redis servers,
 /// following the published Redlock algorithm.
 ///
-/// An attempt sends `SET key token NX PX ttl` with the same key and random
-/// token to every node at once, each under a short deadline
+/// An attempt sets the key to the call's random token with the TTL (the
+/// single instance's acquire script: free, or already holding this call's
+/// token) on every node at once, each under a short deadline
 /// ([`RedlockBuilder::node_timeout`](super::RedlockBuilder::node_timeout)). It succeeds if at least
 /// N/2+1 nodes (the quorum) granted it and the validity left — TTL minus the
 /// time the attempt took minus a clock-drift margin of TTL × 1% + 2 ms — is
@@ -367,14 +368,16 @@ impl Redlock {
         }
     }
 
-    /// One round of the algorithm: `SET NX PX` everywhere, count, and on
-    /// failure delete everywhere before reporting it.
+    /// One round of the algorithm: take the key everywhere (where it is
+    /// free or already this call's: an earlier attempt's key whose reply
+    /// and cleanup were lost must not count against the call until its
+    /// TTL), count, and on failure delete everywhere before reporting it.
     async fn attempt(&self, claim: &Arc<Claim>) -> Result<Round, Unreachable> {
         let quorum = self.backend(claim);
         let in_flight = InFlight::new(&quorum, claim);
         let started = Instant::now();
         let tally = quorum
-            .ask(&scripts::set_nx(claim), |v| *v == Value::Okay)
+            .ask(&scripts::acquire(claim, false), |v| *v == Value::Int(0))
             .await;
         let in_time = Instant::now() < started + claim.window();
         if tally.granted >= quorum.needed() && in_time {
@@ -463,8 +466,8 @@ struct Unreachable {
 }
 
 impl Tally {
-    /// How many nodes answered, but not as asked (for `SET NX`: the key is
-    /// held there).
+    /// How many nodes answered, but not as asked (for the acquire script:
+    /// another call holds the key there).
     fn refused(&self) -> usize {
         self.asked - self.granted - self.failed.len()
     }

@@ -60,8 +60,9 @@ const EXTEND: &str = "\
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0";
 
-/// The single-instance acquire script (with the two counter keys if
-/// `fencing`).
+/// The acquire script (with the two counter keys if `fencing`), as a single
+/// instance sends it, and as Redlock (without fencing) sends it to every
+/// node.
 pub(crate) fn acquire(claim: &Claim, fencing: bool) -> Cmd {
     let mut cmd = redis::cmd("EVAL");
     cmd.arg(ACQUIRE);
@@ -74,17 +75,6 @@ pub(crate) fn acquire(claim: &Claim, fencing: bool) -> Cmd {
         cmd.arg(1).arg(&claim.name);
     }
     cmd.arg(&claim.token).arg(claim.ttl_millis());
-    cmd
-}
-
-/// `SET key token NX PX ttl`, as Redlock sends it to every node.
-pub(crate) fn set_nx(claim: &Claim) -> Cmd {
-    let mut cmd = redis::cmd("SET");
-    cmd.arg(&claim.name)
-        .arg(&claim.token)
-        .arg("NX")
-        .arg("PX")
-        .arg(claim.ttl_millis());
     cmd
 }
 

@@ -339,6 +339,22 @@ pub async fn unblock_fencing_counters(mut blocker: PgConnection) {
     close(blocker).await;
 }
 
+/// Makes every delete of a lease-table row fail with a database error (a
+/// trigger that raises), so a `TableLease`'s release fails while the lease
+/// itself still holds: unlike a session lock's connection, a pooled
+/// connection's failure frees nothing.
+pub async fn refuse_lease_deletes(pool: &PgPool) {
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.keep_leases() RETURNS trigger LANGUAGE plpgsql
+             AS $$ BEGIN RAISE EXCEPTION 'leases are kept'; END $$;
+         CREATE TRIGGER keep_leases BEFORE DELETE ON distlock.leases
+             FOR EACH ROW EXECUTE FUNCTION public.keep_leases();",
+    )
+    .execute(pool)
+    .await
+    .expect("a trigger that refuses lease deletes");
+}
+
 /// Waits until a session holds the queue lock of the `PgLocker::semaphore`
 /// named `name` exclusively and is idle: a head whose line-up has answered
 /// (it found every permit held), not a try in flight.

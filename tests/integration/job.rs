@@ -799,3 +799,29 @@ async fn a_min_hold_of_duration_max_holds_the_lock_instead_of_panicking() {
         "the minimum hold keeps the lock"
     );
 }
+
+#[sqlx::test(migrations = false)]
+async fn a_lease_table_release_that_fails_while_the_lease_holds_reports_ran(pool: PgPool) {
+    init_tracing();
+    distlock::migrate(&pool).await.expect("migrate");
+    let locker: Arc<dyn Locker> = Arc::new(distlock::postgres::TableLocker::new(pool.clone()));
+    let job = SingletonJob::new(locker, "job:table-release-fails");
+    let admin = pool.clone();
+    let outcome = job
+        .run(async move |ctx| {
+            refuse_lease_deletes(&admin).await;
+            assert!(!ctx.lease().is_lost());
+            Ok::<_, Error>("done")
+        })
+        .await
+        .expect("run");
+    assert!(
+        matches!(outcome, JobOutcome::Ran("done")),
+        "the lease held to the end; only its release failed: {outcome:?}"
+    );
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM distlock.leases")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(rows, 1, "the lease stays until it expires");
+}

@@ -43,7 +43,8 @@ pub enum Error {
     /// `try_lock_all`, `with_advisory_lock`, `Semaphore::try_acquire` and
     /// `available_permits`, the election records `proclaim`, `withdraw` and
     /// `leader`, `TableLocker::try_lock`) the heartbeat deadline (5 s for
-    /// the run record of `SingletonJob::run`)
+    /// the run record of `SingletonJob::run`; for `PgLocker::holders_of`,
+    /// a read, 5 s or the heartbeat deadline when longer)
     /// ([`PgLockerBuilder::heartbeat_timeout`](crate::PgLockerBuilder::heartbeat_timeout),
     /// the lease table's renewal deadline). The command may still take
     /// effect, and nothing is held for the caller: Redis deletes a key it

@@ -11,6 +11,12 @@ use crate::postgres::request::sql::KEYS_AS_LOCKED;
 use crate::postgres::wait_chain::resolve;
 use crate::{Error, LockKey};
 
+/// The deadline of [`PgLocker::holders_of`](crate::PgLocker::holders_of)'s
+/// answer (the heartbeat deadline when longer): it reads the whole lock
+/// table, about half a second at 100,000 locks held (BENCHMARKS.md), so
+/// the heartbeat deadline alone could cut a healthy read short.
+pub(crate) const READ_WITHIN: Duration = Duration::from_secs(5);
+
 /// The CTE `h`: the advisory locks of this database, read once from
 /// `pg_locks`, in `pg_locks`' shape: `c` (`classid`), `o` (`objid`), `s`
 /// (`objsubid`, the key space), `pid`, `mode`, `granted`, `waitstart`.

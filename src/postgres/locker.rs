@@ -406,14 +406,23 @@ impl PgLocker {
 
     /// The sessions holding or awaiting the lock `key`, waiters resolved as
     /// in [`holders`](Self::holders) (their blockers are on the same key, so
-    /// they are among the rows). Costs 1 round trip.
+    /// they are among the rows). Costs 1 round trip, answered within
+    /// 5 s, or the heartbeat deadline when that is longer: a stalled network fails it
+    /// with [`Error::CommandTimedOut`] and closes its connection instead of
+    /// hanging the caller (a timed-out lock's report, the CLI's hint of who
+    /// holds a busy lock).
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: a read on a pooled connection; no lock is taken.
     pub async fn holders_of(&self, key: impl Into<LockKey>) -> Result<Vec<Holder>, Error> {
         let key = key.into();
-        let mut conn = crate::postgres::conn::pooled::acquire(self.pool()).await?;
-        crate::postgres::holders::holders_of(&mut conn, &key).await
+        let within = self
+            .heartbeat_timeout()
+            .max(crate::postgres::holders::READ_WITHIN);
+        crate::postgres::timeout::answered_on_pool(self.pool(), (&key, within), async |conn| {
+            crate::postgres::holders::holders_of(conn, &key).await
+        })
+        .await
     }
 }

@@ -19,6 +19,7 @@ mod partition_kinds;
 mod pooler;
 mod prepared;
 mod stalled_mux;
+mod stalled_reads;
 mod stalled_table;
 mod stalled_xact;
 mod standby;

@@ -1,6 +1,8 @@
 //! SQLSTATE codes distlock reacts to, and mapping driver errors to the
 //! crate's [`Error`] variants.
 
+use sqlx::postgres::PgDatabaseError;
+
 use crate::{Error, LockKey};
 
 /// SQLSTATE of "out of shared memory", raised when the lock table is full.
@@ -66,9 +68,28 @@ fn not_migrated(err: &sqlx::Error) -> Option<String> {
         INVALID_SCHEMA_NAME | UNDEFINED_TABLE | UNDEFINED_FUNCTION
     );
     // Only the crate's own objects: a user's missing table stays a driver
-    // error. The server quotes the schema in 3F000 and prefixes it otherwise.
-    let ours = db.message().contains("\"distlock\"") || db.message().contains("distlock.");
-    (missing && ours).then(|| db.message().to_owned())
+    // error.
+    (missing && names_our_schema(db.message())).then(|| db.message().to_owned())
+}
+
+/// Whether a server message names the schema `distlock`: quoted (3F000:
+/// `"distlock"`, or `»distlock«`, `« distlock »` and the like where
+/// `lc_messages` is not English) or as the prefix of an object's name
+/// (`distlock.leases`).
+fn names_our_schema(message: &str) -> bool {
+    let identifier = |c: char| c.is_alphanumeric() || matches!(c, '_' | '$');
+    let quote = |c: Option<char>| {
+        c.is_some_and(|c| !identifier(c) && !c.is_whitespace() && !matches!(c, '(' | '.'))
+    };
+    message.match_indices("distlock").any(|(at, name)| {
+        let (head, tail) = (&message[..at], &message[at + name.len()..]);
+        let qualified = tail.starts_with('.') && !head.chars().next_back().is_some_and(identifier);
+        // A quote may stand apart from the name (French puts spaces inside
+        // « »); an unquoted word around it is not a quote.
+        let before = head.trim_end().chars().next_back();
+        let after = tail.trim_start().chars().next();
+        qualified || (quote(before) && quote(after))
+    })
 }
 
 /// Maps a driver error raised while locking `key` to the crate's variants.
@@ -83,10 +104,15 @@ pub(crate) fn locking_error(err: sqlx::Error, key: &LockKey) -> Error {
     }
 }
 
-/// Whether `err` is PostgreSQL's "recovery is in progress".
+/// Whether `err` is the standby check's "recovery is in progress": raised
+/// by `pg_current_wal_lsn` (the error's routine field, which names the
+/// server function and, unlike the message, is not translated where
+/// `lc_messages` is not English). Another 55000 in a lock statement
+/// (`currval` before any `nextval`, say) names another routine.
 fn in_recovery(err: &sqlx::Error) -> bool {
     err.as_database_error()
-        .is_some_and(|db| db.message().contains("recovery is in progress"))
+        .and_then(|db| db.try_downcast_ref::<PgDatabaseError>())
+        .is_some_and(|db| db.routine() == Some("pg_current_wal_lsn"))
 }
 
 /// Maps a failure to open a connection: a refusal for too many connections
@@ -105,6 +131,29 @@ pub(crate) fn connect_error(err: sqlx::Error) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_schema_is_recognised_in_any_language_and_only_as_a_name() {
+        for ours in [
+            "schema \"distlock\" does not exist",
+            "Schema »distlock« existiert nicht",
+            "le schéma « distlock » n'existe pas",
+            "relation \"distlock.leases\" does not exist",
+            "Relation »distlock.leases« existiert nicht",
+            "function distlock.next_token_and_cache() does not exist",
+        ] {
+            assert!(names_our_schema(ours), "{ours}");
+        }
+        for theirs in [
+            "relation \"mydistlock\" does not exist",
+            "relation \"distlock_jobs\" does not exist",
+            "relation \"app.distlock\" does not exist",
+            "function distlock(integer) does not exist",
+            "relation \"leases\" does not exist",
+        ] {
+            assert!(!names_our_schema(theirs), "{theirs}");
+        }
+    }
 
     #[test]
     fn errors_without_sqlstate_53200_stay_database_errors() {

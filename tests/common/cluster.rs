@@ -25,6 +25,8 @@ pub struct Cluster {
     netns: Option<String>,
     /// Its `listen_addresses`.
     listen: String,
+    /// Where the postmaster finds locales beyond the system's (`LOCPATH`).
+    locpath: Option<PathBuf>,
 }
 
 /// The directory of the server binaries: `$DISTLOCK_PG_BIN` where set (for
@@ -102,6 +104,24 @@ fn server_command(binary: &str) -> Command {
     Command::from(std_server_command(&[], binary))
 }
 
+/// The setting that makes a cluster built with [`build_german_locale`]
+/// answer in German.
+const GERMAN: &str = "lc_messages = 'de_DE.UTF-8'";
+
+/// Builds the locale `de_DE.UTF-8` into `dir` (as `LOCPATH` reads it),
+/// readable by the `postgres` user.
+async fn build_german_locale(dir: &std::path::Path) {
+    std::fs::create_dir_all(dir).expect("locale dir");
+    let mut localedef = Command::new("localedef");
+    localedef
+        .args(["-i", "de_DE", "-f", "UTF-8"])
+        .arg(dir.join("de_DE.UTF-8"));
+    run(localedef, "localedef de_DE.UTF-8").await;
+    let mut readable = Command::new("chmod");
+    readable.args(["-R", "a+rX"]).arg(dir);
+    run(readable, "chmod the locale").await;
+}
+
 async fn run(mut cmd: Command, what: &str) {
     let out = cmd
         .stdin(Stdio::null())
@@ -177,6 +197,18 @@ impl Cluster {
         cluster
     }
 
+    /// Like [`primary`](Self::primary), with its server messages in German
+    /// (see [`german_standby_of`](Self::german_standby_of)).
+    pub async fn german_primary(name: &str) -> Cluster {
+        let mut cluster = Self::initdb(name, None, "127.0.0.1").await;
+        let dir = cluster.root.join("locale");
+        build_german_locale(&dir).await;
+        cluster.locpath = Some(dir);
+        cluster.configure(&[GERMAN]);
+        cluster.start().await;
+        cluster
+    }
+
     /// A new cluster (`initdb`, configured for streaming replication), not
     /// started.
     async fn initdb(name: &str, netns: Option<&str>, listen: &str) -> Cluster {
@@ -199,6 +231,7 @@ impl Cluster {
             name: name.to_owned(),
             netns: netns.map(str::to_owned),
             listen: listen.to_owned(),
+            locpath: None,
         };
         cluster.configure(&[
             "wal_level = replica",
@@ -231,7 +264,21 @@ impl Cluster {
 
     /// A streaming standby of `primary` (`pg_basebackup -R`), started.
     pub async fn standby_of(primary: &Cluster, name: &str, conf: &[&str]) -> Cluster {
+        Self::standby(primary, name, conf, false).await
+    }
+
+    /// A streaming standby of `primary` whose server messages are German
+    /// (`lc_messages = 'de_DE.UTF-8'`): the locale is built with `localedef`
+    /// into the cluster's scratch directory, where the postmaster finds it
+    /// through `LOCPATH`. Needs `localedef` and the `locales` package's
+    /// sources (`.ci/run` installs them).
+    pub async fn german_standby_of(primary: &Cluster, name: &str) -> Cluster {
+        Self::standby(primary, name, &[GERMAN], true).await
+    }
+
+    async fn standby(primary: &Cluster, name: &str, conf: &[&str], german: bool) -> Cluster {
         let root = scratch(name);
+        let locpath = german.then(|| root.join("locale"));
         let data = root.join("data");
         if bin_dir().join("pg_basebackup").exists() {
             let mut backup = server_command("pg_basebackup");
@@ -251,7 +298,11 @@ impl Cluster {
             name: name.to_owned(),
             netns: None,
             listen: "127.0.0.1".to_owned(),
+            locpath,
         };
+        if let Some(dir) = &cluster.locpath {
+            build_german_locale(dir).await;
+        }
         // The standby names itself, so a primary can list it in
         // synchronous_standby_names.
         cluster.configure(&[&format!(
@@ -283,6 +334,9 @@ impl Cluster {
     async fn pg_ctl(&self, args: &[&str]) {
         let mut cmd = server_command("pg_ctl");
         cmd.arg("-D").arg(&self.data).args(args);
+        if let Some(dir) = &self.locpath {
+            cmd.env("LOCPATH", dir);
+        }
         run(cmd, &format!("pg_ctl {args:?} ({})", self.name)).await;
     }
 

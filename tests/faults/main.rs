@@ -10,6 +10,7 @@ mod common;
 mod backend_crash;
 mod conn_limit;
 mod faults;
+mod german;
 mod goodbye;
 mod ha;
 mod kinds_faults;

@@ -57,6 +57,12 @@ async fn attempts(
 async fn every_lock_path_refuses_a_hot_standby() {
     let primary = Cluster::primary("standby_refusal", &[]).await;
     let standby = Cluster::standby_of(&primary, "standby_refusal_s", &[]).await;
+    every_lock_path_refuses(&primary, &standby).await;
+}
+
+/// Every lock path against `standby`, a standby of `primary` (which holds
+/// the key meanwhile), refuses with `HotStandby` and takes nothing.
+pub(crate) async fn every_lock_path_refuses(primary: &Cluster, standby: &Cluster) {
     let primary_pool = primary.pool().await;
     let standby_pool = standby.pool().await;
     // The primary holds "k": a second copy on the standby would be granted.

@@ -999,14 +999,3 @@ mod tests {
         }
     }
 }
-#[cfg(test)]
-mod print_tmp {
-    #[test]
-    fn print_tmp() {
-        println!(
-            "TRY<<{}>>",
-            super::session(super::Step::Try, super::Lock::Exclusive, false)
-        );
-        println!("TRYALL<<{}>>", super::TRY_ALL);
-    }
-}

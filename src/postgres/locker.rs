@@ -420,9 +420,13 @@ impl PgLocker {
         let within = self
             .heartbeat_timeout()
             .max(crate::postgres::holders::READ_WITHIN);
-        crate::postgres::timeout::answered_on_pool(self.pool(), (&key, within), async |conn| {
-            crate::postgres::holders::holders_of(conn, &key).await
-        })
+        // Boxed: the pool's acquisition and the read, held inline, would
+        // make this future several kilobytes (`future_size.rs`).
+        Box::pin(crate::postgres::timeout::answered_on_pool(
+            self.pool(),
+            (&key, within),
+            async |conn| crate::postgres::holders::holders_of(conn, &key).await,
+        ))
         .await
     }
 }

@@ -232,3 +232,72 @@ async fn a_session_statement_timeout_survives_a_lock_and_its_wait(pool: PgPool) 
     drop(conn);
     limited.close().await;
 }
+
+/// A pool whose every connection starts with `transaction_timeout = 1s`
+/// (PostgreSQL 17 and later; `None` before, where the setting does not
+/// exist). A lock wait is a transaction of its own (implicit, or the one a
+/// lifted `statement_timeout` opens), so the server would end the session
+/// at that limit, in the middle of the wait.
+async fn transaction_limited_pool(pool: &PgPool) -> Option<PgPool> {
+    let version: i32 = sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
+        .fetch_one(pool)
+        .await
+        .expect("server_version_num");
+    if version < 170_000 {
+        println!("PostgreSQL {version} has no transaction_timeout: nothing to test");
+        return None;
+    }
+    let options = (*pool.connect_options())
+        .clone()
+        .options([("transaction_timeout", SESSION_LIMIT)]);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("pool with a transaction_timeout");
+    Some(pool)
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_session_transaction_timeout_does_not_cut_session_waits_short(pool: PgPool) {
+    let Some(limited) = transaction_limited_pool(&pool).await else {
+        return;
+    };
+    for multiplexed in [false, true] {
+        let locker = if multiplexed {
+            PgLocker::builder(limited.clone())
+                .multiplex(1)
+                .build()
+                .expect("valid settings")
+        } else {
+            PgLocker::new(limited.clone())
+        };
+        let holder = hold_then_release(&pool, "hashtext('k')").await;
+        let started = Instant::now();
+        let outcome = locker.lock("k", TIMEOUT).await;
+        let what = format!("lock (multiplexed: {multiplexed}) under transaction_timeout");
+        let lock = assert_granted_after_hold(&what, started, outcome);
+        lock.release().await.expect("release");
+        holder.await.expect("holder");
+    }
+    let locker = PgLocker::new(limited.clone());
+    let holder = hold_then_release(&pool, "hashtext('k')").await;
+    let started = Instant::now();
+    let outcome = locker.lock_shared("k", TIMEOUT).await;
+    let lock = assert_granted_after_hold("lock_shared under transaction_timeout", started, outcome);
+    lock.release().await.expect("release");
+    holder.await.expect("holder");
+    let holder = hold_then_release(&pool, "hashtext('k')").await;
+    let started = Instant::now();
+    let outcome = locker.lock_all(["j", "k"], TIMEOUT).await;
+    let both = assert_granted_after_hold("lock_all under transaction_timeout", started, outcome);
+    both.release().await.expect("release");
+    holder.await.expect("holder");
+    // The session's limit is back once the wait is over.
+    let limit: String = sqlx::query_scalar("SHOW transaction_timeout")
+        .fetch_one(&limited)
+        .await
+        .expect("transaction_timeout");
+    assert_eq!(limit, SESSION_LIMIT);
+    limited.close().await;
+}

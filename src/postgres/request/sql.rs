@@ -282,7 +282,9 @@ macro_rules! session_sql {
             $token,
             ", ",
             $mark,
-            ", pg_catalog.current_setting('statement_timeout'), l.space, l.a, l.b FROM l"
+            ", ",
+            wait_limit!(),
+            ", l.space, l.a, l.b FROM l"
         )
     };
 }
@@ -386,10 +388,17 @@ macro_rules! session_in_place {
     };
 }
 
-/// A session's `statement_timeout`, column 4 of the statements of a wait.
-macro_rules! statement_timeout {
+/// The limit a session puts on a lock wait, column 4 of the statements of
+/// a wait: its `statement_timeout`, or where that is `0` its
+/// `transaction_timeout` (PostgreSQL 17 and later; a wait outside a
+/// transaction block is a transaction of its own, which the server ends
+/// with the session at that limit). `'0'` when neither would cut a wait
+/// short; [`unlimited`](super::unlimited) lifts both.
+macro_rules! wait_limit {
     () => {
-        "pg_catalog.current_setting('statement_timeout')"
+        "CASE WHEN pg_catalog.current_setting('statement_timeout') OPERATOR(pg_catalog.=) '0' \
+         THEN coalesce(pg_catalog.current_setting('transaction_timeout', true), '0') \
+         ELSE pg_catalog.current_setting('statement_timeout') END"
     };
 }
 
@@ -402,7 +411,7 @@ macro_rules! waits_at_once {
     () => {
         concat!(
             "pg_catalog.current_setting('client_connection_check_interval') OPERATOR(pg_catalog.=) '100ms' AND ",
-            statement_timeout!(),
+            wait_limit!(),
             " OPERATOR(pg_catalog.=) '0'"
         )
     };
@@ -432,7 +441,7 @@ macro_rules! session_flat {
                 call_in_place!($try),
                 " END"
             )),
-            statement_timeout!(),
+            wait_limit!(),
             session_settings!(),
             $token
         )
@@ -440,7 +449,7 @@ macro_rules! session_flat {
     (Wait, $try:literal, $wait:literal, $token:ident) => {
         session_in_place!(
             under_lock_timeout!(call_in_place!($wait, granted!())),
-            statement_timeout!(),
+            wait_limit!(),
             "",
             $token
         )
@@ -663,10 +672,7 @@ pub(crate) const MUX_WAIT_UNTIL_FREE: &str = concat!(
 
 /// What a connection about to wait sets first (see
 /// [`session_settings`]), returning its `statement_timeout`.
-pub(crate) const WAIT_SETTINGS: &str = concat!(
-    "SELECT pg_catalog.current_setting('statement_timeout')",
-    session_settings!()
-);
+pub(crate) const WAIT_SETTINGS: &str = concat!("SELECT ", wait_limit!(), session_settings!());
 
 /// Several keys at once, all or nothing: every key attempted in canonical
 /// order on a session that holds no distlock lock; if any was busy, the
@@ -689,8 +695,9 @@ pub(crate) const TRY_ALL: &str = concat!(
     ") AS n FROM t, v WHERE t.ok AND NOT v.all_ok) \
      SELECT v.all_ok, pg_catalog.pg_backend_pid(), (SELECT pg_catalog.count(*) FROM k), \
        (SELECT n FROM undo), \
-       CASE WHEN v.all_ok THEN pg_catalog.set_config('distlock.locks', '1', false) END, \
-       pg_catalog.current_setting('statement_timeout') FROM v"
+       CASE WHEN v.all_ok THEN pg_catalog.set_config('distlock.locks', '1', false) END, ",
+    wait_limit!(),
+    " FROM v"
 );
 
 /// The multi-key wait: every key taken in canonical order, on a session

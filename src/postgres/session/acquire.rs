@@ -145,9 +145,9 @@ impl PgLocker {
     /// (`pg_advisory_lock` under a statement-local `lock_timeout`), so the
     /// lock passes to this waiter the moment its holder releases it; nothing
     /// polls. Costs 1 round trip when the lock is free, 2 when it has to wait
-    /// (4 on a session with a `statement_timeout`, which the wait lifts for
-    /// itself, in a transaction of its own, so that it cannot end the wait
-    /// before `timeout`), plus 1 to name the holder on timeout. A `timeout` longer than the
+    /// (4 on a session with a `statement_timeout` or a `transaction_timeout`,
+    /// which the wait lifts for itself, in a transaction of its own, so that
+    /// they cannot end the wait before `timeout`), plus 1 to name the holder on timeout. A `timeout` longer than the
     /// server's `lock_timeout` can express (about 24.8 days), up to
     /// `Duration::MAX`, means "as long as the server allows". A wait that times out closes its
     /// connection instead of pooling it: PostgreSQL may grant the lock at the

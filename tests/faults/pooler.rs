@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use common::txpool::TxPool;
 use common::*;
-use distlock::{Error, PgLocker, PgLockerBuilder, SessionLock};
+use distlock::{Error, Lease, PgLocker, PgLockerBuilder, SessionLock};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::task::JoinSet;
@@ -832,4 +832,70 @@ async fn transaction_scoped_locks_behind_a_single_connection_transaction_pooler_
     a_still_holds_then_releases(&pool, held).await;
     a.close().await;
     b.close().await;
+}
+
+/// A's lock, taken on the pooler's first server connection, then the
+/// pooler on a second one where B holds "b": A's `release()` runs there.
+/// It must give back nothing of B's and leave the session marker B's lock
+/// set, so that a third client's try on "b" there is still refused.
+async fn release_beside_another_clients_lock(pool: &PgPool, multi: bool) {
+    let proxy = txpool(pool).await;
+    let locker = |app: &'static str| {
+        let proxy = &proxy;
+        async move {
+            let client = through(proxy, pool, app).await;
+            PgLocker::builder(client)
+                .heartbeat(Duration::from_secs(9))
+                .build()
+                .expect("valid settings")
+        }
+    };
+    let (a, b, c) = (locker("a").await, locker("b").await, locker("c").await);
+    let a_held: Box<dyn Lease> = if multi {
+        Box::new(
+            a.try_lock_all(["a1", "a2"])
+                .await
+                .expect("try")
+                .expect("free"),
+        )
+    } else {
+        Box::new(a.try_lock("a").await.expect("try").expect("free"))
+    };
+    proxy
+        .replace_server()
+        .await
+        .expect("a new server connection");
+    let b_held = b.try_lock("b").await.expect("try").expect("free");
+    let released = bounded("A's release", LIMIT, a_held.release()).await;
+    assert!(
+        matches!(released, Err(Error::LockLost { .. })),
+        "A's lock went with the first backend: {released:?}"
+    );
+    let mut obs = observer_for(pool).await;
+    assert!(
+        !raw_can_take(&mut obs, &Raw::text("b")).await,
+        "B's lock still keeps other sessions off \"b\""
+    );
+    let third = c.try_lock("b").await;
+    assert!(
+        matches!(third, Err(Error::PoolerDetected { .. }) | Ok(None)),
+        "a third client got \"b\" while B holds it: {:?}",
+        third.map(|l| l.map(|l| l.backend_pid()))
+    );
+    b_held.release().await.expect("B releases");
+    close(obs).await;
+}
+
+/// The regression: the unlock ran on whatever backend answered and looked
+/// at the pid only afterwards, resetting the marker of B's lock there.
+#[sqlx::test(migrations = false)]
+async fn a_release_on_another_backend_leaves_that_backends_lock_and_marker_alone(pool: PgPool) {
+    release_beside_another_clients_lock(&pool, false).await;
+}
+
+/// The same for a multi-key lock, whose release is `pg_advisory_unlock_all()`:
+/// on B's backend it freed B's lock outright.
+#[sqlx::test(migrations = false)]
+async fn a_multi_key_release_on_another_backend_frees_nothing_there(pool: PgPool) {
+    release_beside_another_clients_lock(&pool, true).await;
 }

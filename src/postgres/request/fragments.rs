@@ -187,6 +187,18 @@ macro_rules! session_marker {
     (unmark) => {
         "pg_catalog.set_config('distlock.locks', '0', false)"
     };
+    // The session of the lock this connection holds, as a bare condition
+    // (no standby check: nothing is taken): the marker counts that one lock
+    // and the backend is the one that took it (`$pid`). An unlock runs only
+    // there: on a session a pooler moved the connection to, it would give
+    // back another client's locks and reset that client's marker.
+    (ours, $pid:literal) => {
+        concat!(
+            "coalesce(pg_catalog.current_setting('distlock.locks', true), '') OPERATOR(pg_catalog.=) '1' \
+             AND pg_catalog.pg_backend_pid() OPERATOR(pg_catalog.=) ",
+            $pid
+        )
+    };
     (read) => {
         "pg_catalog.current_setting('distlock.locks', true)"
     };

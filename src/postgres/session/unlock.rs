@@ -12,6 +12,28 @@ use crate::postgres::request::fragments::{bind_key, keyed, permit_channel, sessi
 use crate::postgres::session::hold::Hold;
 use crate::{Error, LockKey, LossReason};
 
+/// The unlock statement around the unlock call `$call(<key>)`: `$call`
+/// opens it, `end` closes it after the key. Columns: 0 unlocked (NULL: not
+/// the lock's session, nothing given back; the marker reset with the
+/// unlock), 1 the backend pid.
+macro_rules! unlock_sql {
+    ($call:literal) => {
+        concat!(
+            "SELECT CASE WHEN ",
+            session_marker!(ours, "$1::pg_catalog.int4"),
+            " THEN CASE WHEN ",
+            $call
+        )
+    };
+    (end) => {
+        concat!(
+            " THEN ",
+            session_marker!(unmark),
+            " IS NOT NULL ELSE false END END, pg_catalog.pg_backend_pid()"
+        )
+    };
+}
+
 /// Unlocks on the lock's own connection: 1 round trip, no durable write.
 /// Only a confirmed unlock by the same backend returns the connection to the
 /// pool; anything else closes it, which frees the lock on the server.
@@ -23,29 +45,31 @@ pub(crate) async fn unlock(
     budget: Duration,
 ) -> Result<(), Error> {
     let args = key.args()?;
+    // `$1` the backend that took the lock, then the key: nothing is given
+    // back (column 0 NULL) unless the marker and the backend are the lock's.
     let query = match hold {
         Hold::Exclusive => bind_key(
-            sqlx::query(keyed!(args; "SELECT pg_catalog.pg_advisory_unlock(",
-                concat!("), pg_catalog.pg_backend_pid(), ", session_marker!(unmark)); "$1", "$2")),
+            sqlx::query(keyed!(args; unlock_sql!("pg_catalog.pg_advisory_unlock("), concat!(")", unlock_sql!(end)); "$2", "$3")).bind(pid),
             args,
         ),
         Hold::Shared => bind_key(
-            sqlx::query(keyed!(args; "SELECT pg_catalog.pg_advisory_unlock_shared(",
-                concat!("), pg_catalog.pg_backend_pid(), ", session_marker!(unmark)); "$1", "$2")),
+            sqlx::query(keyed!(args; unlock_sql!("pg_catalog.pg_advisory_unlock_shared("), concat!(")", unlock_sql!(end)); "$2", "$3")).bind(pid),
             args,
         ),
-        // The payload is the slot's name (`$2`: slots are namespaced keys),
+        // The payload is the slot's name (`$3`: slots are namespaced keys),
         // which the semaphore's waiters recognise.
         Hold::Permit => bind_key(
-            sqlx::query(keyed!(args; "SELECT pg_catalog.pg_advisory_unlock(",
-                concat!("), pg_catalog.pg_backend_pid(), ", session_marker!(unmark),
-                    ", pg_catalog.pg_notify('", permit_channel!(), "', $2::pg_catalog.text)"); "$1", "$2")),
+            sqlx::query(keyed!(args; unlock_sql!("pg_catalog.pg_advisory_unlock("),
+                concat!(")", unlock_sql!(end),
+                    ", pg_catalog.pg_notify('", permit_channel!(), "', $3::pg_catalog.text)"); "$2", "$3")).bind(pid),
             args,
         ),
         Hold::All | Hold::Upgradeable => sqlx::query(concat!(
-            "SELECT (SELECT true FROM pg_catalog.pg_advisory_unlock_all()), pg_catalog.pg_backend_pid(), ",
-            session_marker!(unmark)
-        )),
+            unlock_sql!("(SELECT true FROM pg_catalog.pg_advisory_unlock_all()"),
+            ")",
+            unlock_sql!(end)
+        ))
+        .bind(pid),
     };
     let query = query.fetch_one(conn.conn());
     let row = match timeout_at(deadline, query).await {
@@ -76,7 +100,7 @@ pub(crate) async fn unlock(
         }
         Ok(row) => row?,
     };
-    let (unlocked, actual): (bool, i32) = (row.try_get(0)?, row.try_get(1)?);
+    let (unlocked, actual): (Option<bool>, i32) = (row.try_get(0)?, row.try_get(1)?);
     // Another backend answered (a pooler moved the connection): the lock
     // went with the session that took it, as the heartbeat would report.
     if actual != pid {
@@ -88,11 +112,26 @@ pub(crate) async fn unlock(
             },
         });
     }
-    if !unlocked {
-        return Err(Error::LockLost {
-            key: key.clone(),
-            reason: LossReason::NotHeld,
-        });
+    match unlocked {
+        Some(true) => {}
+        Some(false) => {
+            return Err(Error::LockLost {
+                key: key.clone(),
+                reason: LossReason::NotHeld,
+            });
+        }
+        // The lock's backend, but its marker no longer counts the lock:
+        // something else changed the session (a pooler's reset, another
+        // client's unlock through it). Nothing was given back; closing the
+        // connection ends whatever the session still holds.
+        None => {
+            return Err(Error::LockLost {
+                key: key.clone(),
+                reason: LossReason::SessionShared(
+                    "the session's distlock marker no longer counts this lock".to_owned(),
+                ),
+            });
+        }
     }
     conn.into_pool();
     Ok(())

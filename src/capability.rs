@@ -218,8 +218,8 @@ pub trait ElectionLocker: Locker {
     /// Records `proclamation` as the leader of `key` if `seat` holds the
     /// key's lock as the backend sees it now, as a new term; `Ok(None)`,
     /// recording nothing, if it does not. If the record it replaces still
-    /// named a leader, the new term starts after the proclamation's
-    /// `grace` ([`LeaderInfo::since`] is that much later, and
+    /// named a leader, or named one withdrawn before its term started, the
+    /// new term starts after the proclamation's `grace` ([`LeaderInfo::since`] is that much later, and
     /// [`leader`](Self::leader) names it only from then on). A grace longer
     /// than [`Proclamation::MAX_GRACE`] is refused with
     /// [`Error::InvalidArgument`], recording nothing.
@@ -346,8 +346,10 @@ pub struct Proclaimed {
     /// term number the backend gave it.
     pub leader: LeaderInfo,
     /// Whether the record this one replaced still named a leader (it had
-    /// not withdrawn): that leader may not know yet that it lost, so the
-    /// new one waits [`ElectionLocker::loss_notice_bound`] before it leads.
+    /// not withdrawn), or named one whose term had not started (withdrawn
+    /// in its grace: the leader before it may still believe it leads):
+    /// that leader may not know yet that it lost, so the new one waits
+    /// [`ElectionLocker::loss_notice_bound`] before it leads.
     pub after_loss: bool,
 }
 

@@ -332,7 +332,13 @@ impl ElectionLocker for MemoryLocker {
             return Ok(None);
         };
         entry.terms += 1;
-        let after_loss = entry.record.as_ref().is_some_and(|r| !r.withdrawn);
+        // A record that still names its leader, or whose term never
+        // started (withdrawn in its grace: the one before it may still
+        // believe it leads), as `distlock.leader_proclaim` decides.
+        let after_loss = entry
+            .record
+            .as_ref()
+            .is_some_and(|r| !r.withdrawn || r.leader.since > SystemTime::now());
         let grace = if after_loss {
             proclamation.grace
         } else {

@@ -387,3 +387,73 @@ pub(crate) async fn the_record_refuses_what_it_cannot_keep(backend: &impl Backen
     assert_eq!(records.leader(&k).await.expect("leader"), None);
     lease.release().await.expect("release");
 }
+
+/// A successor that stops during its grace (a deploy, a lost lock, a
+/// proclamation whose answer was lost) withdraws a term that never
+/// started: the leader it replaced may still believe it leads, so the next
+/// proclamation must wait a grace too. It used to see a withdrawn record
+/// and lead at once, beside the deposed leader.
+pub(crate) async fn a_successor_stopped_in_its_grace_leaves_the_grace_to_the_next(
+    backend: &impl Backend,
+) {
+    let (a, b) = backend.lockers();
+    let (Some(first_records), Some(records)) = (a.election(), b.election()) else {
+        return;
+    };
+    let k = key("leader-grace-pending");
+    let grace = Duration::from_secs(2);
+    let proclamation = |lease: &dyn distlock::Lease, name: &str| Proclamation {
+        identity: name.to_owned(),
+        value: "v".to_owned(),
+        fencing_token: lease.fencing_token(),
+        grace,
+    };
+    // A leads, then loses its lease without withdrawing (it may not know).
+    let (deposed, seat) = first_records
+        .lock_seat(k.clone(), LEADS_WITHIN)
+        .await
+        .expect("A's seat");
+    first_records
+        .proclaim(&k, seat, &proclamation(&*deposed, "a"))
+        .await
+        .expect("proclaim")
+        .expect("A holds the lock");
+    backend.break_lease(&k).await;
+    // B wins and waits its grace, then stops before its term starts.
+    let (lease, seat) = records
+        .lock_seat(k.clone(), LEADS_WITHIN)
+        .await
+        .expect("B's seat");
+    let b = records
+        .proclaim(&k, seat, &proclamation(&*lease, "b"))
+        .await
+        .expect("proclaim")
+        .expect("B holds the lock");
+    assert!(b.after_loss, "A had not withdrawn");
+    records
+        .withdraw(&k, seat, Some(b.leader.term))
+        .await
+        .expect("B withdraws");
+    lease.release().await.expect("B releases");
+    // C wins: A may still believe it leads, so C waits a grace as B did.
+    let (lease, seat) = records
+        .lock_seat(k.clone(), LEADS_WITHIN)
+        .await
+        .expect("C's seat");
+    let c = records
+        .proclaim(&k, seat, &proclamation(&*lease, "c"))
+        .await
+        .expect("proclaim")
+        .expect("C holds the lock");
+    assert!(
+        c.after_loss,
+        "C leads at once while A may still believe it leads"
+    );
+    assert_eq!(records.leader(&k).await.expect("leader"), None, "C's grace");
+    records
+        .withdraw(&k, seat, Some(c.leader.term))
+        .await
+        .expect("C withdraws");
+    lease.release().await.expect("C releases");
+    drop(deposed);
+}

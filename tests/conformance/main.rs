@@ -289,7 +289,8 @@ macro_rules! kind {
     (leader, $($rest:tt)*) => { cases!(leader, leader, $($rest)*;
         one_leader_and_takeover, leadership_lost_and_regained, dropped_campaigns_free_the_key,
         bad_key_ends_the_campaign, a_lost_lease_ends_the_term, leader_is_named_or_unsupported,
-        observers_follow_the_leader, the_record_refuses_what_it_cannot_keep); };
+        observers_follow_the_leader, the_record_refuses_what_it_cannot_keep,
+        a_successor_stopped_in_its_grace_leaves_the_grace_to_the_next); };
     (leader_pooled, $($rest:tt)*) => { cases!(leader_pooled, leader, $($rest)*;
         behind_a_pooler); };
 }

@@ -88,6 +88,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "token draw in statement",
         include_str!("../../../migrations/20261211000001_token_draw_in_statement.sql"),
     ),
+    (
+        20261212000001,
+        "leader grace pending",
+        include_str!("../../../migrations/20261212000001_leader_grace_pending.sql"),
+    ),
 ];
 
 /// The embedded migrations, with their table moved into schema `distlock` so

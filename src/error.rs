@@ -24,8 +24,10 @@ pub enum Error {
     /// a full pool for a connection it says so ([`Error::PoolExhausted`]).
     ///
     /// Converting a `sqlx::Error` (`From`, so `?`) turns a missing
-    /// `distlock` schema, table or function into [`Error::NotMigrated`];
-    /// every other driver error stays as it is.
+    /// `distlock` schema, table or function into [`Error::NotMigrated`]
+    /// and a missing grant (SQLSTATE 42501) into
+    /// [`Error::PermissionDenied`]; every other driver error stays as it
+    /// is.
     #[error(transparent)]
     Database(sqlx::Error),
 
@@ -404,6 +406,21 @@ pub enum Error {
     NotMigrated {
         /// The server's message, such as `schema "distlock" does not
         /// exist`.
+        message: String,
+    },
+
+    /// The server refused a statement for want of a privilege (SQLSTATE
+    /// 42501): the role lacks a grant, such as one of those the README's
+    /// recipe gives an application role on the `distlock` schema (the
+    /// leader record's table, the lease table, the token counter) or one on
+    /// the application's own tables. A retry cannot cure it: a leader
+    /// election's campaign ends with it.
+    #[error(
+        "permission denied ({message}); the role lacks a grant (see the README's recipe for distlock's schema)"
+    )]
+    PermissionDenied {
+        /// The server's message, such as `permission denied for table
+        /// leaders`.
         message: String,
     },
 

@@ -37,6 +37,8 @@ const INVALID_SCHEMA_NAME: &str = "3F000";
 const UNDEFINED_TABLE: &str = "42P01";
 /// SQLSTATE 42883: undefined_function (a schema from an older migration).
 const UNDEFINED_FUNCTION: &str = "42883";
+/// SQLSTATE 42501: insufficient_privilege, a missing grant.
+const INSUFFICIENT_PRIVILEGE: &str = "42501";
 
 /// Returns the SQLSTATE of a database error, if it is one.
 pub(crate) fn sqlstate(err: &sqlx::Error) -> Option<String> {
@@ -50,11 +52,19 @@ pub(crate) const OBJECT_NOT_IN_PREREQUISITE_STATE: &str = "55000";
 
 /// Maps any driver error (what `From<sqlx::Error>` does): a missing
 /// `distlock` schema, table or function becomes [`Error::NotMigrated`], so
-/// that forgetting `migrate` is named wherever a statement hits it.
+/// that forgetting `migrate` is named wherever a statement hits it, and a
+/// missing grant [`Error::PermissionDenied`].
 pub(crate) fn driver_error(err: sqlx::Error) -> Error {
-    match not_migrated(&err) {
-        Some(message) => Error::NotMigrated { message },
-        None => Error::Database(err),
+    if let Some(message) = not_migrated(&err) {
+        return Error::NotMigrated { message };
+    }
+    match err.as_database_error() {
+        Some(db) if db.code().as_deref() == Some(INSUFFICIENT_PRIVILEGE) => {
+            Error::PermissionDenied {
+                message: db.message().to_owned(),
+            }
+        }
+        _ => Error::Database(err),
     }
 }
 

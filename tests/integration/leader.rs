@@ -586,3 +586,45 @@ async fn a_term_and_an_observer_end_with_their_runtime() {
     let free = memory.try_lock(key).await.expect("try_lock");
     assert!(free.is_some(), "the lease went with the task");
 }
+
+/// A role without the grants the leader record needs (here `UPDATE` on
+/// `distlock.leaders`): the campaign ends with `PermissionDenied`, which no
+/// retry can cure, instead of taking the lock, failing to proclaim and
+/// trying again every second with only a warning in the log.
+#[sqlx::test(migrations = false)]
+async fn a_campaign_without_the_grants_ends_with_permission_denied(pool: PgPool) {
+    use common::roles::{drop_role, grant_documented_rights, make_role, pool_as};
+    distlock::migrate(&pool).await.expect("migrate");
+    let opts = pool.connect_options().as_ref().clone();
+    let app = make_role(&pool, "dlleader_nogrant").await;
+    grant_documented_rights(&pool, &app).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "REVOKE UPDATE ON distlock.leaders FROM {app}"
+    )))
+    .execute(&pool)
+    .await
+    .expect("revoke");
+    let app_pool = pool_as(&opts, &app).await;
+    let locker: Arc<dyn Locker> = Arc::new(PgLocker::new(app_pool.clone()));
+    let campaign = election(&locker, "app", "").campaign();
+    let ended = bounded(
+        "the campaign ends",
+        Duration::from_secs(5),
+        campaign.elected(),
+    )
+    .await
+    .expect_err("no right to write the record");
+    assert!(matches!(ended, Error::PermissionDenied { .. }), "{ended:?}");
+    assert!(
+        matches!(campaign.failure(), Some(Error::PermissionDenied { .. })),
+        "{:?}",
+        campaign.failure()
+    );
+    drop(campaign);
+    app_pool.close().await;
+    sqlx::query("DROP SCHEMA distlock CASCADE")
+        .execute(&pool)
+        .await
+        .expect("drop the schema");
+    let _ = drop_role(&pool, &app).await;
+}

@@ -33,6 +33,11 @@ pub(super) fn permanent(err: &Error) -> Option<Error> {
         Error::NotMigrated { message } => Error::NotMigrated {
             message: message.clone(),
         },
+        // A missing grant (the leader record's table, say): only an
+        // administrator can cure it.
+        Error::PermissionDenied { message } => Error::PermissionDenied {
+            message: message.clone(),
+        },
         Error::UntrustedSchema { schema, owner } => Error::UntrustedSchema {
             schema: schema.clone(),
             owner: owner.clone(),
@@ -72,6 +77,9 @@ mod tests {
             Error::NoRuntime("campaign"),
             Error::NotMigrated {
                 message: "schema \"distlock\" does not exist".into(),
+            },
+            Error::PermissionDenied {
+                message: "permission denied for table leaders".into(),
             },
             Error::UntrustedSchema {
                 schema: "distlock".into(),

@@ -18,8 +18,10 @@ pub struct LeaderInfo {
     /// What the leader proclaims ([`LeaderElectionBuilder::value`](crate::LeaderElectionBuilder::value)).
     pub value: String,
     /// The term: 1 for the first leader the backend recorded for this key,
-    /// one more for each leader after it. A leader that loses its lock and
-    /// wins it again leads a new term.
+    /// higher for each proclamation after it. A leader that loses its lock
+    /// and wins it again leads a new term. Numbers can be skipped: a
+    /// proclamation that never led (stopped in its grace, or whose answer
+    /// was lost) used one; they never go back.
     pub term: u64,
     /// When the term started, by the backend's clock (on PostgreSQL the
     /// server's): when it was proclaimed, or, after a takeover from a

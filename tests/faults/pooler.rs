@@ -838,28 +838,33 @@ async fn transaction_scoped_locks_behind_a_single_connection_transaction_pooler_
 /// pooler on a second one where B holds "b": A's `release()` runs there.
 /// It must give back nothing of B's and leave the session marker B's lock
 /// set, so that a third client's try on "b" there is still refused.
-async fn release_beside_another_clients_lock(pool: &PgPool, multi: bool) {
+async fn release_beside_another_clients_lock(pool: &PgPool, a_kind: AKind) {
     let proxy = txpool(pool).await;
-    let locker = |app: &'static str| {
+    let locker = |app: &'static str, multiplexed: bool| {
         let proxy = &proxy;
         async move {
             let client = through(proxy, pool, app).await;
-            PgLocker::builder(client)
-                .heartbeat(Duration::from_secs(9))
-                .build()
-                .expect("valid settings")
+            let builder = PgLocker::builder(client).heartbeat(Duration::from_secs(9));
+            let builder = if multiplexed {
+                builder.multiplex(1)
+            } else {
+                builder
+            };
+            builder.build().expect("valid settings")
         }
     };
-    let (a, b, c) = (locker("a").await, locker("b").await, locker("c").await);
-    let a_held: Box<dyn Lease> = if multi {
-        Box::new(
+    let a = locker("a", a_kind == AKind::Multiplexed).await;
+    let (b, c) = (locker("b", false).await, locker("c", false).await);
+    let a_held: Box<dyn Lease> = match a_kind {
+        AKind::MultiKey => Box::new(
             a.try_lock_all(["a1", "a2"])
                 .await
                 .expect("try")
                 .expect("free"),
-        )
-    } else {
-        Box::new(a.try_lock("a").await.expect("try").expect("free"))
+        ),
+        AKind::Single | AKind::Multiplexed => {
+            Box::new(a.try_lock("a").await.expect("try").expect("free"))
+        }
     };
     proxy
         .replace_server()
@@ -886,16 +891,31 @@ async fn release_beside_another_clients_lock(pool: &PgPool, multi: bool) {
     close(obs).await;
 }
 
+/// What client A holds in [`release_beside_another_clients_lock`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AKind {
+    Single,
+    MultiKey,
+    Multiplexed,
+}
+
 /// The regression: the unlock ran on whatever backend answered and looked
 /// at the pid only afterwards, resetting the marker of B's lock there.
 #[sqlx::test(migrations = false)]
 async fn a_release_on_another_backend_leaves_that_backends_lock_and_marker_alone(pool: PgPool) {
-    release_beside_another_clients_lock(&pool, false).await;
+    release_beside_another_clients_lock(&pool, AKind::Single).await;
 }
 
 /// The same for a multi-key lock, whose release is `pg_advisory_unlock_all()`:
 /// on B's backend it freed B's lock outright.
 #[sqlx::test(migrations = false)]
 async fn a_multi_key_release_on_another_backend_frees_nothing_there(pool: PgPool) {
-    release_beside_another_clients_lock(&pool, true).await;
+    release_beside_another_clients_lock(&pool, AKind::MultiKey).await;
+}
+
+/// The same for a multiplexed lock, whose driver set the session's marker
+/// to its own count of locks on whatever backend answered its unlock.
+#[sqlx::test(migrations = false)]
+async fn a_multiplexed_release_on_another_backend_leaves_that_backends_marker_alone(pool: PgPool) {
+    release_beside_another_clients_lock(&pool, AKind::Multiplexed).await;
 }

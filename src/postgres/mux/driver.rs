@@ -480,13 +480,13 @@ impl Driver {
     /// what frees the lock for sure). An answer of `false` is the caller's
     /// to judge (see [`released_elsewhere`]). 1 round trip.
     async fn unlock_level(&mut self, key: ServerKey, held: usize) -> Result<bool, LossReason> {
-        let query = sql::unlock(key, held).fetch_one(&mut self.conn);
+        let query = sql::unlock(key, self.pid, held).fetch_one(&mut self.conn);
         let row = match timeout(self.statement_timeout, query).await {
             Err(_) => return Err(LossReason::HeartbeatTimedOut(self.statement_timeout)),
             Ok(Err(err)) => return Err(loss_reason(&err)),
             Ok(Ok(row)) => row,
         };
-        let decoded = sqlx::Row::try_get::<bool, _>(&row, 0)
+        let decoded = sqlx::Row::try_get::<Option<bool>, _>(&row, 0)
             .and_then(|unlocked| Ok((unlocked, sqlx::Row::try_get::<i32, _>(&row, 1)?)));
         match decoded {
             Err(err) => Err(LossReason::ConnectionFailed(err.to_string())),
@@ -494,7 +494,13 @@ impl Driver {
                 expected_pid: self.pid,
                 actual_pid: pid,
             }),
-            Ok((unlocked, _)) => Ok(unlocked),
+            // The driver's backend, but its marker does not count the
+            // driver's locks: another client's locks share the session.
+            Ok((None, _)) => Err(LossReason::SessionShared(format!(
+                "the session's lock count is not {}, the locks this connection held",
+                held + 1
+            ))),
+            Ok((Some(unlocked), _)) => Ok(unlocked),
         }
     }
 

@@ -92,27 +92,50 @@ pub(super) fn decode_try(
     })
 }
 
-/// Unlocks one level of a resolved key and sets the session marker to
-/// `held`, the driver's count of locks still held; returns whether it was
-/// held, and the backend pid (checked like every answer on a shared
-/// connection). The marker is written even when the unlock answers `false`,
-/// so the heartbeat cannot tell afterwards that the session lost locks: the
-/// driver gives the connection up on that answer instead.
-pub(super) fn unlock(key: ServerKey, held: usize) -> PgQuery<'static> {
-    let query = match key {
-        ServerKey::BigInt(k) => sqlx::query(
-            "SELECT pg_catalog.pg_advisory_unlock($1::pg_catalog.int8), pg_catalog.pg_backend_pid(), \
-             pg_catalog.set_config('distlock.locks', $2, false)",
+/// The multiplexed unlock around the unlock call `$call`: only on the
+/// connection's own backend (`$1`) while the marker counts the driver's
+/// locks (`$2`, the count before this unlock), it unlocks and sets the
+/// marker to `$3`, the count after, also when the unlock answers `false`
+/// (so the heartbeat cannot tell afterwards that the session lost locks:
+/// the driver gives the connection up on that answer instead). Elsewhere
+/// (a pooler moved the connection, or shares its session) it gives back
+/// nothing and leaves that session's marker alone: column 0 NULL.
+macro_rules! mux_unlock {
+    ($call:literal) => {
+        concat!(
+            "SELECT CASE WHEN pg_catalog.pg_backend_pid() OPERATOR(pg_catalog.=) $1::pg_catalog.int4 \
+             AND coalesce(pg_catalog.current_setting('distlock.locks', true), '') OPERATOR(pg_catalog.=) $2 \
+             THEN CASE WHEN ",
+            $call,
+            " THEN pg_catalog.set_config('distlock.locks', $3, false) IS NOT NULL \
+             ELSE pg_catalog.set_config('distlock.locks', $3, false) IS NULL END END, \
+             pg_catalog.pg_backend_pid()"
         )
-        .bind(k),
-        ServerKey::Pair(a, b) => sqlx::query(
-            "SELECT pg_catalog.pg_advisory_unlock($1::pg_catalog.int4, $2::pg_catalog.int4), pg_catalog.pg_backend_pid(), \
-             pg_catalog.set_config('distlock.locks', $3, false)",
-        )
-        .bind(a)
-        .bind(b),
     };
-    query.bind(held.to_string())
+}
+
+/// Unlocks one level of a resolved key on the driver's backend `pid`,
+/// whose marker counts `held + 1` locks, and sets the marker to `held`
+/// (see [`mux_unlock`]); returns whether it was held (NULL: not the
+/// driver's session, nothing done), and the backend pid (checked like
+/// every answer on a shared connection).
+pub(super) fn unlock(key: ServerKey, pid: i32, held: usize) -> PgQuery<'static> {
+    let query = match key {
+        ServerKey::BigInt(_) => sqlx::query(mux_unlock!(
+            "pg_catalog.pg_advisory_unlock($4::pg_catalog.int8)"
+        )),
+        ServerKey::Pair(..) => sqlx::query(mux_unlock!(
+            "pg_catalog.pg_advisory_unlock($4::pg_catalog.int4, $5::pg_catalog.int4)"
+        )),
+    };
+    let query = query
+        .bind(pid)
+        .bind((held + 1).to_string())
+        .bind(held.to_string());
+    match key {
+        ServerKey::BigInt(k) => query.bind(k),
+        ServerKey::Pair(a, b) => query.bind(a).bind(b),
+    }
 }
 
 /// The wake-up wait run on a temporary pooled connection (see

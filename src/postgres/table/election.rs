@@ -83,7 +83,11 @@ impl ElectionLocker for TableLocker {
 
     fn loss_notice_bound(&self) -> Duration {
         // A holder that cannot renew reports its loss a third of a TTL
-        // before the server could grant the key to anyone else.
+        // before its lease expires. Where it then deletes its own row (a
+        // renewal that failed or timed out, see `renew.rs`), the key is
+        // free at once: the deposed leader's term ends when its task next
+        // runs, a few round trips (the delete, the successor's grant and
+        // proclamation) before a successor can lead; no grace is added.
         Duration::ZERO
     }
 }

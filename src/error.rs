@@ -416,7 +416,7 @@ pub enum Error {
     /// the application's own tables. A retry cannot cure it: a leader
     /// election's campaign ends with it.
     #[error(
-        "permission denied ({message}); the role lacks a grant (see the README's recipe for distlock's schema)"
+        "{message}: the role lacks a grant (for distlock's own schema, see the README's recipe)"
     )]
     PermissionDenied {
         /// The server's message, such as `permission denied for table

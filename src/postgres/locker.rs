@@ -407,7 +407,9 @@ impl PgLocker {
     /// The sessions holding or awaiting the lock `key`, waiters resolved as
     /// in [`holders`](Self::holders) (their blockers are on the same key, so
     /// they are among the rows). Costs 1 round trip, answered within
-    /// 5 s, or the heartbeat deadline when that is longer: a stalled network fails it
+    /// 5 s, or the heartbeat deadline when that is longer, once the pool
+    /// has handed out a connection (within its `acquire_timeout`): a
+    /// stalled network fails it
     /// with [`Error::CommandTimedOut`] and closes its connection instead of
     /// hanging the caller (a timed-out lock's report, the CLI's hint of who
     /// holds a busy lock).

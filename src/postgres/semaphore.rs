@@ -757,10 +757,11 @@ impl PgSlots {
             .bind(self.namespace)
             .bind(self.queue.as_str())
             .bind(waiting.idle_timeout.as_str())
+            .bind(waiting.pid)
             .fetch_one(conn.conn());
         matches!(
             tokio::time::timeout(ANSWER_GRACE, unlock).await,
-            Ok(Ok(row)) if row.try_get::<bool, _>(0).ok() == Some(true)
+            Ok(Ok(row)) if row.try_get::<Option<bool>, _>(0).ok() == Some(Some(true))
                 && row.try_get::<i32, _>(1).ok() == Some(waiting.pid)
         )
     }
@@ -1074,12 +1075,19 @@ const OTHERS_WAIT: &str = "SELECT pg_catalog.count(*) OPERATOR(pg_catalog.>) 0 F
      AND l.objid OPERATOR(pg_catalog.=) (pg_catalog.hashtext($2)::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295)::pg_catalog.oid";
 
 /// The head gives back the queue, its marker and the session's idle
-/// timeout (`$3`) after a wait that timed out. Columns: unlocked, pid.
+/// timeout (`$3`) after a wait that timed out, only on the head's own
+/// session (backend `$4`, the marker counting the queue): on a session a
+/// pooler moved the connection to, it would reset another client's marker.
+/// Columns: unlocked (NULL: not the head's session, nothing given back),
+/// pid.
 const LEAVE: &str = concat!(
-    "SELECT pg_catalog.pg_advisory_unlock($1::pg_catalog.int4, pg_catalog.hashtext($2)), \
-     pg_catalog.pg_backend_pid(), ",
+    "SELECT CASE WHEN ",
+    session_marker!(ours, "$4::pg_catalog.int4"),
+    " THEN CASE WHEN pg_catalog.pg_advisory_unlock($1::pg_catalog.int4, pg_catalog.hashtext($2)) \
+     THEN (",
     session_marker!(unmark),
-    ", pg_catalog.set_config('idle_session_timeout', $3, false)"
+    " OPERATOR(pg_catalog.||) pg_catalog.set_config('idle_session_timeout', $3, false)) IS NOT NULL \
+     ELSE false END END, pg_catalog.pg_backend_pid()"
 );
 
 /// How many of the slots `$2` (in namespace `$1`) some session of this

@@ -30,7 +30,8 @@ const MAX_BACKOFF: Duration = Duration::from_millis(100);
 /// Hands out leases on a single Redis server.
 ///
 /// A lease is the key named after the lock holding a random 128-bit token
-/// with a time to live (`SET key token NX PX ttl`). A watchdog task resets
+/// with a time to live (a script that sets the key to the token with
+/// `PX ttl` where it is free). A watchdog task resets
 /// the TTL every TTL/3 while the lease lives; only the token's owner can
 /// extend or delete the key (Lua compare-then-`PEXPIRE` / compare-then-`DEL`).
 /// Each lease comes with a [`FencingToken`] issued by `INCR` on a companion

@@ -128,7 +128,9 @@ impl LeaderElectionBuilder {
     /// step down (its session ended, it was partitioned away: it did not
     /// withdraw its record) waits before it leads, so that the deposed
     /// leader has learnt of its loss first and two campaigns never report
-    /// leadership at once. A takeover after a resignation does not wait.
+    /// leadership at once. A takeover after a resignation does not wait,
+    /// unless the one who resigned never led (it stopped during its own
+    /// grace: the leader before it may not know yet).
     ///
     /// Default: the backend's
     /// [`loss_notice_bound`](crate::ElectionLocker::loss_notice_bound) and a

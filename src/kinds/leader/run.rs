@@ -221,8 +221,8 @@ impl Run {
     }
 
     /// The lock was lost: withdraw (the record is not believed any more,
-    /// but a successor that finds it withdrawn need not wait), campaign
-    /// again.
+    /// but a successor that finds it withdrawn, its term started, need not
+    /// wait), campaign again.
     async fn lost(
         &self,
         lease: Box<dyn Lease>,

@@ -18,7 +18,7 @@ impl Mux {
     /// Costs 1 round trip on the shared connection when the key is free. When
     /// it is busy, each round of waiting costs 1 round trip on a pooled
     /// connection (answered when the holder lets go; 3 where the session has
-    /// a `statement_timeout`, lifted for the wait) plus 1 more try. No try
+    /// a `statement_timeout` or `transaction_timeout`, lifted for the wait) plus 1 more try. No try
     /// or wait outlives `timeout` plus the heartbeat deadline (a stalled
     /// network): it is abandoned then and reported as [`Error::Timeout`],
     /// whose holder lookup takes at most two more deadlines. A shared
@@ -44,7 +44,7 @@ impl Mux {
         };
         // Armed while it is used: a wait dropped mid-statement closes the
         // connection (the server abandons the wait) instead of pooling it.
-        // With whether its session's statement_timeout must be lifted.
+        // With whether its session's limits must be lifted.
         let mut waiter: Option<(HeldConn, bool)> = None;
         loop {
             if let Some(lock) = self.attempt_before(&key, started, deadline).await? {
@@ -120,7 +120,7 @@ impl Mux {
     /// waiting statement would not apply to that wait. Then a wait whose
     /// caller went away ends within 100 ms instead of at its `lock_timeout`.
     /// The setting is harmless for the connection's later users. 1 round trip,
-    /// which also tells whether the session has a `statement_timeout` that a
+    /// which also tells whether the session has a `statement_timeout` (or `transaction_timeout`) that a
     /// wait must lift.
     async fn waiting_conn(
         &self,

@@ -11,7 +11,8 @@
 //! prepared-statement cache keeps working), composing the guarantees once:
 //! the standby check, the pooler's session marker, the statement-local
 //! `lock_timeout`, the client check and keepalives, the fencing token, and
-//! (in [`unlimited`]) the waits' escape from a session `statement_timeout`.
+//! (in [`unlimited`]) the waits' escape from a session `statement_timeout`
+//! and `transaction_timeout`.
 //! An upgradeable read lock is one more shape of the same statements: the
 //! key shared behind an exclusive "upgrade intent" derived from it, and its
 //! upgrade the exclusive lock on a session that already holds the key.
@@ -52,7 +53,7 @@ pub(crate) enum Step {
     /// Attempts the lock and returns at once.
     Try,
     /// Waits at once where that is safe (the connection checks for a
-    /// vanished client, and no `statement_timeout` would cut the wait
+    /// vanished client, and no `statement_timeout` or `transaction_timeout` would cut the wait
     /// short), tries elsewhere. The first statement of a waiting call.
     TryOrWait,
     /// Waits on the server, under a statement-local `lock_timeout`.

@@ -19,7 +19,7 @@ pub(crate) struct SessionRow {
     pub(crate) pid: i32,
     /// The fencing token, when the lock was taken with fencing on.
     pub(crate) token: Option<FencingToken>,
-    /// Whether the session's `statement_timeout` would cut a wait short
+    /// Whether the session's `statement_timeout` or `transaction_timeout` would cut a wait short
     /// (`false` from a plain try, which does not read it: only the first
     /// statement of a wait, `Step::TryOrWait`, answers for a wait).
     pub(crate) limited: bool,

@@ -266,7 +266,7 @@ macro_rules! on_session {
 /// functions), left to right: `$lead`, the lock (`$ok`), `$tail`; then the
 /// marker counts a taken lock in. Columns: 0 taken (NULL: refused, the
 /// session is shared), 1 backend pid, 2 token, 3 marker, 4 the session's
-/// `statement_timeout`, 5–7 the resolved key.
+/// limit on a wait ([`wait_limit`]), 5–7 the resolved key.
 macro_rules! session_sql {
     ($lead:expr, $ok:expr, $tail:expr, $token:expr, $mark:expr) => {
         concat!(
@@ -328,7 +328,7 @@ macro_rules! session_try {
 /// expression that took the lock, so "taken" is read once. Columns as
 /// [`session_sql`]'s, with the marker and the resolved key NULL (no caller
 /// of a session lock reads them), column 4 `$limit` (the session's
-/// `statement_timeout` in the statements of a wait, NULL from a try, where
+/// limit on a wait, [`wait_limit`], in the statements of a wait, NULL from a try, where
 /// it reads as "not limited"), then `$settings`. `fenced`: the token is
 /// drawn only after this statement's own grant (`distlock.granted`, local
 /// to the statement), `unfenced`: NULL.
@@ -404,7 +404,7 @@ macro_rules! wait_limit {
 
 /// Whether the first statement of a wait waits at once: on a connection
 /// that already checks for a vanished client (so a dropped caller's wait
-/// ends within 100 ms) and has no `statement_timeout` (which would cut it
+/// ends within 100 ms) and has no limit on a wait ([`wait_limit`], which would cut it
 /// short). Elsewhere it only tries, and sets the check for the wait that
 /// follows a busy key.
 macro_rules! waits_at_once {
@@ -671,14 +671,14 @@ pub(crate) const MUX_WAIT_UNTIL_FREE: &str = concat!(
 );
 
 /// What a connection about to wait sets first (see
-/// [`session_settings`]), returning its `statement_timeout`.
+/// [`session_settings`]), returning its limit on a wait ([`wait_limit`]).
 pub(crate) const WAIT_SETTINGS: &str = concat!("SELECT ", wait_limit!(), session_settings!());
 
 /// Several keys at once, all or nothing: every key attempted in canonical
 /// order on a session that holds no distlock lock; if any was busy, the
 /// ones taken are given back in the same statement. Columns: 0 all taken
 /// (NULL: refused, the session is shared), 1 pid, 2 distinct server locks,
-/// 3 keys given back, 4 marker, 5 the session's `statement_timeout`.
+/// 3 keys given back, 4 marker, 5 the session's limit on a wait ([`wait_limit`]).
 pub(crate) const TRY_ALL: &str = concat!(
     "WITH ",
     resolved_all!(),

@@ -44,7 +44,8 @@ impl UpgradeableLock {
     /// granted ahead of it at once. Costs 1 round trip when upgraded (none if
     /// already upgraded), 2 when another session reads the key (the second
     /// gives back an exclusive lock granted in the instant the wait gave
-    /// up), and 2 more on a session with a `statement_timeout`. With
+    /// up), and 2 more on a session with a `statement_timeout` or a
+    /// `transaction_timeout`. With
     /// fencing, the upgrade draws a fresh token (a sequence draw, no durable
     /// write). The statements run on the lock's connection, after a
     /// heartbeat in flight, if any. Fails with [`Error::LockLost`] if the
@@ -90,13 +91,13 @@ impl UpgradeableLock {
     ///
     /// Costs 1 round trip, whether it waits or not (the lock's connection
     /// already checks for a vanished client, so the first statement waits);
-    /// 4 on a session with a `statement_timeout` (a try, then the wait in a
+    /// 4 on a session with a `statement_timeout` or `transaction_timeout` (a try, then the wait in a
     /// transaction block of its own that lifts the limit); none if already
     /// upgraded. On timeout it fails with [`Error::Timeout`] (naming a
     /// reader when PostgreSQL shows one) and the lock is still a read lock:
     /// PostgreSQL may grant the exclusive lock in the instant its
     /// `lock_timeout` fires, so 1 more round trip gives it back if it was
-    /// granted (2 with a `statement_timeout`), and 1 names the reader. A
+    /// granted (2 with either limit), and 1 names the reader. A
     /// `timeout` of zero waits a millisecond, as
     /// [`try_upgrade`](Self::try_upgrade) does; one longer than
     /// `lock_timeout` can express (about 24.8 days) means "as long as the

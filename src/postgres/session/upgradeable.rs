@@ -55,7 +55,7 @@ impl PgLocker {
     /// always taken before the key, so two sessions that wait for it never
     /// hold the key shared against each other's upgrade. Costs as for
     /// [`lock`](Self::lock): 1 round trip when free, 2 when it waits (4 on a
-    /// session with a `statement_timeout`), plus 1 to name a holder on
+    /// session with a `statement_timeout` or `transaction_timeout`), plus 1 to name a holder on
     /// timeout; a wait that fails closes its connection. A `timeout` of zero
     /// is a single try; one longer than the server's `lock_timeout` can
     /// express (about 24.8 days) means "as long as the server allows", as

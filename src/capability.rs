@@ -215,13 +215,13 @@ pub trait ElectionLocker: Locker {
         timeout: Duration,
     ) -> Result<(Box<dyn Lease>, Seat), Error>;
 
-    /// Records `proclamation` as the leader of `key` if `seat` holds the
-    /// key's lock as the backend sees it now, as a new term; `Ok(None)`,
-    /// recording nothing, if it does not. If the record it replaces still
-    /// named a leader, or named one withdrawn before its term started, the
-    /// new term starts after the proclamation's `grace` ([`LeaderInfo::since`] is that much later, and
-    /// [`leader`](Self::leader) names it only from then on). A grace longer
-    /// than [`Proclamation::MAX_GRACE`] is refused with
+    /// Records `proclamation` as the leader of `key` if `seat` holds the key's
+    /// lock as the backend sees it now, as a new term; `Ok(None)`, recording
+    /// nothing, if it does not. If the record it replaces still named a leader,
+    /// or named one withdrawn before its term started, the new term starts
+    /// after the proclamation's `grace` ([`LeaderInfo::since`] is that much
+    /// later, and [`leader`](Self::leader) names it only from then on). A grace
+    /// longer than [`Proclamation::MAX_GRACE`] is refused with
     /// [`Error::InvalidArgument`], recording nothing.
     ///
     /// On [`PgLocker`]: 1 round trip, one durable row write; no answer

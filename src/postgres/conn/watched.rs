@@ -115,9 +115,9 @@ impl WatchedConn {
     }
 
     /// The payload of the next notification on a channel the connection
-    /// `LISTEN`s to (whichever statement subscribed it), waiting for it
-    /// while no statement runs; `Err` with why the session is over once the server has ended it.
-    /// Reads nothing from the server that was not sent to it.
+    /// `LISTEN`s to (whichever statement subscribed it), waiting for it while
+    /// no statement runs; `Err` with why the session is over once the server
+    /// has ended it. Reads nothing from the server that was not sent to it.
     ///
     /// # Cancel safety
     ///

@@ -1,10 +1,10 @@
 //! What a multiplexed [`SessionLock`](crate::SessionLock) holds of its lock:
 //! the ticket the shared connection's driver granted (with the lock's place
-//! under `max_locks`, which goes with the unlock). `release()` hands the
-//! unlock to the driver and awaits its answer on the caller's task; a dropped guard drops the ticket, which
-//! queues the unlock. Nothing runs on the caller's runtime in between, so
-//! that runtime shutting down leaves the lock with its guard and its keeper
-//! (the driver), as it should.
+//! under `max_locks`, which goes with the unlock). `release()` hands the unlock
+//! to the driver and awaits its answer on the caller's task; a dropped guard
+//! drops the ticket, which queues the unlock. Nothing runs on the caller's
+//! runtime in between, so that runtime shutting down leaves the lock with its
+//! guard and its keeper (the driver), as it should.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -17,13 +17,14 @@ impl Mux {
     ///
     /// Costs 1 round trip on the shared connection when the key is free. When
     /// it is busy, each round of waiting costs 1 round trip on a pooled
-    /// connection (answered when the holder lets go; 3 where the session has
-    /// a `statement_timeout` or `transaction_timeout`, lifted for the wait) plus 1 more try. No try
-    /// or wait outlives `timeout` plus the heartbeat deadline (a stalled
-    /// network): it is abandoned then and reported as [`Error::Timeout`],
-    /// whose holder lookup takes at most two more deadlines. A shared
-    /// connection that fails to open before then ends the call sooner, with
-    /// [`Error::ConnectTimedOut`] or [`Error::MultiplexFailed`].
+    /// connection (answered when the holder lets go; 3 where the session has a
+    /// `statement_timeout` or `transaction_timeout`, lifted for the wait) plus
+    /// 1 more try. No try or wait outlives `timeout` plus the heartbeat
+    /// deadline (a stalled network): it is abandoned then and reported as
+    /// [`Error::Timeout`], whose holder lookup takes at most two more
+    /// deadlines. A shared connection that fails to open before then ends the
+    /// call sooner, with [`Error::ConnectTimedOut`] or
+    /// [`Error::MultiplexFailed`].
     ///
     /// Cancel safe: a try dropped mid-way leaves nothing held (see
     /// [`Mux::attempt`]), a dropped wait closes its connection.
@@ -112,16 +113,16 @@ impl Mux {
         }
     }
 
-    /// A pooled connection to wait on ([`Error::NoConnection`] if the pool
-    /// gave none before the deadline), or `None` if the deadline passed
-    /// while it was being set up. It is told to check for a vanished client every 100 ms
-    /// (`client_connection_check_interval`) *before* it waits: the server
-    /// reads that setting when a statement starts, so setting it inside the
-    /// waiting statement would not apply to that wait. Then a wait whose
-    /// caller went away ends within 100 ms instead of at its `lock_timeout`.
-    /// The setting is harmless for the connection's later users. 1 round trip,
-    /// which also tells whether the session has a `statement_timeout` (or `transaction_timeout`) that a
-    /// wait must lift.
+    /// A pooled connection to wait on ([`Error::NoConnection`] if the pool gave
+    /// none before the deadline), or `None` if the deadline passed while it was
+    /// being set up. It is told to check for a vanished client every 100 ms
+    /// (`client_connection_check_interval`) *before* it waits: the server reads
+    /// that setting when a statement starts, so setting it inside the waiting
+    /// statement would not apply to that wait. Then a wait whose caller went
+    /// away ends within 100 ms instead of at its `lock_timeout`. The setting is
+    /// harmless for the connection's later users. 1 round trip, which also
+    /// tells whether the session has a `statement_timeout` (or
+    /// `transaction_timeout`) that a wait must lift.
     async fn waiting_conn(
         &self,
         key: &LockKey,

@@ -52,9 +52,9 @@ impl Lock {
 pub(crate) enum Step {
     /// Attempts the lock and returns at once.
     Try,
-    /// Waits at once where that is safe (the connection checks for a
-    /// vanished client, and no `statement_timeout` or `transaction_timeout` would cut the wait
-    /// short), tries elsewhere. The first statement of a waiting call.
+    /// Waits at once where that is safe (the connection checks for a vanished
+    /// client, and no `statement_timeout` or `transaction_timeout` would cut
+    /// the wait short), tries elsewhere. The first statement of a waiting call.
     TryOrWait,
     /// Waits on the server, under a statement-local `lock_timeout`.
     Wait,

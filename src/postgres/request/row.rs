@@ -19,9 +19,9 @@ pub(crate) struct SessionRow {
     pub(crate) pid: i32,
     /// The fencing token, when the lock was taken with fencing on.
     pub(crate) token: Option<FencingToken>,
-    /// Whether the session's `statement_timeout` or `transaction_timeout` would cut a wait short
-    /// (`false` from a plain try, which does not read it: only the first
-    /// statement of a wait, `Step::TryOrWait`, answers for a wait).
+    /// Whether the session's `statement_timeout` or `transaction_timeout` would
+    /// cut a wait short (`false` from a plain try, which does not read it: only
+    /// the first statement of a wait, `Step::TryOrWait`, answers for a wait).
     pub(crate) limited: bool,
     /// The key as the server resolved it: space, a, b (`None` from a
     /// statement that resolves it in place, a fresh session's: only the

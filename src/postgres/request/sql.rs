@@ -320,18 +320,17 @@ macro_rules! session_try {
     };
 }
 
-/// A session lock statement on a fresh session, in one flat select (no
-/// CTE): a CTE scan costs the server more than the lock itself on a short
-/// try (BENCHMARKS, "The try statements"), and a hand-off between waiters
-/// is bound by the server's work per statement. `$call` is the lock, as a
-/// condition on the key resolved in place; the marker is counted in by the
-/// expression that took the lock, so "taken" is read once. Columns as
-/// [`session_sql`]'s, with the marker and the resolved key NULL (no caller
-/// of a session lock reads them), column 4 `$limit` (the session's
-/// limit on a wait, [`wait_limit`], in the statements of a wait, NULL from a try, where
-/// it reads as "not limited"), then `$settings`. `fenced`: the token is
-/// drawn only after this statement's own grant (`distlock.granted`, local
-/// to the statement), `unfenced`: NULL.
+/// A session lock statement on a fresh session, in one flat select (no CTE): a
+/// CTE scan costs the server more than the lock itself on a short try
+/// (BENCHMARKS, "The try statements"), and a hand-off between waiters is bound
+/// by the server's work per statement. `$call` is the lock, as a condition on
+/// the key resolved in place; the marker is counted in by the expression that
+/// took the lock, so "taken" is read once. Columns as [`session_sql`]'s, with
+/// the marker and the resolved key NULL (no caller of a session lock reads
+/// them), column 4 `$limit` (the session's limit on a wait, [`wait_limit`], in
+/// the statements of a wait, NULL from a try, where it reads as "not limited"),
+/// then `$settings`. `fenced`: the token is drawn only after this statement's
+/// own grant (`distlock.granted`, local to the statement), `unfenced`: NULL.
 ///
 /// Guarded by the suites, each seen failing on a broken variant: without
 /// the marker test, `faults` `pooler::two_clients_behind_a_single_connection_*`
@@ -402,9 +401,9 @@ macro_rules! wait_limit {
     };
 }
 
-/// Whether the first statement of a wait waits at once: on a connection
-/// that already checks for a vanished client (so a dropped caller's wait
-/// ends within 100 ms) and has no limit on a wait ([`wait_limit`], which would cut it
+/// Whether the first statement of a wait waits at once: on a connection that
+/// already checks for a vanished client (so a dropped caller's wait ends within
+/// 100 ms) and has no limit on a wait ([`wait_limit`], which would cut it
 /// short). Elsewhere it only tries, and sets the check for the wait that
 /// follows a busy key.
 macro_rules! waits_at_once {
@@ -674,11 +673,11 @@ pub(crate) const MUX_WAIT_UNTIL_FREE: &str = concat!(
 /// [`session_settings`]), returning its limit on a wait ([`wait_limit`]).
 pub(crate) const WAIT_SETTINGS: &str = concat!("SELECT ", wait_limit!(), session_settings!());
 
-/// Several keys at once, all or nothing: every key attempted in canonical
-/// order on a session that holds no distlock lock; if any was busy, the
-/// ones taken are given back in the same statement. Columns: 0 all taken
-/// (NULL: refused, the session is shared), 1 pid, 2 distinct server locks,
-/// 3 keys given back, 4 marker, 5 the session's limit on a wait ([`wait_limit`]).
+/// Several keys at once, all or nothing: every key attempted in canonical order
+/// on a session that holds no distlock lock; if any was busy, the ones taken
+/// are given back in the same statement. Columns: 0 all taken (NULL: refused,
+/// the session is shared), 1 pid, 2 distinct server locks, 3 keys given back, 4
+/// marker, 5 the session's limit on a wait ([`wait_limit`]).
 pub(crate) const TRY_ALL: &str = concat!(
     "WITH ",
     resolved_all!(),

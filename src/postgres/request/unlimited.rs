@@ -13,12 +13,12 @@
 //! one pays nothing):
 //!
 //! - outside a transaction block, the wait runs in one of its own,
-//!   `BEGIN; SET LOCAL statement_timeout = 0` (and `transaction_timeout`
-//!   where the server has it), wait, `COMMIT`: 2 round trips more. Session locks and the session marker outlive the
-//!   `COMMIT`; the lifted limit does not, so the connection goes back to
-//!   its later users as it was. A wait that fails leaves the transaction
-//!   open, and its connection must be closed, which every caller does
-//!   anyway (a failed wait may have been granted).
+//!   `BEGIN; SET LOCAL statement_timeout = 0` (and `transaction_timeout` where
+//!   the server has it), wait, `COMMIT`: 2 round trips more. Session locks and
+//!   the session marker outlive the `COMMIT`; the lifted limit does not, so the
+//!   connection goes back to its later users as it was. A wait that fails
+//!   leaves the transaction open, and its connection must be closed, which
+//!   every caller does anyway (a failed wait may have been granted).
 //! - inside a transaction (the transaction-scoped paths), the try
 //!   statement lifts it `SET LOCAL`-style when the key was busy, and the
 //!   wait statement puts the caller's value back, so the caller's own

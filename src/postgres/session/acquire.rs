@@ -142,22 +142,23 @@ impl PgLocker {
     /// PostgreSQL shows them) when the deadline passes.
     ///
     /// It first tries; if the lock is busy, it waits on the server
-    /// (`pg_advisory_lock` under a statement-local `lock_timeout`), so the
-    /// lock passes to this waiter the moment its holder releases it; nothing
-    /// polls. Costs 1 round trip when the lock is free, 2 when it has to wait
-    /// (4 on a session with a `statement_timeout` or a `transaction_timeout`,
-    /// which the wait lifts for itself, in a transaction of its own, so that
-    /// they cannot end the wait before `timeout`), plus 1 to name the holder on timeout. A `timeout` longer than the
-    /// server's `lock_timeout` can express (about 24.8 days), up to
-    /// `Duration::MAX`, means "as long as the server allows". A wait that times out closes its
-    /// connection instead of pooling it: PostgreSQL may grant the lock at the
-    /// instant `lock_timeout` fires (or the fencing token's write may time out
-    /// after the grant), and a session lock outlives the error of the
-    /// statement that took it. The holder is then looked up on another pooled
-    /// connection. A `timeout` of zero is a single
-    /// try. If the server does not answer within `timeout` plus the heartbeat
-    /// deadline (a stalled network), the attempt is abandoned and reported as
-    /// a timeout; naming the holder then takes at most two more deadlines.
+    /// (`pg_advisory_lock` under a statement-local `lock_timeout`), so the lock
+    /// passes to this waiter the moment its holder releases it; nothing polls.
+    /// Costs 1 round trip when the lock is free, 2 when it has to wait (4 on a
+    /// session with a `statement_timeout` or a `transaction_timeout`, which the
+    /// wait lifts for itself, in a transaction of its own, so that they cannot
+    /// end the wait before `timeout`), plus 1 to name the holder on timeout. A
+    /// `timeout` longer than the server's `lock_timeout` can express (about
+    /// 24.8 days), up to `Duration::MAX`, means "as long as the server allows".
+    /// A wait that times out closes its connection instead of pooling it:
+    /// PostgreSQL may grant the lock at the instant `lock_timeout` fires (or
+    /// the fencing token's write may time out after the grant), and a session
+    /// lock outlives the error of the statement that took it. The holder is
+    /// then looked up on another pooled connection. A `timeout` of zero is a
+    /// single try. If the server does not answer within `timeout` plus the
+    /// heartbeat deadline (a stalled network), the attempt is abandoned and
+    /// reported as a timeout; naming the holder then takes at most two more
+    /// deadlines.
     ///
     /// # Cancel safety
     ///

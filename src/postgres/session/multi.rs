@@ -125,14 +125,14 @@ impl PgLocker {
     /// It first tries all of them (1 round trip, as
     /// [`try_lock_all`](Self::try_lock_all)); if any is busy, it waits on the
     /// server, taking the keys one after another in the canonical order and
-    /// holding the ones it has while it waits for the next (so overlapping
-    /// sets never deadlock), each wait under `lock_timeout`; the caller gives
-    /// up at `timeout` (plus the heartbeat deadline on a stalled network); a
-    /// `timeout` longer than `lock_timeout` can express (about 24.8 days)
-    /// means "as long as the server allows", as for [`lock`](Self::lock). A
-    /// wait that fails closes its connection, which frees what it had taken.
-    /// On a session with a `statement_timeout` (or a `transaction_timeout`) the wait lifts it for itself,
-    /// in a transaction of its own (2 round trips more).
+    /// holding the ones it has while it waits for the next (so overlapping sets
+    /// never deadlock), each wait under `lock_timeout`; the caller gives up at
+    /// `timeout` (plus the heartbeat deadline on a stalled network); a
+    /// `timeout` longer than `lock_timeout` can express (about 24.8 days) means
+    /// "as long as the server allows", as for [`lock`](Self::lock). A wait that
+    /// fails closes its connection, which frees what it had taken. On a session
+    /// with a `statement_timeout` (or a `transaction_timeout`) the wait lifts
+    /// it for itself, in a transaction of its own (2 round trips more).
     ///
     /// # Cancel safety
     ///
@@ -330,14 +330,16 @@ enum Tried {
     /// Every key, on the backend with this pid.
     Taken(i32),
     /// None (the busy ones made it give back the others); `limited`: the
-    /// session's `statement_timeout` or `transaction_timeout` would cut a wait short.
+    /// session's `statement_timeout` or `transaction_timeout` would cut a wait
+    /// short.
     Busy { limited: bool },
 }
 
-/// Waits for every key in canonical order, within `timeout` all told (with
-/// a session `statement_timeout` and `transaction_timeout` lifted if `limited`); returns the backend
-/// pid: `Ok` when every key was taken, `Err` where the session already held
-/// another distlock lock (shared through a pooler: nothing was taken).
+/// Waits for every key in canonical order, within `timeout` all told (with a
+/// session `statement_timeout` and `transaction_timeout` lifted if `limited`);
+/// returns the backend pid: `Ok` when every key was taken, `Err` where the
+/// session already held another distlock lock (shared through a pooler: nothing
+/// was taken).
 async fn wait_all(
     conn: &mut HeldConn,
     set: &KeySet<'_>,

@@ -90,23 +90,22 @@ impl UpgradeableLock {
     /// upgrade's timeout ends it, keeping the read.
     ///
     /// Costs 1 round trip, whether it waits or not (the lock's connection
-    /// already checks for a vanished client, so the first statement waits);
-    /// 4 on a session with a `statement_timeout` or `transaction_timeout` (a try, then the wait in a
-    /// transaction block of its own that lifts the limit); none if already
-    /// upgraded. On timeout it fails with [`Error::Timeout`] (naming a
-    /// reader when PostgreSQL shows one) and the lock is still a read lock:
-    /// PostgreSQL may grant the exclusive lock in the instant its
+    /// already checks for a vanished client, so the first statement waits); 4
+    /// on a session with a `statement_timeout` or `transaction_timeout` (a try,
+    /// then the wait in a transaction block of its own that lifts the limit);
+    /// none if already upgraded. On timeout it fails with [`Error::Timeout`]
+    /// (naming a reader when PostgreSQL shows one) and the lock is still a read
+    /// lock: PostgreSQL may grant the exclusive lock in the instant its
     /// `lock_timeout` fires, so 1 more round trip gives it back if it was
-    /// granted (2 with either limit), and 1 names the reader. A
-    /// `timeout` of zero waits a millisecond, as
-    /// [`try_upgrade`](Self::try_upgrade) does; one longer than
-    /// `lock_timeout` can express (about 24.8 days) means "as long as the
-    /// server allows". With fencing,
-    /// the upgrade draws a fresh token. If the server does not answer within
-    /// `timeout` plus the heartbeat deadline (each statement after the wait:
-    /// within the heartbeat deadline), or ends the session, the lock counts
-    /// as lost ([`Error::LockLost`]) and its connection is closed. While an
-    /// upgrade waits, its statement stands in for the heartbeat.
+    /// granted (2 with either limit), and 1 names the reader. A `timeout` of
+    /// zero waits a millisecond, as [`try_upgrade`](Self::try_upgrade) does;
+    /// one longer than `lock_timeout` can express (about 24.8 days) means "as
+    /// long as the server allows". With fencing, the upgrade draws a fresh
+    /// token. If the server does not answer within `timeout` plus the heartbeat
+    /// deadline (each statement after the wait: within the heartbeat deadline),
+    /// or ends the session, the lock counts as lost ([`Error::LockLost`]) and
+    /// its connection is closed. While an upgrade waits, its statement stands
+    /// in for the heartbeat.
     ///
     /// # Cancel safety
     ///

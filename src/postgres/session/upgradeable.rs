@@ -48,19 +48,19 @@ impl PgLocker {
     /// while someone holds it exclusively or another session holds it
     /// upgradeable; fails with [`Error::Timeout`] when the deadline passes.
     ///
-    /// The wait happens on the server, first for the key's upgrade intent
-    /// (the other upgradeable holder), then for the key (a writer), both
-    /// within the one `timeout`; as for [`lock_shared`](Self::lock_shared),
-    /// the read queues behind a writer that waits already. The intent is
-    /// always taken before the key, so two sessions that wait for it never
-    /// hold the key shared against each other's upgrade. Costs as for
-    /// [`lock`](Self::lock): 1 round trip when free, 2 when it waits (4 on a
-    /// session with a `statement_timeout` or `transaction_timeout`), plus 1 to name a holder on
-    /// timeout; a wait that fails closes its connection. A `timeout` of zero
-    /// is a single try; one longer than the server's `lock_timeout` can
-    /// express (about 24.8 days) means "as long as the server allows", as
-    /// for [`lock`](Self::lock). In the multiplexed mode it takes a
-    /// connection of its own from the pool.
+    /// The wait happens on the server, first for the key's upgrade intent (the
+    /// other upgradeable holder), then for the key (a writer), both within the
+    /// one `timeout`; as for [`lock_shared`](Self::lock_shared), the read
+    /// queues behind a writer that waits already. The intent is always taken
+    /// before the key, so two sessions that wait for it never hold the key
+    /// shared against each other's upgrade. Costs as for [`lock`](Self::lock):
+    /// 1 round trip when free, 2 when it waits (4 on a session with a
+    /// `statement_timeout` or `transaction_timeout`), plus 1 to name a holder
+    /// on timeout; a wait that fails closes its connection. A `timeout` of zero
+    /// is a single try; one longer than the server's `lock_timeout` can express
+    /// (about 24.8 days) means "as long as the server allows", as for
+    /// [`lock`](Self::lock). In the multiplexed mode it takes a connection of
+    /// its own from the pool.
     ///
     /// ```no_run
     /// # async fn demo(locker: distlock::PgLocker) -> Result<(), distlock::Error> {

@@ -573,11 +573,11 @@ async fn rollback_within(
 }
 
 /// Takes the lock inside the open transaction; `Ok(false)` means busy (and,
-/// when waiting, that the deadline passed), `Err(pid)` that the session
-/// carries another client's lock marker (nothing was attempted). A wait
-/// after a busy try runs with the session's `statement_timeout` lifted by the try and put back by
-/// the wait (see [`unlimited`](crate::postgres::request::unlimited)), and the
-/// caller's `lock_timeout` put back too, before the closure runs.
+/// when waiting, that the deadline passed), `Err(pid)` that the session carries
+/// another client's lock marker (nothing was attempted). A wait after a busy
+/// try runs with the session's `statement_timeout` lifted by the try and put
+/// back by the wait (see [`unlimited`](crate::postgres::request::unlimited)),
+/// and the caller's `lock_timeout` put back too, before the closure runs.
 async fn lock_in_xact(
     conn: &mut PgConnection,
     key: Bound<'_>,

@@ -98,13 +98,16 @@ pub(crate) struct Tenure {
     turn: Turn,
 }
 
-/// A head's connection while it holds the queue: its backend, and the
-/// session's `idle_session_timeout` from before the guard the line-up set,
-/// given back with the queue or when the connection becomes a permit's.
+/// A head's connection while it holds the queue: its backend, the
+/// session's `idle_session_timeout` from before the guard the line-up set
+/// (given back with the queue or when the connection becomes a permit's),
+/// and whether the session has a limit on a wait that the head's waits
+/// lift (`unlimited`).
 #[derive(Debug, Clone)]
 pub(crate) struct Waiting {
     pub(crate) pid: i32,
     pub(crate) idle_timeout: String,
+    pub(crate) limited: bool,
 }
 
 /// Open while it lives: dropped (the connection given back or closed), the

@@ -62,7 +62,9 @@ use crate::postgres::permit_relay::{Pass, Passed, Relay, TURN, Tenure, Waiting};
 use crate::postgres::pooler::session_locking_error;
 use crate::postgres::request::fragments::{
     PgQuery, client_check, keepalives, millis_setting, permit_channel, session_marker, token_draw,
+    wait_limit,
 };
+use crate::postgres::request::unlimited;
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
 use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, sqlstate};
@@ -165,8 +167,9 @@ enum Try<'a> {
     /// [`TRY`]: takes nothing while a process waits.
     Plain,
     /// [`LINE_UP`] with no slot: waits for the queue until the deadline,
-    /// and takes nothing else.
-    Queue(tokio::time::Instant),
+    /// and takes nothing else; `true`: the session has a limit on a wait,
+    /// which the line-up lifts (see `unlimited`).
+    Queue(tokio::time::Instant, bool),
     /// [`HEAD_TRY`]: the connection holds the queue.
     Head(&'a Waiting),
     /// [`AHEAD`]: another connection of the process holds the queue.
@@ -249,7 +252,7 @@ impl PgSlots {
         // The queue's line-up tries no slot: the process's tries run on
         // other connections, so that this one keeps the queue.
         let slots: &[String] = match kind {
-            Try::Queue(_) => &[],
+            Try::Queue(..) => &[],
             _ => &self.slots,
         };
         let query = self.bind(
@@ -257,15 +260,15 @@ impl PgSlots {
             sqlx::query(match (kind, fenced) {
                 (Try::Plain, false) => TRY,
                 (Try::Plain, true) => TRY_FENCED,
-                (Try::Queue(_), false) => LINE_UP,
-                (Try::Queue(_), true) => LINE_UP_FENCED,
+                (Try::Queue(..), false) => LINE_UP,
+                (Try::Queue(..), true) => LINE_UP_FENCED,
                 (Try::Head(_), false) => HEAD_TRY,
                 (Try::Head(_), true) => HEAD_TRY_FENCED,
                 (Try::Ahead, false) => AHEAD,
                 (Try::Ahead, true) => AHEAD_FENCED,
             }),
         );
-        let Try::Queue(deadline) = kind else {
+        let Try::Queue(deadline, limited) = kind else {
             let query = match kind {
                 Try::Head(waiting) => query.bind(waiting.pid).bind(waiting.idle_timeout.as_str()),
                 _ => query,
@@ -278,10 +281,13 @@ impl PgSlots {
         if remaining.is_zero() {
             return Ok(None);
         }
-        let statement = query
-            .bind(millis_setting(remaining))
-            .bind(GUARD)
-            .fetch_one(conn.conn());
+        let query = query.bind(millis_setting(remaining)).bind(GUARD);
+        // A session limit on the wait (statement_timeout, transaction_timeout)
+        // is lifted for it; a failed wait leaves the transaction open, and
+        // the caller closes the connection.
+        let statement = unlimited::session_wait(conn.conn(), limited, async |conn| {
+            query.fetch_one(conn).await
+        });
         // The server gives up at the deadline (lock_timeout). An answer
         // that has not arrived shortly after it (a slow or stalled network)
         // is not waited for, so that the call keeps its deadline.
@@ -300,8 +306,9 @@ impl PgSlots {
     /// Takes a slot, waiting until `deadline` behind this process's earlier
     /// waiters and, on the server, behind the other processes' (see the
     /// file's documentation): 1 round trip when a permit is free and no one
-    /// waits, 3 when it waits (the try, `LISTEN`, the line-up), and 1 more
-    /// per announced freed slot; none for a permit handed over in the
+    /// waits, 3 when it waits (the try, `LISTEN`, the line-up; 2 more where
+    /// the session has a limit on a wait), and 1 more per announced freed
+    /// slot; none for a permit handed over in the
     /// process's turn. Pool errors are retried until the deadline.
     pub(crate) async fn acquire(
         &self,
@@ -517,9 +524,15 @@ impl PgSlots {
         deadline: tokio::time::Instant,
     ) -> Result<Tenure, Error> {
         let mut conn = self.connection(started, deadline).await?;
-        self.listen(&mut conn).await?;
-        match self.try_on(&mut conn, Try::Queue(deadline)).await? {
-            Some(Outcome::Busy(waiting)) => Ok(self.relay.open(conn, waiting)),
+        let limited = self.listen(&mut conn).await?;
+        match self
+            .try_on(&mut conn, Try::Queue(deadline, limited))
+            .await?
+        {
+            Some(Outcome::Busy(waiting)) => {
+                let waiting = Waiting { limited, ..waiting };
+                Ok(self.relay.open(conn, waiting))
+            }
             // It tries no slot, so it takes none.
             Some(Outcome::Granted(..)) => Err(Error::NotGranted { key: self.named() }),
             // Timed out: the connection may hold the queue (granted as the
@@ -546,12 +559,16 @@ impl PgSlots {
             return Rotated::Served(self.relay.open(conn, waiting), passed);
         }
         let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let statement = sqlx::query(ROTATE)
+        let query = sqlx::query(ROTATE)
             .bind(self.namespace)
             .bind(self.queue.as_str())
             .bind(waiting.pid)
-            .bind(millis_setting(remaining))
-            .fetch_one(conn.conn());
+            .bind(millis_setting(remaining));
+        // Its wait, too, lifts the session's limit (a failure closes the
+        // connection, below).
+        let statement = unlimited::session_wait(conn.conn(), waiting.limited, async |conn| {
+            query.fetch_one(conn).await
+        });
         let grace = crate::deadline::after(deadline, ANSWER_GRACE);
         let queue = self.queue_key();
         let answer = crate::span::waiting(&queue, tokio::time::timeout_at(grace, statement)).await;
@@ -690,9 +707,12 @@ impl PgSlots {
 
     /// Subscribes the head's connection to the permit channel and sets its
     /// client check, in one simple query ([`LISTEN`]): 1 round trip.
-    async fn listen(&self, conn: &mut HeldConn) -> Result<(), Error> {
-        sqlx::raw_sql(LISTEN).execute(conn.conn()).await?;
-        Ok(())
+    /// `true` when the session has a limit on a wait, which the line-up
+    /// and the rotations then lift.
+    async fn listen(&self, conn: &mut HeldConn) -> Result<bool, Error> {
+        let row = sqlx::raw_sql(LISTEN).fetch_one(conn.conn()).await?;
+        let limit: Option<String> = row.try_get(1)?;
+        Ok(unlimited::limited(limit.as_deref()))
     }
 
     /// Waits on the queue's connection for an announced freed slot of this
@@ -837,7 +857,12 @@ impl PgSlots {
         let slot: Option<i64> = row.try_get(2)?;
         let (true, Some(slot)) = (queued, slot) else {
             let idle_timeout = row.try_get::<Option<String>, _>(6)?.unwrap_or_default();
-            return Ok(Outcome::Busy(Waiting { pid, idle_timeout }));
+            let limited = false;
+            return Ok(Outcome::Busy(Waiting {
+                pid,
+                idle_timeout,
+                limited,
+            }));
         };
         let slot = u32::try_from(slot).map_err(|_| Error::NotGranted { key: self.named() })?;
         let token = if self.fencing() {
@@ -1052,7 +1077,14 @@ const HEAD_TRY_FENCED: &str = head_try!(slot_token!());
 /// (its connection closed) would stay there until granted or its
 /// `lock_timeout`. The notifications reach the connection's listener
 /// whichever statement subscribed it.
-const LISTEN: &str = concat!("LISTEN ", permit_channel!(), "; SELECT ", client_check!());
+const LISTEN: &str = concat!(
+    "LISTEN ",
+    permit_channel!(),
+    "; SELECT ",
+    client_check!(),
+    ", ",
+    wait_limit!()
+);
 
 /// The head gives the queue back and waits for it again (`$3` its backend,
 /// which the marker check confirms, `$4` the `lock_timeout`): PostgreSQL

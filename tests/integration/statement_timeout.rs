@@ -301,3 +301,71 @@ async fn a_session_transaction_timeout_does_not_cut_session_waits_short(pool: Pg
     assert_eq!(limit, SESSION_LIMIT);
     limited.close().await;
 }
+
+/// Waits for a permit of a `Semaphore(1)` on `limited` while the permit is
+/// held for [`HOLD`] and a head of another process holds the semaphore's
+/// queue: this process's head lines up behind it in the server's lock
+/// queue, a wait of about [`HOLD`] that must end with the grant, not at
+/// the session's limit.
+async fn assert_semaphore_queue_wait_granted(pool: &PgPool, limited: &PgPool, what: &str) {
+    const NAME: &str = "sem:limited";
+    let permit = PgLocker::new(pool.clone())
+        .semaphore(NAME, 1)
+        .expect("a valid semaphore")
+        .try_acquire()
+        .await
+        .expect("try_acquire")
+        .expect("a free permit");
+    // The other process: a semaphore of its own, on a pool of its own.
+    let other = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .expect("the other process's pool");
+    let other = PgLocker::new(other)
+        .semaphore(NAME, 1)
+        .expect("a valid semaphore");
+    let other_head = tokio::spawn(async move {
+        let permit = other.acquire(TIMEOUT * 2).await?;
+        permit.release().await
+    });
+    let mut obs = observer_for(pool).await;
+    semaphore_head_idle_with_queue(&mut obs, NAME).await;
+    let ours = PgLocker::new(limited.clone())
+        .semaphore(NAME, 1)
+        .expect("a valid semaphore");
+    let started = Instant::now();
+    let holder = tokio::spawn(async move {
+        tokio::time::sleep(HOLD).await;
+        permit.release().await.expect("release the held permit");
+    });
+    let outcome = ours.acquire(TIMEOUT).await;
+    let permit = assert_granted_after_hold(what, started, outcome);
+    permit.release().await.expect("release");
+    holder.await.expect("holder");
+    other_head
+        .await
+        .expect("the other head")
+        .expect("the other process gets the permit first and gives it back");
+}
+
+/// A `Semaphore::acquire` whose head waits in the server's queue behind
+/// another process's head waits past the session's `statement_timeout`.
+#[sqlx::test(migrations = false)]
+async fn a_session_statement_timeout_does_not_cut_a_semaphore_queue_wait_short(pool: PgPool) {
+    let limited = limited_pool(&pool).await;
+    assert_semaphore_queue_wait_granted(&pool, &limited, "Semaphore::acquire").await;
+    limited.close().await;
+}
+
+/// The same under a session `transaction_timeout` (PostgreSQL 17 and
+/// later), which would end the session in the middle of the wait.
+#[sqlx::test(migrations = false)]
+async fn a_session_transaction_timeout_does_not_cut_a_semaphore_queue_wait_short(pool: PgPool) {
+    let Some(limited) = transaction_limited_pool(&pool).await else {
+        return;
+    };
+    let what = "Semaphore::acquire under transaction_timeout";
+    assert_semaphore_queue_wait_granted(&pool, &limited, what).await;
+    limited.close().await;
+}

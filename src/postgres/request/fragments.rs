@@ -281,6 +281,21 @@ macro_rules! client_check {
 }
 pub(crate) use client_check;
 
+/// The limit a session puts on a lock wait, column 4 of the statements of
+/// a wait, and of the semaphore head's `LISTEN`: its `statement_timeout`,
+/// or where that is `0` its `transaction_timeout` (PostgreSQL 17 and
+/// later; a wait outside a transaction block is a transaction of its own,
+/// which the server ends with the session at that limit). `'0'` when neither would cut a wait
+/// short; [`unlimited`](super::unlimited) lifts both.
+macro_rules! wait_limit {
+    () => {
+        "CASE WHEN pg_catalog.current_setting('statement_timeout') OPERATOR(pg_catalog.=) '0' \
+         THEN coalesce(pg_catalog.current_setting('transaction_timeout', true), '0') \
+         ELSE pg_catalog.current_setting('statement_timeout') END"
+    };
+}
+pub(crate) use wait_limit;
+
 /// The transaction-scoped lock's marker: `set` (a select-list fragment)
 /// names the marker setting `distlock.xact_lock` in itself, for the
 /// transaction; `check` (a statement) asks for the setting the marker

@@ -7,7 +7,7 @@
 
 use super::{Lock, Step};
 use crate::postgres::request::fragments::{
-    client_check, keepalives, session_marker, standby_check, token_draw, xact_marker,
+    client_check, keepalives, session_marker, standby_check, token_draw, wait_limit, xact_marker,
 };
 
 /// The CTE `k`: one key resolved to `(space, a, b)`, the arguments of the
@@ -384,20 +384,6 @@ macro_rules! session_in_place {
             ", NULL::pg_catalog.int4, NULL::pg_catalog.int8, NULL::pg_catalog.int8",
             $settings
         )
-    };
-}
-
-/// The limit a session puts on a lock wait, column 4 of the statements of
-/// a wait: its `statement_timeout`, or where that is `0` its
-/// `transaction_timeout` (PostgreSQL 17 and later; a wait outside a
-/// transaction block is a transaction of its own, which the server ends
-/// with the session at that limit). `'0'` when neither would cut a wait
-/// short; [`unlimited`](super::unlimited) lifts both.
-macro_rules! wait_limit {
-    () => {
-        "CASE WHEN pg_catalog.current_setting('statement_timeout') OPERATOR(pg_catalog.=) '0' \
-         THEN coalesce(pg_catalog.current_setting('transaction_timeout', true), '0') \
-         ELSE pg_catalog.current_setting('statement_timeout') END"
     };
 }
 

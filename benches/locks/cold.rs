@@ -66,7 +66,8 @@ pub struct Statements {
     /// for a vanished client and tries elsewhere (the key as `$1`–`$3`,
     /// the `lock_timeout` as `$4`).
     pub try_or_wait: String,
-    /// `release`'s (binds the key as `$1`).
+    /// `release`'s (binds the lock's backend pid as `$1`, which the
+    /// statement checks before it unlocks, and the key as `$2`).
     pub unlock: String,
 }
 
@@ -192,6 +193,8 @@ struct Ctx {
     statements: Statements,
     raw: PgConnection,
     theirs: PgConnection,
+    /// The backend of `theirs`, which its unlock statement names.
+    their_pid: i32,
 }
 
 impl Ctx {
@@ -238,10 +241,15 @@ impl Ctx {
 
     async fn their_unlock(&mut self, key: i64) -> anyhow::Result<()> {
         let sql = AssertSqlSafe(self.statements.unlock.clone());
-        sqlx::query(sql)
+        let row = sqlx::query(sql)
+            .bind(self.their_pid)
             .bind(key)
             .fetch_one(&mut self.theirs)
             .await?;
+        let unlocked: Option<bool> = sqlx::Row::try_get(&row, 0)?;
+        if unlocked != Some(true) {
+            bail!("distlock's unlock statement, sent raw, did not unlock key {key}");
+        }
         Ok(())
     }
 
@@ -266,9 +274,14 @@ pub async fn measure(opts: &PgConnectOptions, rounds: usize) -> anyhow::Result<V
         .await?;
     let locker = PgLocker::new(pool.clone());
     let statements = capture(opts, 95_000_000).await?;
+    let mut theirs = PgConnection::connect_with(opts).await?;
+    let their_pid = sqlx::query_scalar("SELECT pg_catalog.pg_backend_pid()")
+        .fetch_one(&mut theirs)
+        .await?;
     let mut ctx = Ctx {
         raw: PgConnection::connect_with(opts).await?,
-        theirs: PgConnection::connect_with(opts).await?,
+        theirs,
+        their_pid,
         pool,
         locker,
         statements,

@@ -282,7 +282,8 @@ async fn raw_loop(
 /// them off the wire, sent on a dedicated connection: what the statements
 /// cost without the client side of `PgLocker`. The wait binds the key as
 /// `$1`–`$3` (space 1, the id, no name) and the `lock_timeout` as `$4`;
-/// the unlock binds the id.
+/// the unlock binds the connection's backend pid (which it checks before it
+/// unlocks) and the id.
 async fn distlock_sql_loop(
     mut conn: PgConnection,
     key: i64,
@@ -290,6 +291,9 @@ async fn distlock_sql_loop(
     baton: &Baton,
     target: usize,
 ) -> anyhow::Result<()> {
+    let pid: i32 = sqlx::query_scalar("SELECT pg_catalog.pg_backend_pid()")
+        .fetch_one(&mut conn)
+        .await?;
     loop {
         let row = sqlx::query(AssertSqlSafe(wait.as_str()))
             .bind(1_i32)
@@ -305,10 +309,15 @@ async fn distlock_sql_loop(
         }
         let stop = baton.acquired(target);
         baton.releasing();
-        sqlx::query(AssertSqlSafe(unlock.as_str()))
+        let row = sqlx::query(AssertSqlSafe(unlock.as_str()))
+            .bind(pid)
             .bind(key)
             .fetch_one(&mut conn)
             .await?;
+        let unlocked: Option<bool> = sqlx::Row::try_get(&row, 0)?;
+        if unlocked != Some(true) {
+            anyhow::bail!("distlock's unlock statement, sent raw, did not unlock key {key}");
+        }
         if stop {
             return Ok(conn.close().await?);
         }

@@ -919,8 +919,43 @@ async fn a_lock_taken_while_the_timer_idles_gets_its_keeper(pool: PgPool) {
     terminate_and_await_loss(&mut obs, &lock).await;
 }
 
-/// A locker's keepers are started by one timer task, spawned on the runtime
-/// of its first session lock. When that runtime shuts down, the task is
+/// A locker of `connect`'s database with a 100 ms heartbeat and no warm
+/// connections, so that no connection of one runtime is used on another.
+fn locker_for_runtimes(connect: &PgConnectOptions) -> PgLocker {
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_lazy_with(connect.clone());
+    PgLocker::builder(pool)
+        .heartbeat(Duration::from_millis(100))
+        .keep_warm(0, Duration::ZERO)
+        .build()
+        .expect("valid settings")
+}
+
+/// On a thread of its own, takes `key` with `locker` on the runtime `rt`,
+/// holds it past its first heartbeat (so the locker's timer has run there)
+/// and releases it; then shuts `rt` down, or (`keep`) returns it idle.
+fn lock_once_on(
+    rt: tokio::runtime::Runtime,
+    locker: &PgLocker,
+    key: &'static str,
+    keep: bool,
+) -> Option<tokio::runtime::Runtime> {
+    let locker = locker.clone();
+    std::thread::spawn(move || {
+        rt.block_on(async {
+            let lock = locker.try_lock(key).await.unwrap().unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            lock.release().await.unwrap();
+        });
+        keep.then_some(rt)
+    })
+    .join()
+    .unwrap()
+}
+
+/// A locker's keepers are started by a timer task per runtime, spawned with
+/// its first session lock there. When that runtime shuts down, its task is
 /// gone; a lock taken on another runtime must still get its keeper (and so
 /// report its loss).
 #[sqlx::test(migrations = false)]
@@ -929,28 +964,33 @@ async fn keepers_start_after_the_first_runtime_shut_down(
     connect: PgConnectOptions,
 ) {
     let mut obs = observer(&connect).await;
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect_lazy_with(connect.clone());
-    let locker = PgLocker::builder(pool)
-        .heartbeat(Duration::from_millis(100))
-        .keep_warm(0, Duration::ZERO)
-        .build()
-        .expect("valid settings");
-    let first = locker.clone();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        rt.block_on(async {
-            let lock = first.try_lock("session:rt1").await.unwrap().unwrap();
-            // Past its first heartbeat: the timer task has run.
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            lock.release().await.unwrap();
-        });
-    })
-    .join()
-    .unwrap();
+    let locker = locker_for_runtimes(&connect);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    lock_once_on(rt, &locker, "session:rt1", false);
     let lock = locker.try_lock("session:rt2").await.unwrap().unwrap();
     terminate_and_await_loss(&mut obs, &lock).await;
+}
+
+/// A locker shared between runtimes keeps each lock on the runtime that
+/// took it. Here the locker's first lock was taken on a current-thread
+/// runtime that then sits idle (outside `block_on`, it runs nothing): a
+/// lock taken on another runtime must still get its keeper there, and so
+/// report its loss.
+#[sqlx::test(migrations = false)]
+async fn a_lock_is_kept_on_its_own_runtime_while_the_first_sits_idle(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let mut obs = observer(&connect).await;
+    let locker = locker_for_runtimes(&connect);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let idle = lock_once_on(rt, &locker, "session:idle-rt", true).expect("kept");
+    let lock = locker.try_lock("session:busy-rt").await.unwrap().unwrap();
+    terminate_and_await_loss(&mut obs, &lock).await;
+    idle.shutdown_background();
 }
 
 // ---- Reader-writer session locks -------------------------------------------

@@ -39,21 +39,17 @@ use crate::{Error, FencingToken, LockKey, LossReason};
 ///
 /// # Outliving the runtime
 ///
-/// The task keeping the lock runs on the runtime of the locker's keeper
-/// timer: the runtime that took the locker's first session lock, or the
-/// first to take one after that runtime shut down (in the multiplexed mode:
-/// the runtime that opened the shared connection). With one runtime, as
-/// most applications have, that is the runtime that took the lock. When
-/// that runtime shuts down while the guard lives on, nothing keeps the lock
-/// any more: its connection is closed (PostgreSQL frees the lock) and
-/// [`lost`](Self::lost) completes with [`LossReason::KeeperStopped`], on
-/// any runtime. A locker shared between runtimes therefore relies on the
-/// timer's runtime being driven: a current-thread runtime left idle
-/// (outside `block_on`) runs no keeper, so the locks of the other runtimes
-/// get no heartbeat and would not see their loss; give each runtime a
-/// locker of its own (a clone shares the timer). A multiplexed lock taken
-/// on another runtime than its connection's stays held when the taking
-/// runtime shuts down: nothing of it runs there.
+/// The task keeping the lock runs on the runtime that took it (in the
+/// multiplexed mode: the runtime that opened the shared connection), also
+/// when the locker is shared between runtimes: a runtime that sits idle (a
+/// current-thread runtime outside `block_on`) holds up the keepers of its
+/// own locks only. When that runtime shuts down while the guard lives on,
+/// nothing keeps the lock any more: its connection is closed (PostgreSQL
+/// frees the lock) and [`lost`](Self::lost) completes with
+/// [`LossReason::KeeperStopped`], on any runtime. A lock whose own runtime
+/// is not driven gets no heartbeat and does not see its loss. A multiplexed
+/// lock taken on another runtime than its connection's stays held when the
+/// taking runtime shuts down: nothing of it runs there.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct SessionLock {
     key: LockKey,

@@ -1,7 +1,12 @@
 //! Starts session locks' keepers when they are due (a short, fixed delay
-//! after the grant, see `keeper.rs`): one task per `PgLocker` instead of one
-//! task per lock at grant time, so a lock held for less than that delay
-//! never spawns anything.
+//! after the grant, see `keeper.rs`): one task per `PgLocker` and runtime
+//! instead of one task per lock at grant time, so a lock held for less than
+//! that delay never spawns anything.
+//!
+//! A keeper starts on the runtime that took its lock: a locker shared
+//! between runtimes has a task on each, so that a runtime that sits idle
+//! (a current-thread runtime outside `block_on`) holds up only its own
+//! locks' keepers, never another runtime's.
 //!
 //! Scheduling a keeper is a push onto a heap under a short mutex. The timer
 //! task is woken only when the new keeper is due before every other (in
@@ -13,8 +18,9 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
+use tokio::runtime::{Handle, Id};
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until};
 
@@ -30,11 +36,13 @@ pub(crate) trait Parked: Send + Sync {
     fn stop(&self);
 }
 
-/// A locker's timer; its task starts with the locker's first session lock
-/// and ends once the locker is gone and no keeper waits.
+/// A locker's timer: on each runtime, a task that starts with the first
+/// session lock the locker takes there and ends once the locker is gone and
+/// no keeper waits.
 #[derive(Debug, Default)]
 pub(crate) struct Timer {
-    state: OnceLock<Arc<State>>,
+    /// One per runtime that has a task, or keepers waiting for one.
+    runtimes: Mutex<Vec<(Id, Arc<State>)>>,
 }
 
 #[derive(Debug, Default)]
@@ -59,7 +67,17 @@ impl Timer {
     /// by then. Never blocks (a short mutex); spawns the timer task when
     /// none runs.
     pub(crate) fn schedule(&self, due: Instant, slot: Weak<dyn Parked>) {
-        let state = self.state.get_or_init(Arc::default);
+        let Ok(runtime) = Handle::try_current() else {
+            // No runtime to keep the lock on: stopped, the keeper closes the
+            // connection and reports the loss (a false alarm, never a
+            // missed one).
+            if let Some(parked) = slot.upgrade() {
+                parked.stop();
+            }
+            return;
+        };
+        let mut runtimes = self.runtimes.lock().unwrap_or_else(PoisonError::into_inner);
+        let state = on(&mut runtimes, runtime.id());
         let mut heap = state.lock();
         let first = heap.due.peek().is_none_or(|Reverse(next)| due < next.at);
         heap.due.push(Reverse(Due { at: due, slot }));
@@ -70,8 +88,8 @@ impl Timer {
             // shutting down drops a new task without polling it, and the
             // guard must still see that (or `running` would stay set and no
             // keeper of this locker would ever start again).
-            let running = Running(Some(Arc::clone(state)));
-            tokio::spawn(run(Arc::clone(state), running));
+            let running = Running(Some(Arc::clone(&state)));
+            tokio::spawn(run(Arc::clone(&state), running));
         } else if first {
             drop(heap);
             state.wake.notify_one();
@@ -79,12 +97,37 @@ impl Timer {
     }
 }
 
+/// The state of `runtime` among `runtimes`, added if it has none. A state
+/// without a task and without waiting keepers is dropped on the way (its
+/// task ended, or its runtime shut down), so runtimes that come and go
+/// leave nothing behind.
+fn on(runtimes: &mut Vec<(Id, Arc<State>)>, runtime: Id) -> Arc<State> {
+    runtimes.retain(|(id, state)| *id == runtime || !state.lock().idle());
+    if let Some((_, state)) = runtimes.iter().find(|(id, _)| *id == runtime) {
+        return Arc::clone(state);
+    }
+    let state = Arc::new(State::default());
+    runtimes.push((runtime, Arc::clone(&state)));
+    state
+}
+
 impl Drop for Timer {
     fn drop(&mut self) {
-        if let Some(state) = self.state.get() {
+        let runtimes = self
+            .runtimes
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        for (_, state) in runtimes.iter() {
             state.closed.store(true, Ordering::Release);
             state.wake.notify_one();
         }
+    }
+}
+
+impl Heap {
+    /// No task runs for it and no keeper waits in it.
+    fn idle(&self) -> bool {
+        !self.running && self.due.is_empty()
     }
 }
 
@@ -146,9 +189,7 @@ async fn run(state: Arc<State>, mut running: Running) {
 /// driver), no task will ever start them there, and a guard that outlives
 /// the runtime must not go on claiming its lock. Stopping a parked keeper
 /// closes its connection and reports `KeeperStopped` (see `Keeper`'s
-/// `Drop`). A locker used from several runtimes at once has its timer on one
-/// of them; when that one shuts down, locks of the others still parked are
-/// reported lost too: a false alarm, never a missed one.
+/// `Drop`). The other runtimes' keepers wait in heaps of their own.
 struct Running(Option<Arc<State>>);
 
 impl Drop for Running {
@@ -253,7 +294,10 @@ mod tests {
             timer.schedule(Instant::now(), gone());
             // The task takes what is due at once; give it a generous bound.
             let started = Instant::now();
-            while !timer.state.get().expect("scheduled").lock().due.is_empty() {
+            while !timer.runtimes.lock().expect("runtimes")[..]
+                .iter()
+                .all(|(_, state)| state.lock().due.is_empty())
+            {
                 assert!(
                     started.elapsed() < std::time::Duration::from_secs(5),
                     "the timer task never ran on the second runtime"

@@ -237,8 +237,10 @@ pub enum Error {
 
     /// Releasing a lock did not finish before its deadline. On PostgreSQL
     /// the connection was closed, so that the server frees the lock when it
-    /// notices; on Redis the key expires with its TTL if the delete did not
-    /// land.
+    /// notices; where a heartbeat was using the connection at the deadline,
+    /// the lock ends when that heartbeat does (unlocked in the background,
+    /// or the connection closed if the heartbeat times out too). On Redis
+    /// the key expires with its TTL if the delete did not land.
     #[error(
         "releasing lock {} did not finish within {after:?}; it is freed when the server notices or the lease expires",
         key.shown()
@@ -401,7 +403,9 @@ pub enum Error {
     /// fencing tokens, [`fence`](crate::fence), [`idempotency`](crate::idempotency),
     /// [`SingletonJob::once_per_window`](crate::SingletonJobBuilder::once_per_window)
     /// and the lease table. Run [`migrate`](crate::migrate) once per
-    /// database before using them.
+    /// database before using them. Only the schema's own objects count: an
+    /// application's missing table called `distlock` stays
+    /// [`Error::Database`].
     #[error("the distlock schema is not set up ({message}); call distlock::migrate first")]
     NotMigrated {
         /// The server's message, such as `schema "distlock" does not

@@ -73,13 +73,15 @@ pub(crate) fn driver_error(err: sqlx::Error) -> Error {
 fn not_migrated(err: &sqlx::Error) -> Option<String> {
     let db = err.as_database_error()?;
     let code = db.code()?;
-    let missing = matches!(
-        code.as_ref(),
-        INVALID_SCHEMA_NAME | UNDEFINED_TABLE | UNDEFINED_FUNCTION
-    );
-    // Only the crate's own objects: a user's missing table stays a driver
-    // error.
-    (missing && names_our_schema(db.message())).then(|| db.message().to_owned())
+    // Only the crate's own objects, which its statements always name with
+    // their schema: a user's missing table stays a driver error, even one
+    // called `distlock`.
+    let ours = match code.as_ref() {
+        INVALID_SCHEMA_NAME => names_our_schema(db.message()),
+        UNDEFINED_TABLE | UNDEFINED_FUNCTION => names_our_object(db.message()),
+        _ => false,
+    };
+    ours.then(|| db.message().to_owned())
 }
 
 /// Whether a server message names the schema `distlock`: quoted (3F000:
@@ -87,19 +89,43 @@ fn not_migrated(err: &sqlx::Error) -> Option<String> {
 /// `lc_messages` is not English) or as the prefix of an object's name
 /// (`distlock.leases`).
 fn names_our_schema(message: &str) -> bool {
-    let identifier = |c: char| c.is_alphanumeric() || matches!(c, '_' | '$');
-    let quote = |c: Option<char>| {
-        c.is_some_and(|c| !identifier(c) && !c.is_whitespace() && !matches!(c, '(' | '.'))
-    };
-    message.match_indices("distlock").any(|(at, name)| {
-        let (head, tail) = (&message[..at], &message[at + name.len()..]);
-        let qualified = tail.starts_with('.') && !head.chars().next_back().is_some_and(identifier);
+    mentions(message, |head, tail| {
         // A quote may stand apart from the name (French puts spaces inside
         // « »); an unquoted word around it is not a quote.
         let before = head.trim_end().chars().next_back();
         let after = tail.trim_start().chars().next();
-        qualified || (quote(before) && quote(after))
+        qualified(head, tail) || (quote(before) && quote(after))
     })
+}
+
+/// Whether a server message names an object of the schema `distlock`
+/// (42P01, 42883: `"distlock.leases"`, `distlock.fence_check(...)`), not an
+/// object that is itself called `distlock`.
+fn names_our_object(message: &str) -> bool {
+    mentions(message, qualified)
+}
+
+/// Whether `distlock` occurs in `message` as a word for which `fits`
+/// holds of the text before and after it.
+fn mentions(message: &str, fits: impl Fn(&str, &str) -> bool) -> bool {
+    message
+        .match_indices("distlock")
+        .any(|(at, name)| fits(&message[..at], &message[at + name.len()..]))
+}
+
+/// `distlock` (between `head` and `tail`) as a schema's name in a
+/// qualified name: followed by a dot, not the end of another word.
+fn qualified(head: &str, tail: &str) -> bool {
+    tail.starts_with('.') && !head.chars().next_back().is_some_and(identifier)
+}
+
+fn identifier(c: char) -> bool {
+    c.is_alphanumeric() || matches!(c, '_' | '$')
+}
+
+/// A quotation mark of any language: not part of a name, not space.
+fn quote(c: Option<char>) -> bool {
+    c.is_some_and(|c| !identifier(c) && !c.is_whitespace() && !matches!(c, '(' | '.'))
 }
 
 /// Maps a driver error raised while locking `key` to the crate's variants.
@@ -163,6 +189,16 @@ mod tests {
         ] {
             assert!(!names_our_schema(theirs), "{theirs}");
         }
+        // An object called `distlock` is not one of the schema's.
+        for theirs in [
+            "relation \"distlock\" does not exist",
+            "Relation »distlock« existiert nicht",
+        ] {
+            assert!(!names_our_object(theirs), "{theirs}");
+        }
+        assert!(names_our_object(
+            "relation \"distlock.leases\" does not exist"
+        ));
     }
 
     #[test]

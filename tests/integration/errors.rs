@@ -74,6 +74,27 @@ async fn once_per_window_without_migrate_says_to_call_migrate(pool: PgPool) {
     assert!(shown(&err).contains(MIGRATE_FIRST), "{err}");
 }
 
+/// An application's own missing table or function whose unqualified name
+/// is `distlock` is the application's error, not a missing migration: the
+/// crate's objects are always named with their schema.
+#[sqlx::test(migrations = false)]
+async fn an_applications_missing_table_named_distlock_stays_a_database_error(pool: PgPool) {
+    let locker = PgLocker::new(pool);
+    for statement in ["SELECT * FROM distlock", "SELECT distlock(1)"] {
+        let err = locker
+            .with_advisory_lock("app", async |conn| {
+                sqlx::query(statement).execute(&mut *conn).await?;
+                Ok::<_, Error>(())
+            })
+            .await
+            .expect_err("no such object");
+        assert!(
+            matches!(&err, Error::Database(db) if db.as_database_error().is_some()),
+            "{statement}: {err:?}"
+        );
+    }
+}
+
 /// A pool of one connection to `pool`'s database that waits 500 ms for it.
 async fn pool_of_one(pool: &PgPool) -> PgPool {
     PgPoolOptions::new()

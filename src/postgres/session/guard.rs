@@ -255,7 +255,10 @@ impl SessionLock {
     /// such a loss: [`LossReason::BackendChanged`](crate::LossReason::BackendChanged)), and with
     /// [`Error::ReleaseTimedOut`] if the server did not answer within the
     /// release deadline; in both cases, and on any other error, the
-    /// connection is closed, so PostgreSQL frees whatever the session held.
+    /// connection is closed, so PostgreSQL frees whatever the session held
+    /// (a heartbeat that held the connection at the deadline ends the lock
+    /// when it ends: unlocked in the background, or the connection closed
+    /// if it times out too).
     /// In the multiplexed mode the shared connection holds other locks: it
     /// is not closed for one release; the unlock stays queued on it, and
     /// its driver closes it (every lock on it lost) if the server does not

@@ -515,8 +515,9 @@ impl PgSlots {
 
     /// Takes the queue on a pooled connection: `LISTEN` (1 round trip),
     /// then the queue lock, waiting in the server's queue behind the other
-    /// processes' heads (1 round trip once at the front). The process's
-    /// turn begins; its head tries the slots at once.
+    /// processes' heads (1 round trip once at the front; 2 more around it
+    /// where the session has a limit on a wait, which it lifts). The
+    /// process's turn begins; its head tries the slots at once.
     async fn take_queue(
         &self,
         name: &str,
@@ -542,9 +543,10 @@ impl PgSlots {
     }
 
     /// The turn is used up: in one statement (1 round trip when no other
-    /// process waits) the queue is given back, which lets a head of
-    /// another process that waits for it go first, and taken again, behind
-    /// it. The turn starts over once it is.
+    /// process waits; 2 more where the session has a limit on a wait) the
+    /// queue is given back, which lets a head of another process that
+    /// waits for it go first, and taken again, behind it. The turn starts
+    /// over once it is.
     async fn rotate(
         &self,
         tenure: Tenure,

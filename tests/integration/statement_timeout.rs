@@ -306,8 +306,14 @@ async fn a_session_transaction_timeout_does_not_cut_session_waits_short(pool: Pg
 /// held for [`HOLD`] and a head of another process holds the semaphore's
 /// queue: this process's head lines up behind it in the server's lock
 /// queue, a wait of about [`HOLD`] that must end with the grant, not at
-/// the session's limit.
-async fn assert_semaphore_queue_wait_granted(pool: &PgPool, limited: &PgPool, what: &str) {
+/// the session's limit, which (`setting`) every connection has again
+/// afterwards.
+async fn assert_semaphore_queue_wait_granted(
+    pool: &PgPool,
+    limited: &PgPool,
+    setting: &str,
+    what: &str,
+) {
     const NAME: &str = "sem:limited";
     let permit = PgLocker::new(pool.clone())
         .semaphore(NAME, 1)
@@ -331,7 +337,11 @@ async fn assert_semaphore_queue_wait_granted(pool: &PgPool, limited: &PgPool, wh
     });
     let mut obs = observer_for(pool).await;
     semaphore_head_idle_with_queue(&mut obs, NAME).await;
-    let ours = PgLocker::new(limited.clone())
+    // No warm connections: each goes back to the pool once released.
+    let ours = PgLocker::builder(limited.clone())
+        .keep_warm(0, Duration::ZERO)
+        .build()
+        .expect("valid settings")
         .semaphore(NAME, 1)
         .expect("a valid semaphore");
     let started = Instant::now();
@@ -347,6 +357,18 @@ async fn assert_semaphore_queue_wait_granted(pool: &PgPool, limited: &PgPool, wh
         .await
         .expect("the other head")
         .expect("the other process gets the permit first and gives it back");
+    drop(ours);
+    let mut conns = Vec::new();
+    for _ in 0..limited.size() {
+        conns.push(limited.acquire().await.expect("a connection"));
+    }
+    for conn in &mut conns {
+        let limit: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SHOW {setting}")))
+            .fetch_one(&mut **conn)
+            .await
+            .expect("the session's limit");
+        assert_eq!(limit, SESSION_LIMIT, "{what}: {setting} afterwards");
+    }
 }
 
 /// A `Semaphore::acquire` whose head waits in the server's queue behind
@@ -354,7 +376,8 @@ async fn assert_semaphore_queue_wait_granted(pool: &PgPool, limited: &PgPool, wh
 #[sqlx::test(migrations = false)]
 async fn a_session_statement_timeout_does_not_cut_a_semaphore_queue_wait_short(pool: PgPool) {
     let limited = limited_pool(&pool).await;
-    assert_semaphore_queue_wait_granted(&pool, &limited, "Semaphore::acquire").await;
+    let what = "Semaphore::acquire";
+    assert_semaphore_queue_wait_granted(&pool, &limited, "statement_timeout", what).await;
     limited.close().await;
 }
 
@@ -366,6 +389,6 @@ async fn a_session_transaction_timeout_does_not_cut_a_semaphore_queue_wait_short
         return;
     };
     let what = "Semaphore::acquire under transaction_timeout";
-    assert_semaphore_queue_wait_granted(&pool, &limited, what).await;
+    assert_semaphore_queue_wait_granted(&pool, &limited, "transaction_timeout", what).await;
     limited.close().await;
 }

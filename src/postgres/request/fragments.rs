@@ -281,12 +281,13 @@ macro_rules! client_check {
 }
 pub(crate) use client_check;
 
-/// The limit a session puts on a lock wait, column 4 of the statements of
-/// a wait, and of the semaphore head's `LISTEN`: its `statement_timeout`,
-/// or where that is `0` its `transaction_timeout` (PostgreSQL 17 and
-/// later; a wait outside a transaction block is a transaction of its own,
-/// which the server ends with the session at that limit). `'0'` when neither would cut a wait
-/// short; [`unlimited`](super::unlimited) lifts both.
+/// The limit a session puts on a lock wait (column 4 of the statements of
+/// a wait, column 1 of the semaphore head's `LISTEN`): its
+/// `statement_timeout`, or where that is `0` its `transaction_timeout`
+/// (PostgreSQL 17 and later; a wait outside a transaction block is a
+/// transaction of its own, which the server ends with the session at that
+/// limit). `'0'` when neither would cut a wait short;
+/// [`unlimited`](super::unlimited) lifts both.
 macro_rules! wait_limit {
     () => {
         "CASE WHEN pg_catalog.current_setting('statement_timeout') OPERATOR(pg_catalog.=) '0' \

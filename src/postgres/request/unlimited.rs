@@ -9,8 +9,8 @@
 //! does the same to a wait outside a transaction block (an implicit
 //! transaction of its own), and ends the session with it (SQLSTATE 25P04).
 //! So the statement *before* a wait lifts them, only where one is set
-//! (each try statement returns the session's limit, so a session without
-//! one pays nothing):
+//! (each try statement, and the semaphore head's `LISTEN`, returns the
+//! session's limit, so a session without one pays nothing):
 //!
 //! - outside a transaction block, the wait runs in one of its own,
 //!   `BEGIN; SET LOCAL statement_timeout = 0` (and `transaction_timeout` where

@@ -39,17 +39,19 @@ use crate::{Error, FencingToken, LockKey, LossReason};
 ///
 /// # Outliving the runtime
 ///
-/// The task keeping the lock runs on the runtime that took it (in the
-/// multiplexed mode: the runtime that opened the shared connection), also
-/// when the locker is shared between runtimes: a runtime that sits idle (a
+/// The task keeping the lock runs on the runtime that took it, also when
+/// the locker is shared between runtimes: a runtime that sits idle (a
 /// current-thread runtime outside `block_on`) holds up the keepers of its
-/// own locks only. When that runtime shuts down while the guard lives on,
-/// nothing keeps the lock any more: its connection is closed (PostgreSQL
-/// frees the lock) and [`lost`](Self::lost) completes with
-/// [`LossReason::KeeperStopped`], on any runtime. A lock whose own runtime
-/// is not driven gets no heartbeat and does not see its loss. A multiplexed
-/// lock taken on another runtime than its connection's stays held when the
-/// taking runtime shuts down: nothing of it runs there.
+/// own locks only. In the multiplexed mode that is the runtime that opened
+/// the shared connection; for a PostgreSQL semaphore's permit, the runtime
+/// of the task that took its slot, which for a permit handed over in the
+/// process may be another waiter's. When that runtime shuts down while the
+/// guard lives on, nothing keeps the lock any more: its connection is
+/// closed (PostgreSQL frees the lock) and [`lost`](Self::lost) completes
+/// with [`LossReason::KeeperStopped`], on any runtime. A lock whose keeper's
+/// runtime is not driven gets no heartbeat and does not see its loss. A
+/// multiplexed lock taken on another runtime than its connection's stays
+/// held when the taking runtime shuts down: nothing of it runs there.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct SessionLock {
     key: LockKey,

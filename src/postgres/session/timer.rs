@@ -63,9 +63,10 @@ struct Heap {
 }
 
 impl Timer {
-    /// Starts the keeper parked in `slot` at `due`, unless the lock is gone
-    /// by then. Never blocks (a short mutex); spawns the timer task when
-    /// none runs.
+    /// Starts the keeper parked in `slot` at `due` on the current runtime,
+    /// unless the lock is gone by then. Never blocks (two short mutexes: the
+    /// locker's list of runtimes, then the runtime's heap); spawns the
+    /// runtime's timer task when none runs.
     pub(crate) fn schedule(&self, due: Instant, slot: Weak<dyn Parked>) {
         let Ok(runtime) = Handle::try_current() else {
             // No runtime to keep the lock on: stopped, the keeper closes the
@@ -97,15 +98,16 @@ impl Timer {
     }
 }
 
-/// The state of `runtime` among `runtimes`, added if it has none. A state
-/// without a task and without waiting keepers is dropped on the way (its
-/// task ended, or its runtime shut down), so runtimes that come and go
-/// leave nothing behind.
+/// The state of `runtime` among `runtimes`, added if it has none. Before a
+/// state is added, those without a task and without waiting keepers are
+/// dropped (their task ended, or their runtime shut down), so runtimes that
+/// come and go leave nothing behind; a grant on a runtime that has a state
+/// looks at no other.
 fn on(runtimes: &mut Vec<(Id, Arc<State>)>, runtime: Id) -> Arc<State> {
-    runtimes.retain(|(id, state)| *id == runtime || !state.lock().idle());
     if let Some((_, state)) = runtimes.iter().find(|(id, _)| *id == runtime) {
         return Arc::clone(state);
     }
+    runtimes.retain(|(_, state)| !state.lock().idle());
     let state = Arc::new(State::default());
     runtimes.push((runtime, Arc::clone(&state)));
     state
@@ -276,9 +278,55 @@ mod tests {
             .expect("a current-thread runtime")
     }
 
+    /// A keeper that records when it is started.
+    #[derive(Default)]
+    struct Started(AtomicBool);
+
+    impl Parked for Started {
+        fn start(&self) {
+            self.0.store(true, Ordering::Release);
+        }
+        fn stop(&self) {}
+    }
+
+    /// Runs `runtime` until `started` says its keeper started, or fails
+    /// after a generous bound.
+    fn until_started(runtime: &tokio::runtime::Runtime, started: &Started) {
+        runtime.block_on(async {
+            let since = Instant::now();
+            while !started.0.load(Ordering::Acquire) {
+                assert!(
+                    since.elapsed() < std::time::Duration::from_secs(5),
+                    "the keeper never started"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        });
+    }
+
+    /// A keeper scheduled on one runtime starts there, while the runtime
+    /// that started the locker's timer sits idle (outside `block_on`).
+    #[test]
+    fn a_keeper_starts_on_its_own_runtime_while_another_sits_idle() {
+        let timer = Timer::default();
+        let idle = runtime();
+        let first = Arc::new(Started::default());
+        let parked: Arc<dyn Parked> = first.clone();
+        idle.block_on(async { timer.schedule(Instant::now(), Arc::downgrade(&parked)) });
+        until_started(&idle, &first);
+        // `idle` runs nothing from here on; its task still counts as running.
+        let busy = runtime();
+        let second = Arc::new(Started::default());
+        let parked: Arc<dyn Parked> = second.clone();
+        busy.block_on(async { timer.schedule(Instant::now(), Arc::downgrade(&parked)) });
+        until_started(&busy, &second);
+        assert_eq!(timer.runtimes.lock().expect("runtimes").len(), 2);
+    }
+
     /// A timer whose first task is spawned on a runtime that is already
     /// shutting down (the task is dropped unpolled) must spawn a new one on
-    /// the next runtime, or no keeper of its locker would ever start.
+    /// the next runtime, or no keeper of its locker would ever start; the
+    /// dead runtime's state is dropped as the next one is added.
     #[test]
     fn a_task_dropped_unpolled_does_not_leave_the_timer_stuck() {
         let timer = Timer::default();
@@ -305,5 +353,10 @@ mod tests {
                 tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             }
         });
+        assert_eq!(
+            timer.runtimes.lock().expect("runtimes").len(),
+            1,
+            "the dead runtime's state is dropped"
+        );
     }
 }

@@ -358,6 +358,14 @@ async fn assert_semaphore_queue_wait_granted(
         .expect("the other head")
         .expect("the other process gets the permit first and gives it back");
     drop(ours);
+    // Every connection back in the pool (the head's goes back from a task
+    // of its own, after an `UNLISTEN *`), then each of them looked at.
+    eventually(
+        "every connection back in the pool",
+        Duration::from_secs(5),
+        async || limited.num_idle() == limited.size() as usize,
+    )
+    .await;
     let mut conns = Vec::new();
     for _ in 0..limited.size() {
         conns.push(limited.acquire().await.expect("a connection"));

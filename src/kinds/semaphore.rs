@@ -66,10 +66,10 @@ const MAX_POLL_PAUSE: Duration = Duration::from_millis(50);
 /// exclusively, on one pooled connection, waiting in PostgreSQL's own lock
 /// queue behind the other processes' heads (1 round trip once at the
 /// front; 2 more where the session has a `statement_timeout` or
-/// `transaction_timeout`, which that wait lifts for itself). From then on the process has its turn: it is first in line
-/// across every process, and no [`try_acquire`](Self::try_acquire) takes a
-/// permit (of another process, nor of this one: a try does not skip the
-/// line of waiters).
+/// `transaction_timeout`, which that wait lifts for itself). From then on
+/// the process has its turn: it is first in line across every process, and
+/// no [`try_acquire`](Self::try_acquire) takes a permit (of another
+/// process, nor of this one: a try does not skip the line of waiters).
 ///
 /// - A permit of this process given up (released or dropped) during its
 ///   turn is **handed to the earliest waiter as it is**, its slot still

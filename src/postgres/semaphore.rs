@@ -308,8 +308,8 @@ impl PgSlots {
     /// file's documentation): 1 round trip when a permit is free and no one
     /// waits, 3 when it waits (the try, `LISTEN`, the line-up; 2 more where
     /// the session has a limit on a wait), and 1 more per announced freed
-    /// slot; none for a permit handed over in the
-    /// process's turn. Pool errors are retried until the deadline.
+    /// slot; none for a permit handed over in the process's turn. Pool
+    /// errors are retried until the deadline.
     pub(crate) async fn acquire(
         &self,
         name: &str,
@@ -859,6 +859,8 @@ impl PgSlots {
         let slot: Option<i64> = row.try_get(2)?;
         let (true, Some(slot)) = (queued, slot) else {
             let idle_timeout = row.try_get::<Option<String>, _>(6)?.unwrap_or_default();
+            // Whether the session limits a wait is the head's `LISTEN`'s
+            // answer, which `take_queue` puts in.
             let limited = false;
             return Ok(Outcome::Busy(Waiting {
                 pid,

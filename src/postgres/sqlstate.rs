@@ -119,6 +119,7 @@ fn qualified(head: &str, tail: &str) -> bool {
     tail.starts_with('.') && !head.chars().next_back().is_some_and(identifier)
 }
 
+/// A character of an unquoted name.
 fn identifier(c: char) -> bool {
     c.is_alphanumeric() || matches!(c, '_' | '$')
 }

@@ -62,6 +62,23 @@ pub enum Error {
         after: Duration,
     },
 
+    /// The server did not answer a call that takes no lock within its
+    /// deadline, once the pool had handed out a connection: a stalled
+    /// network or server. The calls are [`PgLocker::holders`](crate::PgLocker::holders)
+    /// (5 s, or the heartbeat deadline when longer) and
+    /// [`TableLocker::holders`](crate::postgres::TableLocker::holders) (5 s,
+    /// or the lease table's renewal deadline when longer); `call` names
+    /// the one that failed. Its connection was closed, not given back to
+    /// the pool. A call about one lock that gets no answer reports
+    /// [`Error::CommandTimedOut`], naming the lock.
+    #[error("no reply within {after:?} to {call}")]
+    NoReply {
+        /// The call, as `Type::method`.
+        call: &'static str,
+        /// The deadline that passed.
+        after: Duration,
+    },
+
     /// So many Redlock nodes failed (down, refusing connections, too slow,
     /// or refusing the command) that the others could not grant the lock
     /// even if all of them did. Whatever the attempt set was deleted again.
@@ -711,6 +728,13 @@ mod tests {
                     attempts: 2,
                 },
                 "the multiplexed connection for lock \"k\" failed on each of 2 attempts",
+            ),
+            (
+                Error::NoReply {
+                    call: "PgLocker::holders",
+                    after: Duration::from_secs(5),
+                },
+                "no reply within 5s to PgLocker::holders",
             ),
             (
                 Error::ConnectTimedOut {

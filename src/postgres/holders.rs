@@ -11,8 +11,10 @@ use crate::postgres::request::sql::KEYS_AS_LOCKED;
 use crate::postgres::wait_chain::resolve;
 use crate::{Error, LockKey};
 
-/// The deadline of [`PgLocker::holders_of`](crate::PgLocker::holders_of)'s
-/// answer (the heartbeat deadline when longer): it reads the whole lock
+/// The deadline of the answer of [`PgLocker::holders`](crate::PgLocker::holders)
+/// and [`holders_of`](crate::PgLocker::holders_of), and of the lease
+/// table's [`holders`](crate::postgres::TableLocker::holders) (the
+/// heartbeat or renewal deadline when longer): it reads the whole lock
 /// table, about half a second at 100,000 locks held (BENCHMARKS.md), so
 /// the heartbeat deadline alone could cut a healthy read short.
 pub(crate) const READ_WITHIN: Duration = Duration::from_secs(5);
@@ -54,10 +56,10 @@ fn every_row(tail: &str) -> String {
     .concat()
 }
 
-/// Every advisory lock held or awaited in the database of `pool`.
-pub(crate) async fn all(pool: &sqlx::PgPool) -> Result<Vec<Holder>, Error> {
+/// Every advisory lock held or awaited in the database, on `conn`.
+pub(crate) async fn all(conn: &mut PgConnection) -> Result<Vec<Holder>, Error> {
     let sql: String = ["WITH ", LOCK_ROWS, &every_row("")].concat();
-    let rows = pool
+    let rows = conn
         .fetch_all(sqlx::query(sqlx::AssertSqlSafe(sql)))
         .await?;
     decode_all(&rows)

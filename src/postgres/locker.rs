@@ -382,7 +382,11 @@ impl PgLocker {
     /// held or queued ahead). [`wait_chain`](super::wait_chain) follows them
     /// to the root holder, or marks a cycle.
     ///
-    /// Costs 1 round trip; resolving the waiters costs none more. Seeing
+    /// Costs 1 round trip; resolving the waiters costs none more. Answered
+    /// within 5 s, or the heartbeat deadline when that is longer, once the
+    /// pool has handed out a connection (within its `acquire_timeout`): a
+    /// stalled network fails it with [`Error::NoReply`] and closes its
+    /// connection instead of hanging the caller. Seeing
     /// other roles' `application_name` and client address needs the
     /// `pg_read_all_stats` role (or superuser); without it PostgreSQL shows
     /// `None` there.
@@ -401,7 +405,15 @@ impl PgLocker {
     ///
     /// Cancel safe: a read on a pooled connection; no lock is taken.
     pub async fn holders(&self) -> Result<Vec<Holder>, Error> {
-        crate::postgres::holders::all(self.pool()).await
+        let within = self
+            .heartbeat_timeout()
+            .max(crate::postgres::holders::READ_WITHIN);
+        Box::pin(crate::postgres::timeout::read_on_pool(
+            self.pool(),
+            ("PgLocker::holders", within),
+            crate::postgres::holders::all,
+        ))
+        .await
     }
 
     /// The sessions holding or awaiting the lock `key`, waiters resolved as

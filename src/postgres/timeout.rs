@@ -47,11 +47,12 @@ pub(crate) async fn answered<T>(
 /// One statement of a call that waits for nothing (a read, or a record of
 /// the crate's own) on a pooled connection, answered within `within` as
 /// [`answered`] once the pool handed the connection out (a pool that pings
-/// connections first waits up to its own `acquire_timeout` for that). The connection goes back to the pool only once the
-/// statement answered (with a server error too); unanswered or dropped
-/// mid-flight it is closed instead: sqlx gives a dropped query's connection
-/// back through a ping without a deadline, which under a stalled network
-/// keeps the pool slot until TCP gives up.
+/// connections first waits up to its own `acquire_timeout` for that). The
+/// connection goes back to the pool only once the statement answered (with
+/// a server error too); unanswered or dropped mid-flight it is closed
+/// instead: sqlx gives a dropped query's connection back through a ping
+/// without a deadline, which under a stalled network keeps the pool slot
+/// until TCP gives up.
 pub(crate) async fn answered_on_pool<T>(
     pool: &PgPool,
     (key, within): (&LockKey, Duration),
@@ -59,8 +60,39 @@ pub(crate) async fn answered_on_pool<T>(
 ) -> Result<T, Error> {
     let pooled = crate::postgres::conn::pooled::acquire(pool).await;
     let pooled = pooled.map_err(|err| crate::postgres::conn::pooled::pool_error(pool, key, err))?;
+    let timed_out = || Error::CommandTimedOut {
+        key: key.clone(),
+        after: within,
+    };
+    answered_on(pooled, (within, timed_out), statement).await
+}
+
+/// [`answered_on_pool`] for a call that takes no lock (`call`, as
+/// `Type::method`, for [`Error::NoReply`]): a full pool is sqlx's
+/// `PoolTimedOut`, as for any other work of the caller's.
+pub(crate) async fn read_on_pool<T>(
+    pool: &PgPool,
+    (call, within): (&'static str, Duration),
+    statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, Error>,
+) -> Result<T, Error> {
+    let pooled = crate::postgres::conn::pooled::acquire(pool).await?;
+    let timed_out = || Error::NoReply {
+        call,
+        after: within,
+    };
+    answered_on(pooled, (within, timed_out), statement).await
+}
+
+/// `statement` on `pooled`, answered within `within` or `timed_out()`;
+/// the connection back to the pool only once answered.
+async fn answered_on<T>(
+    pooled: sqlx::pool::PoolConnection<sqlx::Postgres>,
+    (within, timed_out): (Duration, impl FnOnce() -> Error),
+    statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, Error>,
+) -> Result<T, Error> {
     let mut conn = HeldConn::new(pooled, true);
-    let answer = answered(key, within, async { Ok(statement(conn.conn()).await) }).await?;
+    let answer = tokio::time::timeout(within, statement(conn.conn())).await;
+    let answer = answer.map_err(|_| timed_out())?;
     conn.into_pool();
     answer
 }

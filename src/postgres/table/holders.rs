@@ -36,17 +36,34 @@ impl TableLocker {
     /// out: their keys are free.
     ///
     /// Costs 1 round trip, a read; one simple query, so it works through a
-    /// transaction pooler. Needs [`migrate`](crate::migrate)
+    /// transaction pooler. Answered within 5 s, or the renewal deadline
+    /// (two thirds of the TTL) when that is longer, once the pool has
+    /// handed out a connection (within its `acquire_timeout`): a stalled
+    /// network fails it with [`Error::NoReply`] and closes its connection
+    /// instead of hanging the caller. Needs [`migrate`](crate::migrate)
     /// ([`Error::NotMigrated`] otherwise).
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: a read on a pooled connection.
     pub async fn holders(&self) -> Result<Vec<LeaseHolder>, Error> {
-        let rows = sqlx::raw_sql(AssertSqlSafe(sql::LIVE_LEASES))
-            .fetch_all(self.pool())
-            .await?;
-        rows.iter().map(decode).collect()
+        let within = self
+            .inner
+            .renewal_deadline()
+            .max(crate::postgres::holders::READ_WITHIN);
+        let read = async |conn: &mut sqlx::PgConnection| {
+            let rows = sqlx::raw_sql(AssertSqlSafe(sql::LIVE_LEASES))
+                .fetch_all(conn)
+                .await?;
+            rows.iter().map(decode).collect()
+        };
+        let call = ("TableLocker::holders", within);
+        Box::pin(crate::postgres::timeout::read_on_pool(
+            self.pool(),
+            call,
+            read,
+        ))
+        .await
     }
 }
 

@@ -55,6 +55,7 @@ async fn hold_then_release(pool: &PgPool, key: &str) -> JoinHandle<()> {
 }
 
 /// The wait must have lasted until the holder let go: granted, not failed.
+/// `what` names the call and the session limit it ran under.
 fn assert_granted_after_hold<T: std::fmt::Debug, E: std::fmt::Debug>(
     what: &str,
     started: Instant,
@@ -64,8 +65,7 @@ fn assert_granted_after_hold<T: std::fmt::Debug, E: std::fmt::Debug>(
     let value = match outcome {
         Ok(value) => value,
         Err(err) => panic!(
-            "{what} under statement_timeout = {SESSION_LIMIT}: expected the lock \
-             after the {HOLD:?} hold, got {err:?} after {waited:?}"
+            "{what}: expected the lock after the {HOLD:?} hold, got {err:?} after {waited:?}"
         ),
     };
     assert!(
@@ -81,7 +81,11 @@ async fn a_session_statement_timeout_does_not_cut_lock_short(pool: PgPool) {
     let locker = PgLocker::new(limited.clone());
     let holder = hold_then_release(&pool, "hashtext('k')").await;
     let started = Instant::now();
-    let lock = assert_granted_after_hold("lock", started, locker.lock("k", TIMEOUT).await);
+    let lock = assert_granted_after_hold(
+        "lock under statement_timeout",
+        started,
+        locker.lock("k", TIMEOUT).await,
+    );
     lock.release().await.expect("release");
     holder.await.expect("holder");
     limited.close().await;
@@ -94,7 +98,7 @@ async fn a_session_statement_timeout_does_not_cut_lock_shared_short(pool: PgPool
     let holder = hold_then_release(&pool, "hashtext('k')").await;
     let started = Instant::now();
     let outcome = locker.lock_shared("k", TIMEOUT).await;
-    let lock = assert_granted_after_hold("lock_shared", started, outcome);
+    let lock = assert_granted_after_hold("lock_shared under statement_timeout", started, outcome);
     lock.release().await.expect("release");
     holder.await.expect("holder");
     limited.close().await;
@@ -107,7 +111,7 @@ async fn a_session_statement_timeout_does_not_cut_lock_all_short(pool: PgPool) {
     let holder = hold_then_release(&pool, "hashtext('k')").await;
     let started = Instant::now();
     let outcome = locker.lock_all(["j", "k"], TIMEOUT).await;
-    let both = assert_granted_after_hold("lock_all", started, outcome);
+    let both = assert_granted_after_hold("lock_all under statement_timeout", started, outcome);
     both.release().await.expect("release");
     holder.await.expect("holder");
     limited.close().await;
@@ -161,7 +165,11 @@ async fn a_session_statement_timeout_does_not_cut_the_transaction_wait_short(poo
                 .map_err(distlock::Error::from)
         })
         .await;
-    let inside = assert_granted_after_hold("with_advisory_lock_wait", started, outcome);
+    let inside = assert_granted_after_hold(
+        "with_advisory_lock_wait under statement_timeout",
+        started,
+        outcome,
+    );
     assert_eq!(inside, SESSION_LIMIT, "the closure's statement_timeout");
     holder.await.expect("holder");
     limited.close().await;
@@ -174,7 +182,7 @@ async fn a_session_statement_timeout_does_not_cut_lock_xact_short(pool: PgPool) 
     let mut tx = limited.begin().await.expect("begin");
     let started = Instant::now();
     let outcome = distlock::lock_xact(&mut tx, "k", TIMEOUT).await;
-    assert_granted_after_hold("lock_xact", started, outcome);
+    assert_granted_after_hold("lock_xact under statement_timeout", started, outcome);
     // The caller's transaction keeps its own limit after the wait.
     let after: String = sqlx::query_scalar("SHOW statement_timeout")
         .fetch_one(&mut *tx)
@@ -196,7 +204,8 @@ async fn a_session_statement_timeout_does_not_cut_a_multiplexed_lock_short(pool:
     let holder = hold_then_release(&pool, "hashtext('k')").await;
     let started = Instant::now();
     let outcome = locker.lock("k", TIMEOUT).await;
-    let lock = assert_granted_after_hold("multiplexed lock", started, outcome);
+    let lock =
+        assert_granted_after_hold("multiplexed lock under statement_timeout", started, outcome);
     lock.release().await.expect("release");
     holder.await.expect("holder");
     drop(locker);
@@ -384,7 +393,7 @@ async fn assert_semaphore_queue_wait_granted(
 #[sqlx::test(migrations = false)]
 async fn a_session_statement_timeout_does_not_cut_a_semaphore_queue_wait_short(pool: PgPool) {
     let limited = limited_pool(&pool).await;
-    let what = "Semaphore::acquire";
+    let what = "Semaphore::acquire under statement_timeout";
     assert_semaphore_queue_wait_granted(&pool, &limited, "statement_timeout", what).await;
     limited.close().await;
 }

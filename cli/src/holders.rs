@@ -2,7 +2,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use distlock::LockKey;
 use distlock::postgres::{AdvisoryKey, ChainLink, Holder, LockMode};
@@ -192,11 +192,11 @@ fn tree_line(holder: &Holder, label: &impl Fn(&Holder) -> String) -> String {
 
 /// The wait forest: every session that waits for nothing at the root (its
 /// rows: what it holds), and below each session the waiting rows of the
-/// sessions that wait for it. A session that waits for several appears
-/// below each. A cycle (a deadlock the server has not broken yet) has no
-/// such root: it is drawn from its lowest pid (what it holds and what it
-/// waits for), round to that pid again, marked as a cycle; so is what waits
-/// behind it.
+/// sessions that wait for it ([`drawn_below`]). A session that waits for
+/// several holders appears below each. A cycle (a deadlock the server has
+/// not broken yet) has no such root: it is drawn from its lowest pid (what
+/// it holds and what it waits for), round to that pid again, marked as a
+/// cycle; so is what waits behind it.
 fn to_tree(holders: &[Holder], label: impl Fn(&Holder) -> String) -> String {
     if holders.is_empty() {
         return "no advisory locks are held or awaited\n".to_owned();
@@ -208,10 +208,14 @@ fn to_tree(holders: &[Holder], label: impl Fn(&Holder) -> String) -> String {
         .map(|h| h.pid)
         .collect();
     tops.dedup();
+    let tree = Tree {
+        below: drawn_below(holders),
+        label: &label,
+    };
     let mut drawn = HashSet::new();
     let mut out = String::new();
     for top in tops {
-        draw_from(holders, top, &label, &mut drawn, &mut out);
+        tree.draw_from(holders, top, &mut drawn, &mut out);
     }
     // What no root reaches waits in (or behind) a cycle.
     while let Some(left) = holders.iter().find(|h| !drawn.contains(&h.pid)) {
@@ -227,50 +231,86 @@ fn to_tree(holders: &[Holder], label: impl Fn(&Holder) -> String) -> String {
         // A top already drawn cannot repeat the loop: draw the row's own
         // session then.
         let top = if drawn.contains(&top) { left.pid } else { top };
-        draw_from(holders, top, &label, &mut drawn, &mut out);
+        tree.draw_from(holders, top, &mut drawn, &mut out);
     }
     out
 }
 
-/// Draws session `top`'s rows at the left margin and its waiters below.
-fn draw_from(
-    holders: &[Holder],
-    top: i32,
-    label: &impl Fn(&Holder) -> String,
-    drawn: &mut HashSet<i32>,
-    out: &mut String,
-) {
-    drawn.insert(top);
-    for row in holders.iter().filter(|h| h.pid == top) {
-        out.push_str(&tree_line(row, label));
-        out.push('\n');
+/// The waiting rows to draw below each session. `pg_blocking_pids` names
+/// the holders of a conflicting lock and also every conflicting request
+/// queued ahead: drawn below all of them, the n-th waiter of a queue would
+/// appear below each of the n - 1 ahead of it, and the tree would double
+/// with every waiter. So a waiting row goes below each session that
+/// *holds* a conflicting lock on its key, and only where none does (a
+/// shared request behind a queued writer) below the request just ahead of
+/// it. A row whose blockers let go between the server's two looks (left
+/// unresolved) goes below the first of them.
+fn drawn_below(holders: &[Holder]) -> HashMap<i32, Vec<&Holder>> {
+    let mut below: HashMap<i32, Vec<&Holder>> = HashMap::new();
+    for row in holders.iter().filter(|h| !h.granted) {
+        let held: Vec<i32> = row
+            .waits_for
+            .iter()
+            .filter(|link| link.granted)
+            .map(|link| link.pid)
+            .collect();
+        let parents = if !held.is_empty() {
+            held
+        } else if let Some(ahead) = row.waits_for.iter().max_by_key(|link| link.since) {
+            vec![ahead.pid]
+        } else {
+            row.blocked_by.first().copied().into_iter().collect()
+        };
+        for parent in parents {
+            below.entry(parent).or_default().push(row);
+        }
     }
-    waiters_below(holders, top, 1, &mut vec![top], (label, drawn), out);
+    // In the order they began to wait: a queue's order.
+    for rows in below.values_mut() {
+        rows.sort_by_key(|row| (row.since, row.pid));
+    }
+    below
 }
 
-fn waiters_below(
-    holders: &[Holder],
-    pid: i32,
-    depth: usize,
-    path: &mut Vec<i32>,
-    (label, drawn): (&impl Fn(&Holder) -> String, &mut HashSet<i32>),
-    out: &mut String,
-) {
-    for row in holders
-        .iter()
-        .filter(|h| !h.granted && h.blocked_by.contains(&pid))
-    {
-        out.push_str(&"   ".repeat(depth - 1));
-        out.push_str("└─ ");
-        out.push_str(&tree_line(row, label));
-        if path.contains(&row.pid) {
-            out.push_str(" (a cycle: a deadlock)\n");
-            continue;
+/// What the tree is drawn from: the rows below each session, and how a key
+/// is named.
+struct Tree<'a, L> {
+    below: HashMap<i32, Vec<&'a Holder>>,
+    label: &'a L,
+}
+
+impl<L: Fn(&Holder) -> String> Tree<'_, L> {
+    /// Draws session `top`'s rows at the left margin and its waiters below.
+    fn draw_from(&self, holders: &[Holder], top: i32, drawn: &mut HashSet<i32>, out: &mut String) {
+        drawn.insert(top);
+        for row in holders.iter().filter(|h| h.pid == top) {
+            out.push_str(&tree_line(row, self.label));
+            out.push('\n');
         }
-        out.push('\n');
-        drawn.insert(row.pid);
-        path.push(row.pid);
-        waiters_below(holders, row.pid, depth + 1, path, (label, drawn), out);
-        path.pop();
+        self.waiters_below(top, 1, &mut vec![top], drawn, out);
+    }
+
+    fn waiters_below(
+        &self,
+        pid: i32,
+        depth: usize,
+        path: &mut Vec<i32>,
+        drawn: &mut HashSet<i32>,
+        out: &mut String,
+    ) {
+        for row in self.below.get(&pid).into_iter().flatten() {
+            out.push_str(&"   ".repeat(depth - 1));
+            out.push_str("└─ ");
+            out.push_str(&tree_line(row, self.label));
+            if path.contains(&row.pid) {
+                out.push_str(" (a cycle: a deadlock)\n");
+                continue;
+            }
+            out.push('\n');
+            drawn.insert(row.pid);
+            path.push(row.pid);
+            self.waiters_below(row.pid, depth + 1, path, drawn, out);
+            path.pop();
+        }
     }
 }

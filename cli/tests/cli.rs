@@ -421,6 +421,36 @@ async fn holders_lists_a_running_lock_as_table_and_json(pool: PgPool) {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 }
 
+/// What `distlock holders --tree` prints (it must succeed).
+async fn tree_of(url: &str) -> String {
+    let out = finish(
+        distlock(url, &["holders", "--tree"])
+            .spawn()
+            .expect("holders --tree"),
+        "holders --tree",
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Waits until `n` advisory lock requests of the test database wait.
+async fn until_waiting(obs: &mut sqlx::PgConnection, n: usize) {
+    let n = i64::try_from(n).expect("small");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+    )
+    .fetch_one(&mut *obs)
+    .await
+    .expect("count waiters")
+        < n
+    {
+        assert!(Instant::now() < deadline, "{n} waits never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// `holders --tree` draws the chain A holds 1 ← B waits for 1 (holding 2)
 /// ← C waits for 2, indented by depth.
 #[sqlx::test(migrations = false)]
@@ -456,27 +486,8 @@ async fn holders_tree_draws_who_waits_for_whom(pool: PgPool) {
         c
     });
     let mut obs = observer_for(&pool).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while sqlx::query_scalar::<_, i64>(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
-    )
-    .fetch_one(&mut obs)
-    .await
-    .expect("count waiters")
-        < 2
-    {
-        assert!(Instant::now() < deadline, "the waits never started");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let out = finish(
-        distlock(&url, &["holders", "--tree"])
-            .spawn()
-            .expect("holders --tree"),
-        "holders --tree",
-    )
-    .await;
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    until_waiting(&mut obs, 2).await;
+    let stdout = tree_of(&url).await;
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), 3, "{stdout}");
     assert!(
@@ -520,6 +531,116 @@ async fn holders_tree_draws_who_waits_for_whom(pool: PgPool) {
     let _ = c_waits.await;
 }
 
+/// A queue on one key: each waiter waits for the holder and, in
+/// `pg_blocking_pids`, for every waiter queued ahead of it too. `--tree`
+/// draws each waiter once, below the holder, in the order they queued
+/// (drawn below every waiter ahead as well, a queue of n took 2^n - 1
+/// lines: minutes and gigabytes at 30 waiters).
+#[sqlx::test(migrations = false)]
+async fn holders_tree_draws_a_queue_once_per_waiter(pool: PgPool) {
+    use sqlx::Connection;
+    const WAITERS: usize = 12;
+    let url = url_of(&pool);
+    let mut holder = sqlx::PgConnection::connect(&url).await.expect("connect");
+    sqlx::query("SELECT pg_advisory_lock(7::int8)")
+        .execute(&mut holder)
+        .await
+        .expect("lock");
+    let mut obs = observer_for(&pool).await;
+    let mut waiters = Vec::new();
+    let mut pids = Vec::new();
+    for queued in 1..=WAITERS {
+        let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut conn)
+            .await
+            .expect("pid");
+        pids.push(pid);
+        waiters.push(tokio::spawn(async move {
+            let _ = sqlx::query("SELECT pg_advisory_lock(7::int8)")
+                .execute(&mut conn)
+                .await;
+        }));
+        // The next one queues behind this one.
+        until_waiting(&mut obs, queued).await;
+    }
+    let stdout = tree_of(&url).await;
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 1 + WAITERS, "{} lines", lines.len());
+    assert!(lines[0].contains(" holds 7 "), "{stdout}");
+    for (line, pid) in lines[1..].iter().zip(&pids) {
+        assert!(
+            line.starts_with(&format!("└─ pid {pid} waits for 7 ")),
+            "{stdout}"
+        );
+    }
+    drop(holder);
+    for waiter in waiters {
+        waiter.abort();
+    }
+}
+
+/// Two readers hold key 7, a writer waits for both, and a reader queued
+/// behind the writer waits for the writer alone (its request does not
+/// conflict with the readers'): the writer is drawn below each reader, the
+/// late reader below the writer.
+#[sqlx::test(migrations = false)]
+async fn holders_tree_draws_a_reader_behind_a_queued_writer(pool: PgPool) {
+    use sqlx::Connection;
+    let url = url_of(&pool);
+    let mut obs = observer_for(&pool).await;
+    let mut held = Vec::new();
+    let mut sessions = Vec::new();
+    for (i, lock) in [
+        "pg_advisory_lock_shared",
+        "pg_advisory_lock_shared",
+        "pg_advisory_lock",
+        "pg_advisory_lock_shared",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut conn = sqlx::PgConnection::connect(&url).await.expect("connect");
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut conn)
+            .await
+            .expect("pid");
+        sessions.push(pid);
+        let sql = format!("SELECT {lock}(7::int8)");
+        if i < 2 {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .execute(&mut conn)
+                .await
+                .expect("lock");
+            held.push(conn);
+            continue;
+        }
+        tokio::spawn(async move {
+            let _ = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .execute(&mut conn)
+                .await;
+        });
+        until_waiting(&mut obs, i - 1).await;
+    }
+    let (reader_a, reader_b) = (sessions[0].min(sessions[1]), sessions[0].max(sessions[1]));
+    let (writer, late) = (sessions[2], sessions[3]);
+    let stdout = tree_of(&url).await;
+    let lines: Vec<&str> = stdout.lines().collect();
+    let expected = [
+        format!("pid {reader_a} holds 7 "),
+        format!("└─ pid {writer} waits for 7 "),
+        format!("   └─ pid {late} waits for 7 "),
+        format!("pid {reader_b} holds 7 "),
+        format!("└─ pid {writer} waits for 7 "),
+        format!("   └─ pid {late} waits for 7 "),
+    ];
+    assert_eq!(lines.len(), expected.len(), "{stdout}");
+    for (line, start) in lines.iter().zip(&expected) {
+        assert!(line.starts_with(start.as_str()), "{stdout}");
+    }
+    drop(held);
+}
+
 /// A ring where every session waits (a deadlock the server has not broken
 /// yet) has no session that waits for nothing, and is drawn all the same:
 /// from its lowest pid round to that pid again, marked as a cycle.
@@ -527,15 +648,7 @@ async fn holders_tree_draws_who_waits_for_whom(pool: PgPool) {
 async fn holders_tree_draws_a_cycle_where_every_session_waits(pool: PgPool) {
     let ring = cycle::ring(&pool, &[1, 2]).await;
     let (pid_a, pid_b) = (ring.pids[0], ring.pids[1]);
-    let out = finish(
-        distlock(&url_of(&pool), &["holders", "--tree"])
-            .spawn()
-            .expect("holders --tree"),
-        "holders --tree",
-    )
-    .await;
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = tree_of(&url_of(&pool)).await;
     let lines: Vec<&str> = stdout.lines().collect();
     // The lower pid heads the cycle: what it holds, what it waits for, the
     // other session waiting for it, and the head again, closing the cycle.

@@ -58,16 +58,18 @@ pub(crate) async fn connect(
         ));
     };
     let target = redact_url(url);
+    // Refused before it is parsed: where what precedes the delimiter reads
+    // as a port (`app:?secret@db`, `app:5432?secret@db`), the URL parses,
+    // as host `app` and a query holding the rest of the password, which
+    // the driver then logs as an unknown parameter.
+    if user_info_needs_encoding(url) {
+        return Err(Failure::usage(format!(
+            "invalid database URL {target}: a '#', '?' or '/' in the user name or password \
+             must be percent-encoded (%23, %3F, %2F), and so must an '@' after the host (%40)"
+        )));
+    }
     let options = PgConnectOptions::from_str(url)
-        .map_err(|err| {
-            let hint = if user_info_needs_encoding(url) {
-                " (a '#', '?' or '/' in the user name or password must be \
-                 percent-encoded: %23, %3F, %2F)"
-            } else {
-                ""
-            };
-            Failure::usage(format!("invalid database URL {target}: {err}{hint}"))
-        })?
+        .map_err(|err| Failure::usage(format!("invalid database URL {target}: {err}")))?
         .application_name(&truncate_name(application));
     if conn.lease_table {
         return connect_lease_table(options, &target, heartbeat).await;

@@ -1144,11 +1144,19 @@ async fn passwords_with_url_delimiters_or_common_words_are_masked_exactly(pool: 
     let user = opts.get_username().to_owned();
     // A '#' or '?' in a password ends the URL's authority for a URL parser;
     // the password must not show anyway.
+    // Where what comes before it reads as a port (nothing, or digits), the
+    // URL parses, as host `user` and a query holding the rest: it must be
+    // refused all the same, before sqlx logs that query as an unknown
+    // parameter.
     for secret in [
         "pa#ss-Secret9",
         "pa?ss-Secret9",
         "pa/ss-Secret9",
         "pa@ss-Secret9",
+        "?Secret9x-pw",
+        "1234?Secret9x",
+        "#Secret9x-pw",
+        "99/Secret9x-pw",
     ] {
         let url = format!("postgres://{user}:{secret}@{at}/distlock_no_such_database");
         let out = finish(
@@ -1160,6 +1168,9 @@ async fn passwords_with_url_delimiters_or_common_words_are_masked_exactly(pool: 
         let tail = &secret[3..];
         assert!(!all.contains(tail), "password {secret} leaked:\n{all}");
         assert!(all.contains(&format!("postgres://{user}:***@")), "{all}");
+        if secret.contains(['#', '?', '/']) {
+            assert_eq!(out.status.code(), Some(EXIT_USAGE), "{secret}: {all}");
+        }
     }
     // A password that is also a word of the URL masks the password only.
     let url = format!("postgres://{user}:{user}@{at}/distlock_no_such_database");

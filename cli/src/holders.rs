@@ -46,11 +46,11 @@ pub(crate) async fn holders(args: HoldersArgs) -> Result<u8, Failure> {
         None => holder.key.to_string(),
     };
     if args.json {
-        println!("{}", to_json(&holders, label));
+        show!("{}\n", to_json(&holders, label));
     } else if args.tree {
-        print!("{}", to_tree(&holders, label));
+        show!("{}", to_tree(&holders, label));
     } else {
-        print!("{}", to_table(&holders, label));
+        show!("{}", to_table(&holders, label));
     }
     Ok(0)
 }

@@ -20,6 +20,26 @@
 )]
 #![deny(clippy::unwrap_used)]
 
+/// `eprintln!` that never panics: a message that cannot be written (stderr
+/// closed, or a pipe nobody reads any more) is dropped, so that what comes
+/// after it (stopping the command when its lock is lost) still happens.
+/// The standard macro panics there, since Rust ignores `SIGPIPE`.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+/// `print!` that never panics, as [`say!`]: output nobody reads is dropped
+/// (`distlock holders | head -1`).
+macro_rules! show {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 mod args;
 mod backend;
 mod holders;
@@ -109,10 +129,10 @@ fn main() -> ExitCode {
         Err(err) => {
             let text = secrets.scrub(&err.render().to_string());
             if err.use_stderr() {
-                eprint!("{text}");
+                say!("{}", text.trim_end_matches('\n'));
                 return ExitCode::from(EXIT_USAGE);
             }
-            print!("{text}");
+            show!("{text}");
             return ExitCode::SUCCESS;
         }
     };
@@ -123,7 +143,7 @@ fn main() -> ExitCode {
     {
         Ok(runtime) => runtime,
         Err(err) => {
-            eprintln!("distlock: cannot start the async runtime: {err}");
+            say!("distlock: cannot start the async runtime: {err}");
             return ExitCode::from(EXIT_UNAVAILABLE);
         }
     };
@@ -136,7 +156,7 @@ fn main() -> ExitCode {
     match outcome {
         Ok(code) => ExitCode::from(code),
         Err(failure) => {
-            eprintln!("distlock: {}", secrets.scrub(&failure.message));
+            say!("distlock: {}", secrets.scrub(&failure.message));
             ExitCode::from(failure.code)
         }
     }

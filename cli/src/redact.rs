@@ -227,14 +227,17 @@ impl ScrubbingStderr {
 
 impl Write for ScrubbingStderr {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        // The fmt layer writes one formatted event per call.
+        // The fmt layer writes one formatted event per call. A line that
+        // cannot be written is dropped: tracing reports a writer's error
+        // with `eprintln!`, which would panic on the same closed stderr.
         let clean = self.secrets.scrub(&String::from_utf8_lossy(buf));
-        io::stderr().write_all(clean.as_bytes())?;
+        let _ = io::stderr().write_all(clean.as_bytes());
         Ok(buf.len())
     }
 
     fn flush(&mut self) -> io::Result<()> {
-        io::stderr().flush()
+        let _ = io::stderr().flush();
+        Ok(())
     }
 }
 

@@ -105,7 +105,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
         Ok(Ended::Exited(_)) => {
             if !group.is_empty() {
                 if !args.quiet {
-                    eprintln!(
+                    say!(
                         "distlock: the command exited but left processes in its process group; \
                          stopping them before releasing lock {key} (SIGTERM, then SIGKILL after {})",
                         humantime::format_duration(args.grace)
@@ -116,7 +116,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
         }
         Ok(Ended::Lost(reason)) => {
             // Say it even with --quiet: the command was cut short.
-            eprintln!(
+            say!(
                 "distlock: lock {key} was lost ({reason}); stopping the command \
                  (SIGTERM, then SIGKILL after {})",
                 humantime::format_duration(args.grace)
@@ -135,7 +135,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
             Released::Yes => Ok(exit_code(status)),
             // The command may have run its last part without the lock.
             Released::Lost(err) => {
-                eprintln!(
+                say!(
                     "distlock: lock {key} was lost before the command ended \
                      (found at release: {err}); the command exited with code {}",
                     exit_code(status)
@@ -143,7 +143,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
                 Ok(EXIT_LOST)
             }
             Released::Failed(err) => {
-                eprintln!("distlock: releasing lock {key} failed: {err}");
+                say!("distlock: releasing lock {key} failed: {err}");
                 Ok(exit_code(status))
             }
         },
@@ -172,7 +172,7 @@ async fn acquire(
             .await
             .map_err(|err| Failure::unavailable(format!("could not take lock {key}: {err}")))?;
         if lease.is_none() && !quiet {
-            eprintln!(
+            say!(
                 "distlock: skipped: lock {key} is held elsewhere{}",
                 holder_hint(backend, key).await
             );
@@ -406,7 +406,7 @@ async fn release_reporting(lease: Box<dyn Lease>) {
     match release(lease).await {
         Released::Yes => {}
         Released::Lost(err) | Released::Failed(err) => {
-            eprintln!("distlock: releasing lock {key} failed: {err}");
+            say!("distlock: releasing lock {key} failed: {err}");
         }
     }
 }

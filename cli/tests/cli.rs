@@ -766,17 +766,32 @@ async fn run_works_with_redlock_over_three_nodes() {
 
 #[sqlx::test(migrations = false)]
 async fn a_lost_lock_stops_the_commands_whole_process_group(pool: PgPool) {
-    let url = url_of(&pool);
-    let dir = scratch("lost-group");
+    lost_lock_stops_the_group(&pool, "lost-group", false).await;
+}
+
+/// With its stderr a pipe nobody reads any more (a log shipper that died),
+/// distlock's "was lost" message fails to print: the command is stopped
+/// all the same (a panic there left it running without the lock).
+#[sqlx::test(migrations = false)]
+async fn a_lost_lock_stops_the_command_though_stderr_is_gone(pool: PgPool) {
+    lost_lock_stops_the_group(&pool, "lost-no-stderr", true).await;
+}
+
+/// `distlock run KEY` of a shell that waits for a grandchild; the lock's
+/// session is terminated: the run exits 76 and the grandchild is gone.
+/// With `stderr_gone`, the read end of distlock's stderr is closed first.
+async fn lost_lock_stops_the_group(pool: &PgPool, key: &str, stderr_gone: bool) {
+    let url = url_of(pool);
+    let dir = scratch(key);
     let pid_file = dir.join("pid");
     let pid_arg = pid_file.to_string_lossy().into_owned();
     // The shell waits for a grandchild; SIGTERM to the shell alone would
     // leave `sleep` running without the lock.
-    let run = distlock(
+    let mut run = distlock(
         &url,
         &[
             "run",
-            "lost-group",
+            key,
             "--heartbeat",
             "200ms",
             "--grace",
@@ -790,9 +805,12 @@ async fn a_lost_lock_stops_the_commands_whole_process_group(pool: PgPool) {
     )
     .spawn()
     .expect("spawn");
+    if stderr_gone {
+        drop(run.stderr.take());
+    }
     let grandchild = read_pid(&pid_file).await;
     let _cleanup = KillOnDrop(vec![grandchild]);
-    terminate_holder(&pool, "lost-group").await;
+    terminate_holder(pool, key).await;
 
     let out = finish(run, "run whose lock is lost").await;
     assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", text(&out));

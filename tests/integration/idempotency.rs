@@ -375,3 +375,51 @@ async fn once_in_rolls_back_only_its_savepoint_on_error(pool: PgPool) {
         "the claim rolled back with the caller's transaction"
     );
 }
+
+/// A transaction opened by sending `BEGIN` as SQL is one sqlx does not
+/// track: `once_in` refuses it, before any write, instead of committing
+/// (or rolling back) the caller's whole transaction as its own.
+#[sqlx::test(migrations = false)]
+async fn once_in_refuses_a_transaction_begun_as_sql(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE effects (what text)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
+    sqlx::query("INSERT INTO effects VALUES ('caller')")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let ran = idempotency::once_in(&mut conn, "charge", "k", async |_| {
+        Ok::<_, Error>("x".into())
+    })
+    .await;
+    assert!(
+        matches!(
+            &ran,
+            Err(Error::InvalidArgument {
+                argument: "conn",
+                ..
+            })
+        ),
+        "{ran:?}"
+    );
+    // The caller's transaction is still open and whole: rolled back, it
+    // takes its own write with it, and nothing was claimed.
+    sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(effects, 0, "the caller's write was committed by once_in");
+    assert!(idempotency::claim(&mut conn, "charge", "k").await.unwrap());
+    // Outside any transaction it still makes its own.
+    let ran = idempotency::once_in(&mut conn, "charge", "k2", async |_| {
+        Ok::<_, Error>("y".into())
+    })
+    .await
+    .unwrap();
+    assert_eq!(ran, Once::Ran("y".into()));
+}

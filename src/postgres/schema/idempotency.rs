@@ -15,7 +15,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{Connection, PgConnection, PgPool, Row};
 
 use crate::Error;
 
@@ -107,7 +107,7 @@ where
     let mut conn = crate::postgres::conn::pooled::acquire(pool)
         .await
         .map_err(Error::from)?;
-    once_in(&mut conn, scope, key, f).await
+    run_once(&mut conn, scope, key, f).await
 }
 
 /// [`once`] on a connection you hold, typically inside your own transaction
@@ -118,7 +118,12 @@ where
 /// on, and the claim and `f`'s effect commit with it or not at all. On a
 /// connection outside a transaction it makes its own, as [`once`] does.
 /// Costs 4 round trips plus `f`'s own (`SAVEPOINT`, the claim, storing the
-/// result, `RELEASE`). Needs [`migrate`](crate::migrate).
+/// result, `RELEASE`), and outside a transaction begun through sqlx 1 more
+/// first: a transaction opened by sending `BEGIN` as SQL is one sqlx does
+/// not track (its `COMMIT` would commit yours, and its rollback roll back
+/// all of yours), so it is refused with [`Error::InvalidArgument`]
+/// (argument `conn`) before anything is written; open it with
+/// `conn.begin()`. Needs [`migrate`](crate::migrate).
 ///
 /// # Cancel safety
 ///
@@ -132,6 +137,44 @@ where
     E: From<Error>,
 {
     validate(scope, key)?;
+    if !conn.is_in_transaction() {
+        refuse_untracked_transaction(conn).await?;
+    }
+    run_once(conn, scope, key, f).await
+}
+
+/// [`Error::InvalidArgument`] if the server has a transaction open on
+/// `conn` that sqlx does not track (a `BEGIN` sent as SQL): a statement of
+/// such a transaction starts later than the transaction, where the first
+/// statement of the implicit transaction a statement outside one runs in
+/// starts with it. A simple query: the extended protocol starts the
+/// transaction at `Parse` and the statement's clock again at `Execute`.
+/// 1 round trip; reads nothing.
+async fn refuse_untracked_transaction(conn: &mut PgConnection) -> Result<(), Error> {
+    let row = sqlx::raw_sql(
+        "SELECT pg_catalog.transaction_timestamp() OPERATOR(pg_catalog.<>) \
+         pg_catalog.statement_timestamp()",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    let open: bool = row.try_get(0)?;
+    if open {
+        return Err(Error::InvalidArgument {
+            argument: "conn",
+            reason: "in a transaction opened by sending BEGIN as SQL, which sqlx does not \
+                     track; open it with conn.begin()"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// [`once_in`] past its checks.
+async fn run_once<F, E>(conn: &mut PgConnection, scope: &str, key: &str, f: F) -> Result<Once, E>
+where
+    F: AsyncFnOnce(&mut PgConnection) -> Result<String, E>,
+    E: From<Error>,
+{
     let mut tx = conn.begin().await.map_err(Error::from)?;
     if !claim(&mut tx, scope, key).await? {
         tx.rollback().await.map_err(Error::from)?;

@@ -409,3 +409,45 @@ async fn a_session_transaction_timeout_does_not_cut_a_semaphore_queue_wait_short
     assert_semaphore_queue_wait_granted(&pool, &limited, "transaction_timeout", what).await;
     limited.close().await;
 }
+
+/// `migrate` called while another process migrates queues on the
+/// migration lock past the session's `lock_timeout`, `statement_timeout`
+/// and (PostgreSQL 17 and later) `transaction_timeout`, as the docs say
+/// concurrent calls do, instead of failing (or, under
+/// `transaction_timeout`, having its session ended) at the limit.
+#[sqlx::test(migrations = false)]
+async fn a_session_limit_does_not_cut_a_queued_migrate_short(pool: PgPool) {
+    let version: i32 = sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
+        .fetch_one(&pool)
+        .await
+        .expect("server_version_num");
+    let mut settings = vec!["lock_timeout", "statement_timeout"];
+    if version >= 170_000 {
+        settings.push("transaction_timeout");
+    }
+    for setting in settings {
+        let options = (*pool.connect_options())
+            .clone()
+            .options([(setting, SESSION_LIMIT)]);
+        let limited = PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(options)
+            .await
+            .expect("a pool with a session limit");
+        // Another process holds the migration lock (namespace "dl", 1).
+        let holder = hold_then_release(&pool, "25708, 1").await;
+        let started = Instant::now();
+        let outcome = distlock::migrate(&limited).await;
+        assert_granted_after_hold(&format!("migrate under {setting}"), started, outcome);
+        holder.await.expect("holder");
+        let limit: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SHOW {setting}")))
+            .fetch_one(&limited)
+            .await
+            .expect("the setting");
+        assert_eq!(
+            limit, SESSION_LIMIT,
+            "{setting} is back on the pool's connection"
+        );
+        limited.close().await;
+    }
+}

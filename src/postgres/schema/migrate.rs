@@ -9,6 +9,7 @@ use sqlx::{PgPool, SqlSafeStr};
 use crate::Error;
 use crate::postgres::conn::held::HeldConn;
 use crate::postgres::request::fragments::keepalives;
+use crate::postgres::request::unlimited;
 
 /// The schema holding every object of this crate.
 pub const SCHEMA: &str = "distlock";
@@ -22,10 +23,16 @@ const MIGRATE_LOCK: (i32, i32) = (0x646c, 1);
 /// Waits for [`MIGRATE_LOCK`] (`$1`, `$2`), after setting the keepalives
 /// every lock statement sets (they come first in the select list: a
 /// setting a wait's own statement made is in force during the wait only if
-/// it acts at once, as the socket options do).
+/// it acts at once, as the socket options do) and lifting the session's
+/// `lock_timeout` for the transaction (read as the wait begins, so the
+/// select list's order puts it in force): a role's `lock_timeout` would
+/// fail a migrator queued behind another at that limit. Its
+/// `statement_timeout` and `transaction_timeout` are lifted by the
+/// transaction the wait runs in ([`unlimited::session_wait`]).
 const LOCK: &str = concat!(
     "SELECT ",
     keepalives!(),
+    ", pg_catalog.set_config('lock_timeout', '0', true)",
     ", pg_catalog.pg_advisory_lock($1, $2)"
 );
 
@@ -166,11 +173,17 @@ impl Migrator {
         // migrator cut off while it holds the lock (or waits for it) has
         // its session, and the lock, ended by the server within about
         // 30 s, as a lock's holder does.
-        let locked = sqlx::query(LOCK)
-            .bind(MIGRATE_LOCK.0)
-            .bind(MIGRATE_LOCK.1)
-            .execute(conn.conn());
-        crate::span::waiting(&"distlock migrations", locked).await?;
+        // In a transaction of its own with the session's limits lifted,
+        // whether or not it has any (2 round trips more, on a call made
+        // once per process start): the lock outlives its `COMMIT`.
+        let locked = unlimited::session_wait(conn.conn(), true, async |conn| {
+            let locked = sqlx::query(LOCK)
+                .bind(MIGRATE_LOCK.0)
+                .bind(MIGRATE_LOCK.1)
+                .execute(conn);
+            crate::span::waiting(&"distlock migrations", locked).await
+        });
+        locked.await?;
         create_and_run(conn.conn(), self).await?;
         let unlocked: bool = sqlx::query_scalar("SELECT pg_catalog.pg_advisory_unlock($1, $2)")
             .bind(MIGRATE_LOCK.0)
@@ -189,7 +202,10 @@ impl Migrator {
 /// [`Migrator::new().run(pool)`](Migrator::run).
 ///
 /// Idempotent, and safe to run from many processes at once: they queue on an
-/// advisory lock and the later ones find nothing to do. That lock is a
+/// advisory lock and the later ones find nothing to do. The wait lifts the
+/// session's `lock_timeout`, `statement_timeout` and `transaction_timeout`
+/// for itself (a role's limit would fail a queued call at that limit), in a
+/// transaction of its own: 2 round trips more. That lock is a
 /// session lock, held across several statements: run `migrate` on a direct
 /// connection, not through a transaction pooler (PgBouncer in transaction
 /// mode), where its statements would reach different server sessions and
@@ -286,7 +302,8 @@ async fn create_and_run(conn: &mut sqlx::PgConnection, options: &Migrator) -> Re
     check_owner(conn, options).await?;
     if exists && up_to_date(conn).await? {
         // Nothing to do, and nothing that needs DDL privileges: a role with
-        // only the usage grants may call `migrate` at startup too.
+        // only the usage grants may call `migrate` at startup too (allowing
+        // the schema's owner where that is not itself or a superuser).
         return Ok(());
     }
     // `run_direct` is what `Migrator::run` calls after acquiring; calling it

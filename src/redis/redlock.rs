@@ -377,7 +377,9 @@ impl Redlock {
         let in_flight = InFlight::new(&quorum, claim);
         let started = Instant::now();
         let tally = quorum
-            .ask(&scripts::acquire(claim, false), |v| *v == Value::Int(0))
+            .ask(&scripts::acquire_naming_holder(claim), |v| {
+                *v == Value::Int(0)
+            })
             .await;
         let in_time = Instant::now() < started + claim.window();
         if tally.granted >= quorum.needed() && in_time {
@@ -409,9 +411,11 @@ impl Redlock {
             );
             return Ok(Round::Missed);
         }
-        // Held by others on a quorum: one holder (whose release signals),
-        // unless the vote split.
-        if tally.refused() >= quorum.needed() {
+        // Held by one other call on a quorum (whose release signals), as
+        // far as the replies show: counting the nodes that did not answer
+        // for it too. Otherwise the vote split among several calls, whose
+        // failed attempts clean up without a signal.
+        if tally.most_held_by_one() + tally.failed.len() >= quorum.needed() {
             Ok(Round::Held)
         } else {
             Ok(Round::Missed)
@@ -442,6 +446,9 @@ struct Tally {
     granted: usize,
     /// Nodes that could not be asked (error or no reply in time), by label.
     failed: Vec<(String, Failure)>,
+    /// The replies of the nodes that answered, but not as asked (for the
+    /// acquire script: the token that holds the key there).
+    refusals: Vec<Value>,
 }
 
 /// What one attempt that no node failure ruled out came to.
@@ -466,10 +473,15 @@ struct Unreachable {
 }
 
 impl Tally {
-    /// How many nodes answered, but not as asked (for the acquire script:
-    /// another call holds the key there).
-    fn refused(&self) -> usize {
-        self.asked - self.granted - self.failed.len()
+    /// The most nodes that refused with one and the same reply (for the
+    /// acquire script: held by one call).
+    fn most_held_by_one(&self) -> usize {
+        let mut most = 0;
+        for (i, refusal) in self.refusals.iter().enumerate() {
+            let same = self.refusals[i..].iter().filter(|r| *r == refusal).count();
+            most = most.max(same);
+        }
+        most
     }
 
     /// How many nodes failed with an error that trying again cannot fix.
@@ -523,11 +535,12 @@ impl Quorum {
             asked: self.nodes.len(),
             granted: 0,
             failed: Vec::new(),
+            refusals: Vec::new(),
         };
         for (node, reply) in self.nodes.iter().zip(replies) {
             match reply {
                 Ok(value) if yes(&value) => tally.granted += 1,
-                Ok(_) => {}
+                Ok(value) => tally.refusals.push(value),
                 Err(failure) => tally.failed.push((node.label().to_owned(), failure)),
             }
         }

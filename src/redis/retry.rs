@@ -69,8 +69,9 @@ pub(super) enum Waited<L> {
 /// `started`) has passed.
 ///
 /// After the first try that does not grant, the wait listens for the key's
-/// release signal and tries again at once: a release between that try and
-/// the subscription was not heard. It does the same when listening starts
+/// release signal, and where the key was held tries again at once: a
+/// release between that try and the subscription was not heard (a split
+/// vote or a failing try waits its pause as any later one does). It does the same when listening starts
 /// to work later (a subscriber connection that came up). Between the other
 /// tries it sleeps until a signal wakes it or the pause the strategy
 /// chooses has passed, capped at the deadline.
@@ -126,13 +127,22 @@ where
                 failing: failed.is_some(),
             };
         };
-        let Some(listening) = &mut listener else {
+        if listener.is_none() {
             let within = pacing.listen_within.min(deadline - now);
             let started = pacing.signals.listen(&claim.name, within).await;
             was_heard = started.is_heard();
             listener = Some(started);
+            // A held key's release before the subscription was not heard:
+            // try again at once. A split vote or a failing try signals
+            // nothing: its pause is waited out below.
+            if cause == Cause::Held {
+                continue;
+            }
+        }
+        let Some(listening) = &mut listener else {
             continue;
         };
+        let heard = listening.is_heard();
         if heard && !was_heard {
             was_heard = true;
             continue;

@@ -43,6 +43,17 @@ end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return token";
 
+/// [`ACQUIRE`] without fencing, answering a refusal with the token that
+/// holds the key instead of -1: a Redlock attempt that reached no quorum
+/// tells one holder on a quorum (whose release will signal) from a split
+/// vote among several calls (whose quiet cleanups will not) by counting
+/// the nodes of each token. Returns 0 when it took the key.
+const ACQUIRE_NAMING_HOLDER: &str = "\
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[1] then return held end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 0";
+
 /// Deletes the key only while it still holds our token: after an expiry the
 /// key may belong to the next owner, whose lock must survive. Then, given a
 /// channel (`ARGV[2]`), publishes on it in the same atomic step, which wakes
@@ -61,8 +72,7 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[
 return 0";
 
 /// The acquire script (with the two counter keys if `fencing`), as a single
-/// instance sends it, and as Redlock (without fencing) sends it to every
-/// node.
+/// instance sends it.
 pub(crate) fn acquire(claim: &Claim, fencing: bool) -> Cmd {
     let mut cmd = redis::cmd("EVAL");
     cmd.arg(ACQUIRE);
@@ -75,6 +85,17 @@ pub(crate) fn acquire(claim: &Claim, fencing: bool) -> Cmd {
         cmd.arg(1).arg(&claim.name);
     }
     cmd.arg(&claim.token).arg(claim.ttl_millis());
+    cmd
+}
+
+/// [`ACQUIRE_NAMING_HOLDER`], as Redlock sends it to every node.
+pub(crate) fn acquire_naming_holder(claim: &Claim) -> Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(ACQUIRE_NAMING_HOLDER)
+        .arg(1)
+        .arg(&claim.name)
+        .arg(&claim.token)
+        .arg(claim.ttl_millis());
     cmd
 }
 

@@ -855,3 +855,70 @@ fn the_retry_count_prints_as_no_limit_by_default() {
     let set = format!("{:?}", Redlock::builder([url]).retry_count(3));
     assert!(set.contains("retry_count: 3"), "{set}");
 }
+
+/// A split vote among other calls (each holding a minority of the nodes,
+/// none a quorum) is not a held key: no release signal will come, since a
+/// failed attempt's cleanup publishes none. The wait tries again after the
+/// retry delay, as the README says, not after the fallback poll.
+#[tokio::test]
+async fn a_split_vote_among_others_waits_the_retry_delay() -> anyhow::Result<()> {
+    let servers = servers(3).await;
+    let redlock = redlock_with(&servers, |b| {
+        b.poll_interval(Duration::from_secs(4))
+            .retry_delay(Duration::from_millis(50))
+            .retry_jitter(Duration::ZERO)
+    })
+    .await;
+    // Two other calls' attempts, one node each; the third node is free.
+    let _: String = servers[0]
+        .run(&["SET", "split", "call-a", "PX", "10000"])
+        .await;
+    let _: String = servers[1]
+        .run(&["SET", "split", "call-b", "PX", "10000"])
+        .await;
+    let started = Instant::now();
+    let waiting = tokio::spawn(async move { redlock.lock("split", Duration::from_secs(10)).await });
+    // Their attempts fail and clean up quietly (a plain DEL, no signal).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for server in &servers[..2] {
+        let _: i64 = server.run(&["DEL", "split"]).await;
+    }
+    let lease = waiting.await??;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(1_000),
+        "granted after {took:?}"
+    );
+    lease.release().await?;
+    Ok(())
+}
+
+/// The pause after the first try that does not grant is waited out (it is
+/// not spent on subscribing to release signals): with one retry and a
+/// retry delay of 1 s, a split vote that never resolves ends in a timeout
+/// after that second, not at once.
+#[tokio::test]
+async fn the_first_pause_after_a_split_vote_is_waited() -> anyhow::Result<()> {
+    let servers = servers(3).await;
+    let redlock = redlock_with(&servers, |b| {
+        b.retry_count(1)
+            .retry_delay(Duration::from_secs(1))
+            .retry_jitter(Duration::ZERO)
+    })
+    .await;
+    let _: String = servers[0]
+        .run(&["SET", "split-once", "call-a", "PX", "10000"])
+        .await;
+    let _: String = servers[1]
+        .run(&["SET", "split-once", "call-b", "PX", "10000"])
+        .await;
+    let started = Instant::now();
+    let err = redlock
+        .lock("split-once", Duration::from_secs(10))
+        .await
+        .expect_err("nobody frees the key");
+    let took = started.elapsed();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(took >= Duration::from_millis(900), "gave up after {took:?}");
+    Ok(())
+}

@@ -236,20 +236,23 @@ impl<B: Backend> Watchdog<B> {
 
     async fn release(self, reply: Option<ReleaseRequest>) {
         let outcome = self.backend.release(&self.claim).await;
-        match (&outcome, &reply) {
-            (Ok(()), _) => {
-                metrics::released(B::NAME, &self.claim.key, self.acquired_at.elapsed());
-                tracing::debug!(key = %self.claim.key, "distlock lease released");
-            }
-            (Err(err), None) => tracing::warn!(
+        if outcome.is_ok() {
+            metrics::released(B::NAME, &self.claim.key, self.acquired_at.elapsed());
+            tracing::debug!(key = %self.claim.key, "distlock lease released");
+        }
+        // A caller that went away (a dropped lease, or a `release()` future
+        // dropped after its first poll) learns nothing: log what it missed.
+        let unheard = match reply {
+            Some(reply) => reply.send(outcome).err(),
+            None => Some(outcome),
+        };
+        if let Some(Err(err)) = unheard {
+            tracing::warn!(
                 key = %self.claim.key,
                 error = %err,
-                "background release of a dropped lease failed; the key expires with its TTL"
-            ),
-            (Err(_), Some(_)) => {}
-        }
-        if let Some(reply) = reply {
-            let _ = reply.send(outcome);
+                "background release of a lease whose caller went away failed; \
+                 the key expires with its TTL"
+            );
         }
     }
 }

@@ -951,3 +951,33 @@ async fn builders_take_connection_info_and_settings() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// `release()` polled once and then dropped (a caller's own short
+/// timeout) is still carried out by the watchdog, whose outcome "is then
+/// only logged": a release that fails is logged as a warning (it was not
+/// logged at all).
+#[tokio::test(flavor = "current_thread")]
+async fn a_failed_release_whose_caller_went_away_is_logged() -> anyhow::Result<()> {
+    let captured = common::captured::Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(captured.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let server = RedisServer::start().await;
+    let locker = RedisLocker::builder(server.url())
+        .command_timeout(Duration::from_millis(200))
+        .build()
+        .await?;
+    let lease = locker.try_lock("jobs:release-gone").await?.expect("free");
+    let _: String = server.run(&["CLIENT", "PAUSE", "1000", "ALL"]).await;
+    let dropped = tokio::time::timeout(Duration::from_millis(10), lease.release()).await;
+    assert!(dropped.is_err(), "the release answered within 10 ms");
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let logged = captured.text();
+    assert!(
+        logged.contains("WARN") && logged.contains("jobs:release-gone"),
+        "nothing logged of the failed release:\n{logged}"
+    );
+    Ok(())
+}

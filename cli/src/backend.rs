@@ -78,14 +78,17 @@ pub(crate) async fn connect(
         // One connection holds the lock, one looks up holders while waiting.
         .max_connections(2)
         .acquire_timeout(Duration::from_secs(10))
-        .connect_with(options)
-        .await
-        .map_err(|err| Failure::unavailable(format!("could not connect to {target}: {err}")))?;
-    let locker = PgLocker::builder(pool)
+        .connect_lazy_with(options);
+    // The settings first: a usage error is one whether or not the server
+    // answers.
+    let locker = PgLocker::builder(pool.clone())
         .heartbeat(heartbeat)
         .fencing(fencing)
         .build()
         .map_err(|err| Failure::usage(format!("--heartbeat: {err}")))?;
+    pool.acquire()
+        .await
+        .map_err(|err| Failure::unavailable(format!("could not connect to {target}: {err}")))?;
     Ok(Backend {
         locker: Arc::new(locker.clone()),
         postgres: Some(locker),

@@ -1237,6 +1237,25 @@ async fn redis_urls_can_come_from_the_environment() {
     assert!(all.contains("redis://:***@127.0.0.1:1"), "{all}");
 }
 
+/// A session lock's `--heartbeat` out of its range (10 ms to 10 s) is a
+/// usage error (64) before anything is connected: with the database
+/// unreachable it was reported as unreachable (69) instead.
+#[tokio::test]
+async fn a_heartbeat_out_of_range_is_refused_before_connecting() {
+    let out = finish(
+        distlock(
+            "postgres://postgres@127.0.0.1:1/nowhere",
+            &["run", "k", "--heartbeat", "30s", "--", "true"],
+        )
+        .spawn()
+        .expect("spawn"),
+        "run with a heartbeat out of range",
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{}", text(&out));
+    assert!(text(&out).contains("--heartbeat"), "{}", text(&out));
+}
+
 #[sqlx::test(migrations = false)]
 async fn huge_durations_saturate_instead_of_panicking(pool: PgPool) {
     let url = url_of(&pool);

@@ -262,11 +262,15 @@ fn spawn(
 }
 
 /// SIGINT, SIGTERM and SIGHUP to distlock, to be forwarded to the command,
-/// and SIGCHLD, to notice the command being stopped.
+/// and SIGCHLD, to notice the command being stopped. One of the first three
+/// that was ignored when distlock started (`nohup` ignores SIGHUP, a
+/// non-interactive shell's `cmd &` SIGINT) is not caught: it stays ignored,
+/// for distlock and for the command, which inherits that across `exec`, as
+/// under `flock(1)`. Caught, the command would get it back.
 struct Signals {
-    interrupt: SignalStream,
-    terminate: SignalStream,
-    hangup: SignalStream,
+    interrupt: Option<SignalStream>,
+    terminate: Option<SignalStream>,
+    hangup: Option<SignalStream>,
     /// A child changed state (it may have been stopped).
     child: SignalStream,
 }
@@ -277,12 +281,45 @@ impl Signals {
         let handler = |kind| {
             signal(kind).map_err(|err| Failure::unavailable(format!("cannot watch signals: {err}")))
         };
+        let ignored = ignored_at_start();
+        let unless_ignored = |kind: SignalKind, number: Signal| {
+            if ignored.contains(&number) {
+                return Ok(None);
+            }
+            handler(kind).map(Some)
+        };
         Ok(Self {
-            interrupt: handler(SignalKind::interrupt())?,
-            terminate: handler(SignalKind::terminate())?,
-            hangup: handler(SignalKind::hangup())?,
+            interrupt: unless_ignored(SignalKind::interrupt(), Signal::SIGINT)?,
+            terminate: unless_ignored(SignalKind::terminate(), Signal::SIGTERM)?,
+            hangup: unless_ignored(SignalKind::hangup(), Signal::SIGHUP)?,
             child: handler(SignalKind::child())?,
         })
+    }
+}
+
+/// Of SIGINT, SIGTERM and SIGHUP, those this process ignores: the `SigIgn`
+/// mask of `/proc/self/status` (bit n - 1 for signal n), read before any
+/// handler is installed. None where that file cannot be read (not Linux).
+fn ignored_at_start() -> Vec<Signal> {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return Vec::new();
+    };
+    let mask = status
+        .lines()
+        .find_map(|line| line.strip_prefix("SigIgn:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0);
+    [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP]
+        .into_iter()
+        .filter(|signal| mask & (1 << (*signal as u32 - 1)) != 0)
+        .collect()
+}
+
+/// The next delivery of a caught signal; never, for one left ignored.
+async fn next(stream: &mut Option<SignalStream>) -> Option<()> {
+    match stream {
+        Some(stream) => stream.recv().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -315,14 +352,14 @@ async fn supervise(
                 group.signal(Signal::SIGKILL);
                 kill_after = None;
             }
-            Some(()) = signals.interrupt.recv() => group.signal(Signal::SIGINT),
-            Some(()) = signals.terminate.recv() => {
+            Some(()) = next(&mut signals.interrupt) => group.signal(Signal::SIGINT),
+            Some(()) = next(&mut signals.terminate) => {
                 group.signal(Signal::SIGTERM);
                 if kill_after.is_none() {
                     kill_after = Some(Box::pin(tokio::time::sleep(grace)));
                 }
             }
-            Some(()) = signals.hangup.recv() => group.signal(Signal::SIGHUP),
+            Some(()) = next(&mut signals.hangup) => group.signal(Signal::SIGHUP),
             Some(()) = signals.child.recv() => {
                 if let Some(terminal) = terminal
                     && group.leader_stopped()

@@ -860,6 +860,44 @@ async fn a_forwarded_signal_reaches_the_commands_whole_process_group(pool: PgPoo
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Under `nohup` (SIGHUP ignored when distlock starts) a hangup reaches
+/// neither distlock nor the command, as with `flock(1)`: distlock leaves
+/// an ignored signal ignored instead of catching and forwarding it.
+#[sqlx::test(migrations = false)]
+async fn a_signal_ignored_at_start_stays_ignored_for_the_command(pool: PgPool) {
+    let dir = scratch("nohup");
+    let pid_file = dir.join("pid");
+    // `trap '' HUP` ignores SIGHUP, and `exec` keeps it ignored, as nohup.
+    let mut run = Command::new("sh");
+    run.args(["-c", "trap '' HUP; exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_distlock"))
+        .args(["run", "nohup", "--", "sh", "-c"])
+        .arg("echo $$ > \"$0\"; exec sleep 300")
+        .arg(&pid_file)
+        .env("DATABASE_URL", url_of(&pool))
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut run = run.spawn().expect("spawn");
+    let command = read_pid(&pid_file).await;
+    let _cleanup = KillOnDrop(vec![command]);
+    let distlock =
+        nix::unistd::Pid::from_raw(i32::try_from(run.id().expect("pid")).expect("pid fits"));
+    nix::sys::signal::kill(distlock, nix::sys::signal::Signal::SIGHUP).expect("hang up");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(alive(command), "the command died of the hangup");
+    assert!(
+        run.try_wait().expect("distlock's state").is_none(),
+        "distlock died of the hangup"
+    );
+    nix::sys::signal::kill(distlock, nix::sys::signal::Signal::SIGTERM).expect("terminate");
+    let out = finish(run, "terminated run").await;
+    assert!(!alive(command), "{}", text(&out));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[sqlx::test(migrations = false)]
 async fn processes_the_command_left_behind_are_stopped_before_the_release(pool: PgPool) {
     let url = url_of(&pool);

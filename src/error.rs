@@ -103,6 +103,11 @@ pub enum Error {
         quorum: usize,
         /// Each failing node and why, as `host:port/db: error`.
         failures: Vec<String>,
+        /// Whether the failures may pass: the nodes that refuse for good
+        /// would still leave room for a quorum once the others (down,
+        /// slow, restarting) answer again. A waiting call (`lock`, a
+        /// semaphore's `acquire`) then keeps trying until its deadline.
+        passing: bool,
     },
 
     /// Applying the crate's migrations failed.
@@ -582,7 +587,7 @@ impl Error {
     /// Whether a try that failed with this error may succeed if made
     /// again: no answer within the command deadline, or a Redis failure
     /// that passes (a connection refused or reset, a server loading its
-    /// data or in a failover). A waiting kind built from plain tries (the
+    /// data or in a failover; Redlock nodes that do so on a quorum). A waiting kind built from plain tries (the
     /// semaphore over any locker) treats it as a busy try until its
     /// deadline, as a backend's own waiting `lock` does.
     pub(crate) fn passes(&self) -> bool {
@@ -590,6 +595,8 @@ impl Error {
             Self::CommandTimedOut { .. } => true,
             #[cfg(feature = "redis")]
             Self::Redis(err) => crate::redis::node::is_transient(err),
+            #[cfg(feature = "redis")]
+            Self::QuorumUnreachable { passing, .. } => *passing,
             _ => false,
         }
     }

@@ -400,7 +400,7 @@ impl Redlock {
         if tally.failed.len() > spare {
             let transient = tally.lasting() <= spare;
             return Err(Unreachable {
-                error: tally.unreachable(&claim.key, quorum.needed()),
+                error: tally.unreachable(&claim.key, quorum.needed(), transient),
                 transient,
             });
         }
@@ -493,7 +493,7 @@ impl Tally {
     }
 
     /// Why a quorum could not be reached with this many failing nodes.
-    fn unreachable(self, key: &LockKey, quorum: usize) -> Error {
+    fn unreachable(self, key: &LockKey, quorum: usize, passing: bool) -> Error {
         Error::QuorumUnreachable {
             key: key.clone(),
             nodes: self.asked,
@@ -503,6 +503,7 @@ impl Tally {
                 .iter()
                 .map(|(node, failure)| format!("{node}: {failure}"))
                 .collect(),
+            passing,
         }
     }
 

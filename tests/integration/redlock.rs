@@ -107,6 +107,7 @@ async fn refuses_with_three_of_five_nodes_down() -> anyhow::Result<()> {
             nodes: 5,
             quorum: 3,
             failures,
+            passing: true,
         } => {
             assert_eq!(key, &LockKey::from("jobs:majority-down"));
             assert_eq!(failures.len(), 3, "{failures:?}");
@@ -920,5 +921,28 @@ async fn the_first_pause_after_a_split_vote_is_waited() -> anyhow::Result<()> {
     let took = started.elapsed();
     assert!(matches!(err, Error::Timeout { .. }), "{err}");
     assert!(took >= Duration::from_millis(900), "gave up after {took:?}");
+    Ok(())
+}
+
+/// A semaphore's wait over Redlock rides out nodes that stop answering for
+/// a while, as `Redlock::lock` does: with the only node paused for 1 s,
+/// each try finds no quorum reachable (`QuorumUnreachable`, a failure that
+/// passes), and the permit freed after the pause still reaches the waiter.
+#[tokio::test]
+async fn a_semaphore_wait_survives_a_paused_quorum() -> anyhow::Result<()> {
+    let servers = servers(1).await;
+    let redlock = redlock(&servers).await;
+    let semaphore = distlock::Semaphore::new(Arc::new(redlock), "jobs:paused-quorum", 1)?;
+    let held = semaphore.try_acquire().await?.expect("free");
+    let waiter = tokio::spawn({
+        let semaphore = semaphore.clone();
+        async move { semaphore.acquire(Duration::from_secs(10)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let _: String = servers[0].run(&["CLIENT", "PAUSE", "1000", "ALL"]).await;
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    held.release().await?;
+    let permit = waiter.await?.expect("the wait outlives the pause");
+    permit.release().await?;
     Ok(())
 }

@@ -1402,3 +1402,58 @@ async fn holders_lists_the_live_leases(pool: PgPool) {
     drop(gone);
     assert!(locker.holders().await.expect("holders").is_empty());
 }
+
+/// A holder whose renewals cannot get through (here: its pool's only
+/// connection is busy with its own work) reports the loss two thirds of a
+/// TTL after its last renewal, and its key is free to others only a third
+/// of a TTL after that, when the lease would expire: the holder's clean-up
+/// waits for then instead of deleting the row at once (which handed the
+/// key over within milliseconds of `lost()`, before the holder's code could
+/// have seen it).
+#[sqlx::test(migrations = false)]
+async fn a_lost_lease_is_not_handed_over_before_it_would_expire(pool: PgPool) {
+    init_tracing();
+    migrated(&pool).await;
+    let ttl = Duration::from_millis(900);
+    let holder_pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .expect("the holder's pool");
+    let holder = TableLocker::builder(holder_pool.clone())
+        .ttl(ttl)
+        .listen(false)
+        .keep_warm(0, Duration::ZERO)
+        .build()
+        .expect("valid settings");
+    let lease = holder
+        .try_lock("table:busy-pool")
+        .await
+        .unwrap()
+        .expect("free");
+    // The holder's own work takes the pool's one connection.
+    let work = holder_pool.acquire().await.expect("the pool's connection");
+    let other = locker(&pool_on((*pool.connect_options()).clone()).await, ttl);
+    let waiter = tokio::spawn(async move {
+        let granted = other.lock("table:busy-pool", Duration::from_secs(10)).await;
+        (Instant::now(), granted)
+    });
+    let reason = bounded("the holder gives up", Duration::from_secs(5), lease.lost()).await;
+    let lost_at = Instant::now();
+    assert!(
+        matches!(reason, LossReason::HeartbeatTimedOut(_)),
+        "{reason:?}"
+    );
+    // The work ends just after: the clean-up could run now.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    drop(work);
+    let (granted_at, granted) = waiter.await.expect("the waiter");
+    let granted = granted.expect("granted once the lease expired");
+    let gap = granted_at.saturating_duration_since(lost_at);
+    assert!(
+        gap >= Duration::from_millis(200),
+        "the key was granted elsewhere {gap:?} after the holder's lost()"
+    );
+    granted.release().await.unwrap();
+    drop(lease);
+}

@@ -82,7 +82,7 @@ impl Renewal {
                 let give_up = attempt_sent + attempt_budget(deadline - attempt_sent);
                 match timeout_at(give_up, self.renew_once()).await {
                     Ok(Ok(true)) => break Ok(attempt_sent),
-                    Ok(Ok(false)) => return self.lose(LossReason::Expired).await,
+                    Ok(Ok(false)) => return self.lose(LossReason::Expired, last_ok).await,
                     Ok(Err(err)) => {
                         tracing::debug!(key = %self.key, error = %err, "distlock lease renewal failed; retrying");
                         last_error = Some(err.to_string());
@@ -97,10 +97,14 @@ impl Renewal {
             };
             match renewed {
                 Ok(at) => last_ok = at,
-                Err(Some(err)) => return self.lose(LossReason::ConnectionFailed(err)).await,
+                Err(Some(err)) => {
+                    return self.lose(LossReason::ConnectionFailed(err), last_ok).await;
+                }
                 Err(None) => {
                     let waited = last_ok.elapsed();
-                    return self.lose(LossReason::HeartbeatTimedOut(waited)).await;
+                    return self
+                        .lose(LossReason::HeartbeatTimedOut(waited), last_ok)
+                        .await;
                 }
             }
         }
@@ -124,14 +128,22 @@ impl Renewal {
     }
 
     /// Publishes the loss, then, unless someone else's lease replaced ours,
-    /// deletes our row if it is still there, so the key is free before it
-    /// expires.
-    async fn lose(self, reason: LossReason) {
+    /// deletes our row if it is still there, which wakes the key's waiters
+    /// (the row alone would leave them to their poll interval). Not before
+    /// the lease would expire anyway (one TTL after `last_ok`, the send of
+    /// the last renewal that succeeded): the loss is reported a third of a
+    /// TTL earlier so that the holder's code stops before anyone else can
+    /// take the key, and deleting the row at once would hand the key over
+    /// within milliseconds of the report. A guard released or dropped
+    /// meanwhile aborts this task and deletes the row itself: its holder
+    /// has stopped.
+    async fn lose(self, reason: LossReason, last_ok: Instant) {
         tracing::warn!(key = %self.key, %reason, "distlock lease lost");
         crate::metrics::lost("table", &self.key);
         let expired = reason == LossReason::Expired;
         self.loss.send_replace(Some(reason));
         if !expired {
+            sleep_until(crate::deadline::after(last_ok, self.inner.ttl)).await;
             let release =
                 super::release::release_statement(&self.inner, &self.key, &self.expr, self.owner);
             let _ = tokio::time::timeout(self.inner.release_timeout, release).await;

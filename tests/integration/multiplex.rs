@@ -758,3 +758,43 @@ async fn a_lock_outlives_the_runtime_that_took_it(pool: PgPool) {
     let taken = rival.try_lock("mux:rt").await.unwrap();
     assert!(taken.is_some(), "released");
 }
+
+/// A try that takes nothing gives its place under `max_locks` back before
+/// its caller hears the answer: the caller's next try, at once, never finds
+/// the cap full of places nobody holds. A key the multiplexer already holds
+/// is answered busy without a round trip, which makes the window between
+/// the answer and the place's return as wide as a reply's wake-up.
+#[sqlx::test(migrations = false)]
+async fn a_busy_try_gives_its_place_back_before_it_answers(pool: PgPool) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let outcome = std::thread::spawn(move || {
+        runtime.block_on(async move {
+            let locker = PgLocker::builder(pool.clone())
+                .multiplex(1)
+                .max_locks(2)
+                .build()
+                .expect("valid settings");
+            let held = locker.try_lock("cap:reentrant").await.unwrap().unwrap();
+            let spurious = tokio::spawn(async move {
+                for round in 0..50_000 {
+                    match locker.try_lock("cap:reentrant").await {
+                        Ok(None) => {}
+                        other => return Some((round, format!("{other:?}"))),
+                    }
+                }
+                None
+            })
+            .await
+            .expect("the tries");
+            held.release().await.unwrap();
+            spurious
+        })
+    })
+    .join()
+    .expect("the runtime's thread");
+    assert_eq!(outcome, None, "a busy try was refused at the cap");
+}

@@ -172,6 +172,15 @@ async fn why_not(config: &DriverConfig) -> Error {
     }
 }
 
+/// Answers a try that took nothing, after giving back its place under
+/// `max_locks`: a caller woken by the answer may try again at once, and
+/// must find the place free (a place dropped after the answer, at the end
+/// of the driver's frame, made that try fail with `TooManyLocks`).
+fn answer(reply: oneshot::Sender<TryOutcome>, place: Place, outcome: TryOutcome) {
+    drop(place);
+    let _ = reply.send(outcome);
+}
+
 /// Answers every queued and future request of a driver that has no
 /// connection: tries may retry elsewhere, unlocks have nothing to do (the
 /// server freed the locks with the session).
@@ -180,7 +189,7 @@ fn refuse_all(requests: &mut mpsc::UnboundedReceiver<Request>, err: Option<Error
     let mut err = err;
     while let Ok(request) = requests.try_recv() {
         match request {
-            Request::Try { reply, .. } => {
+            Request::Try { reply, place, .. } => {
                 let outcome = match err.take() {
                     // The first caller learns why; the others retry, and
                     // their retry reports its own failure. A connection
@@ -195,7 +204,7 @@ fn refuse_all(requests: &mut mpsc::UnboundedReceiver<Request>, err: Option<Error
                     }
                     None => Err(TryError::Gone),
                 };
-                let _ = reply.send(outcome);
+                answer(reply, place, outcome);
             }
             // Dropping the reply tells the releaser the lock is gone.
             Request::Unlock { .. } => {}
@@ -292,24 +301,24 @@ impl Driver {
         let known = ServerKey::known(&key);
         if self.by_key.contains_key(&key) || known.is_some_and(|k| self.by_server.contains_key(&k))
         {
-            let _ = reply.send(Ok(None));
+            answer(reply, place, Ok(None));
             return Ok(());
         }
         let args = match key.args() {
             Ok(args) => args,
             Err(err) => {
-                let _ = reply.send(Err(TryError::Failed(err)));
+                answer(reply, place, Err(TryError::Failed(err)));
                 return Ok(());
             }
         };
         let query = sql::try_lock(args, fencing, self.locks.len()).fetch_one(&mut self.conn);
         let row = match timeout(self.statement_timeout, query).await {
             Err(_) => {
-                let _ = reply.send(Err(TryError::Gone));
+                answer(reply, place, Err(TryError::Gone));
                 return Err(LossReason::HeartbeatTimedOut(self.statement_timeout));
             }
             Ok(Err(err)) if fatal(&err) => {
-                let _ = reply.send(Err(TryError::Gone));
+                answer(reply, place, Err(TryError::Gone));
                 return Err(LossReason::ConnectionFailed(err.to_string()));
             }
             // A prepared statement another client made on this session, or
@@ -317,13 +326,17 @@ impl Driver {
             // none of its locks can be trusted (as in the default mode).
             Ok(Err(err)) if shared_session(&err) => {
                 let refused = shared_session_error(&err);
-                let _ = reply.send(Err(TryError::Failed(refused)));
+                answer(reply, place, Err(TryError::Failed(refused)));
                 return Err(LossReason::SessionShared(err.to_string()));
             }
             // A full lock table is raised by the lock function itself, so an
             // unfenced try that hit it took nothing; the session stays.
             Ok(Err(err)) if !fencing && is_lock_table_full(&err) => {
-                let _ = reply.send(Err(TryError::Failed(locking_error(err, &key))));
+                answer(
+                    reply,
+                    place,
+                    Err(TryError::Failed(locking_error(err, &key))),
+                );
                 return Ok(());
             }
             // Any other error may come after the grant (the token write
@@ -333,7 +346,11 @@ impl Driver {
             // one sure way to free it.
             Ok(Err(err)) => {
                 let reason = LossReason::SessionAbandoned(err.to_string());
-                let _ = reply.send(Err(TryError::Failed(locking_error(err, &key))));
+                answer(
+                    reply,
+                    place,
+                    Err(TryError::Failed(locking_error(err, &key))),
+                );
                 return Err(reason);
             }
             Ok(Ok(row)) => row,
@@ -344,17 +361,21 @@ impl Driver {
             // to own it, so the session goes, which frees it.
             Err(err @ Error::MissingFencingToken { .. }) => {
                 let reason = LossReason::SessionAbandoned(err.to_string());
-                let _ = reply.send(Err(TryError::Failed(err)));
+                answer(reply, place, Err(TryError::Failed(err)));
                 return Err(reason);
             }
             Err(err) => {
                 // We cannot tell what the statement did: give the session up.
-                let _ = reply.send(Err(TryError::Gone));
+                answer(reply, place, Err(TryError::Gone));
                 return Err(LossReason::ConnectionFailed(err.to_string()));
             }
         };
         if row.pid != self.pid {
-            let _ = reply.send(Err(TryError::Failed(backend_changed(self.pid, row.pid))));
+            answer(
+                reply,
+                place,
+                Err(TryError::Failed(backend_changed(self.pid, row.pid))),
+            );
             return Err(LossReason::BackendChanged {
                 expected_pid: self.pid,
                 actual_pid: row.pid,
@@ -363,19 +384,19 @@ impl Driver {
         let Some(locked) = row.locked else {
             // The session holds locks this driver did not take: another
             // client shares it (a transaction pooler). Nothing was taken.
-            let _ = reply.send(Err(TryError::Failed(marker_seen(row.pid))));
+            answer(reply, place, Err(TryError::Failed(marker_seen(row.pid))));
             return Err(LossReason::SessionShared(
                 "the session holds advisory locks this connection did not take".into(),
             ));
         };
         if !locked {
-            let _ = reply.send(Ok(None));
+            answer(reply, place, Ok(None));
             return Ok(());
         }
         if self.by_server.contains_key(&row.key) {
             // Re-entrant grant of a lock this session already holds under
             // another name: take the extra level back and report busy.
-            let _ = reply.send(Ok(None));
+            answer(reply, place, Ok(None));
             let held = self.locks.len();
             // The try just added a level, so there is one to take back; a
             // `false` means the session's locks were released under us.

@@ -798,3 +798,42 @@ async fn a_busy_try_gives_its_place_back_before_it_answers(pool: PgPool) {
     .expect("the runtime's thread");
     assert_eq!(outcome, None, "a busy try was refused at the cap");
 }
+
+/// A multiplexed `lock()` whose waiting connection comes late from a busy
+/// pool waits on the server only for what is left of its timeout: it
+/// times out at its deadline, not granted a second after it (the wait's
+/// `lock_timeout` was measured before the pool handed the connection out).
+#[sqlx::test(migrations = false)]
+async fn a_multiplexed_wait_counts_the_time_spent_getting_its_connection(pool: PgPool) {
+    let busy_pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with((*pool.connect_options()).clone())
+        .await
+        .expect("a pool of one");
+    let locker = PgLocker::builder(busy_pool.clone())
+        .multiplex(1)
+        .heartbeat_timeout(Duration::from_secs(5))
+        .build()
+        .expect("valid settings");
+    let holder = PgLocker::new(pool.clone());
+    let held = holder.try_lock("mux:late-conn").await.unwrap().unwrap();
+    // The pool's one connection is busy for 1.5 s; the key is let go at 3 s.
+    let work = busy_pool.acquire().await.expect("the pool's connection");
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        drop(work);
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        held.release().await.unwrap();
+    });
+    let started = Instant::now();
+    let outcome = locker.lock("mux:late-conn", Duration::from_secs(2)).await;
+    let took = started.elapsed();
+    assert!(
+        matches!(outcome, Err(Error::Timeout { .. })),
+        "{outcome:?} after {took:?}"
+    );
+    assert!(
+        took < Duration::from_millis(2_800),
+        "timed out after {took:?}"
+    );
+}

@@ -68,6 +68,11 @@ impl Mux {
                     Err(err) => return Err(err),
                 },
             };
+            // Measured again: a busy pool may have taken most of it.
+            let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if remaining.is_zero() {
+                return Err(self.timeout_error(&key, started, Some(conn)).await);
+            }
             let wait = sql::wait_until_free(args, remaining);
             let wait = unlimited::session_wait(conn.conn(), limited, async |conn| {
                 wait.execute(conn).await

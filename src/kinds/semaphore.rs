@@ -383,9 +383,11 @@ impl PgLocker {
     /// PostgreSQL database, with the PostgreSQL costs: a try is one
     /// statement whatever the number of permits; a waiter is told of a freed
     /// permit by its unlock (`NOTIFY`) instead of polling; the waiters of one
-    /// `Semaphore` (and its clones) hold at most two pooled connections
-    /// between them while they wait, and processes with waiters take turns
-    /// on the server. See [`Semaphore`] ("Waiting on PostgreSQL"). In the
+    /// `Semaphore` (and its clones) hold one pooled connection between them
+    /// while they wait (the one holding the queue), and up to four more for
+    /// the moment of a try (up to `permits` as a turn begins, never more
+    /// than the pool has idle or may open); processes with waiters take
+    /// turns on the server. See [`Semaphore`] ("Waiting on PostgreSQL"). In the
     /// multiplexed mode too, each held permit keeps a pooled connection of
     /// its own (a [`SessionLock`](crate::SessionLock) of the default mode).
     ///

@@ -21,8 +21,10 @@ const MIN_READ_DEADLINE: Duration = Duration::from_secs(1);
 /// Its value is the leader as last read, `None` when nobody led, or when
 /// the backend could not be read within the deadline (the poll interval,
 /// at least one second): a leader that cannot be confirmed is not named.
-/// So a leader is named at most one poll interval plus one read deadline
-/// after the backend last showed it holding the election's lock. Once the
+/// So a leader is named at most one poll interval plus two read deadlines
+/// after the backend last looked and saw it holding the election's lock
+/// (that answer may take a deadline to arrive, and the next read another
+/// to give up). Once the
 /// reader has ended (a failure, or its runtime shut down) nobody is named.
 ///
 /// Cheap to clone; clones share one background reader, which stops when

@@ -20,7 +20,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::Failure;
 use crate::args::ConnArgs;
-use crate::redact::{redact_url, user_info_needs_encoding};
+use crate::redact::{redact_url, user_info_cut_short, user_info_needs_encoding};
 
 /// The lock backend chosen by the arguments.
 #[derive(Debug, Clone)]
@@ -62,14 +62,22 @@ pub(crate) async fn connect(
     // as a port (`app:?secret@db`, `app:5432?secret@db`), the URL parses,
     // as host `app` and a query holding the rest of the password, which
     // the driver then logs as an unknown parameter.
-    if user_info_needs_encoding(url) {
+    const ENCODE: &str = "a '#', '?' or '/' in the user name or password must be \
+                          percent-encoded: %23, %3F, %2F";
+    if user_info_cut_short(url) {
         return Err(Failure::usage(format!(
-            "invalid database URL {target}: a '#', '?' or '/' in the user name or password \
-             must be percent-encoded (%23, %3F, %2F), and so must an '@' after the host (%40)"
+            "invalid database URL {target}: {ENCODE}"
         )));
     }
     let options = PgConnectOptions::from_str(url)
-        .map_err(|err| Failure::usage(format!("invalid database URL {target}: {err}")))?
+        .map_err(|err| {
+            let hint = if user_info_needs_encoding(url) {
+                format!(" ({ENCODE})")
+            } else {
+                String::new()
+            };
+            Failure::usage(format!("invalid database URL {target}: {err}{hint}"))
+        })?
         .application_name(&truncate_name(application));
     if conn.lease_table {
         return connect_lease_table(options, &target, heartbeat).await;

@@ -93,6 +93,33 @@ pub(crate) fn user_info_needs_encoding(url: &str) -> bool {
     })
 }
 
+/// Whether `url` reads as a user name or password cut short by an
+/// unencoded `#`, `?` or `/`: its user info as written holds one, and a URL
+/// parser puts the rest of it where no URL has an `@` (the path, the
+/// fragment, or the name of a query parameter: `app:?secret@db` parses as
+/// host `app` and a parameter named `secret@db`). An `@` in a parameter's
+/// value (`?user=svc@tenant`) is a URL's own. A URL that does not parse at
+/// all is refused by its parser.
+pub(crate) fn user_info_cut_short(url: &str) -> bool {
+    if !user_info_needs_encoding(url) {
+        return false;
+    }
+    let start = url_start(url).unwrap_or(0);
+    let Ok(parsed) = Url::parse(&url[start..]) else {
+        return false;
+    };
+    let in_name = |query: &str| {
+        query.split('&').any(|pair| {
+            pair.split('=')
+                .next()
+                .is_some_and(|name| name.contains('@'))
+        })
+    };
+    parsed.path().contains('@')
+        || parsed.fragment().is_some_and(|f| f.contains('@'))
+        || parsed.query().is_some_and(in_name)
+}
+
 /// `url`, which does not parse, with everything after the user name in its
 /// user info masked.
 fn mask_password_by_text(url: &str) -> String {
@@ -383,6 +410,28 @@ mod tests {
         assert!(!user_info_needs_encoding("postgres://app:pa%23ss@db/app"));
         assert!(!user_info_needs_encoding("postgres://app:p@ss@db/app"));
         assert!(!user_info_needs_encoding("postgres://db/app?x=1#y"));
+    }
+
+    /// Cut short where the rest of the password lands where no URL has an
+    /// `@`; an `@` in a parameter's value is the URL's own.
+    #[test]
+    fn a_password_cut_short_is_told_from_an_at_in_a_parameter_value() {
+        for cut in [
+            "postgres://app:?secret@db/app",
+            "postgres://app:2024?Summer@db/app",
+            "postgres://app:#secret@db/app",
+            "postgres://app:99/secret@db/app",
+        ] {
+            assert!(user_info_cut_short(cut), "{cut}");
+        }
+        for whole in [
+            "postgres://db:5432/app?user=svc@tenant",
+            "postgres://u:p@db/app?application_name=a@b",
+            "postgres://app:p%3Fss@db/app",
+            "postgres://db/app",
+        ] {
+            assert!(!user_info_cut_short(whole), "{whole}");
+        }
     }
 
     #[test]

@@ -262,11 +262,12 @@ fn spawn(
 }
 
 /// SIGINT, SIGTERM and SIGHUP to distlock, to be forwarded to the command,
-/// and SIGCHLD, to notice the command being stopped. One of the first three
-/// that was ignored when distlock started (`nohup` ignores SIGHUP, a
-/// non-interactive shell's `cmd &` SIGINT) is not caught: it stays ignored,
-/// for distlock and for the command, which inherits that across `exec`, as
-/// under `flock(1)`. Caught, the command would get it back.
+/// and SIGCHLD, to notice the command being stopped. On Linux, one of the
+/// first three that was ignored when distlock started (`nohup` ignores
+/// SIGHUP, a non-interactive shell's `cmd &` SIGINT) is not caught: it stays
+/// ignored, for distlock and for the command, which inherits that across
+/// `exec`, as under `flock(1)`. Caught, the command would get it back, as
+/// it still does elsewhere (see [`ignored_at_start`]).
 struct Signals {
     interrupt: Option<SignalStream>,
     terminate: Option<SignalStream>,

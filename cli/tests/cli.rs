@@ -1228,6 +1228,17 @@ async fn passwords_with_url_delimiters_or_common_words_are_masked_exactly(pool: 
             assert_eq!(out.status.code(), Some(EXIT_USAGE), "{secret}: {all}");
         }
     }
+    // An '@' in a parameter's value is the URL's own: not refused.
+    let url = format!(
+        "postgres://{user}@{at}/{}?application_name=app@host",
+        opts.get_database().unwrap_or("postgres")
+    );
+    let out = finish(
+        distlock(&url, &["holders"]).spawn().expect("spawn"),
+        "holders with an '@' in a parameter's value",
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     // A password that is also a word of the URL masks the password only.
     let url = format!("postgres://{user}:{user}@{at}/distlock_no_such_database");
     let out = finish(

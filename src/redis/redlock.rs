@@ -411,11 +411,12 @@ impl Redlock {
             );
             return Ok(Round::Missed);
         }
-        // Held by one other call on a quorum (whose release signals), as
-        // far as the replies show: counting the nodes that did not answer
-        // for it too. Otherwise the vote split among several calls, whose
-        // failed attempts clean up without a signal.
-        if tally.most_held_by_one() + tally.failed.len() >= quorum.needed() {
+        // Held by one other call on a quorum of the nodes that answered
+        // (whose release signals). Otherwise the vote split among several
+        // calls, whose failed attempts clean up without a signal, or the
+        // holder's quorum is partly on nodes that did not answer: either
+        // way the retry delay, not the release signal, paces the next try.
+        if tally.most_held_by_one() >= quorum.needed() {
             Ok(Round::Held)
         } else {
             Ok(Round::Missed)

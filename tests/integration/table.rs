@@ -1403,17 +1403,35 @@ async fn holders_lists_the_live_leases(pool: PgPool) {
     assert!(locker.holders().await.expect("holders").is_empty());
 }
 
+/// What the holder does once `lost()` fires.
+#[derive(Debug, Clone, Copy)]
+enum OnLoss {
+    /// Nothing yet: the renewal task cleans up.
+    Keep,
+    /// Drops the guard at once (as a campaign does when its term ends).
+    Drop,
+    /// Calls `release()` at once.
+    Release,
+}
+
 /// A holder whose renewals cannot get through (here: its pool's only
 /// connection is busy with its own work) reports the loss two thirds of a
 /// TTL after its last renewal, and its key is free to others only a third
-/// of a TTL after that, when the lease would expire: the holder's clean-up
-/// waits for then instead of deleting the row at once (which handed the
-/// key over within milliseconds of `lost()`, before the holder's code could
-/// have seen it).
+/// of a TTL after that, when the lease would expire, whatever the holder
+/// does with its guard: the clean-up waits for then instead of deleting the
+/// row at once (which handed the key over within milliseconds of `lost()`,
+/// before the holder's code could have stopped).
 #[sqlx::test(migrations = false)]
 async fn a_lost_lease_is_not_handed_over_before_it_would_expire(pool: PgPool) {
     init_tracing();
     migrated(&pool).await;
+    for on_loss in [OnLoss::Keep, OnLoss::Drop, OnLoss::Release] {
+        lost_lease_handed_over_no_sooner_than_its_expiry(&pool, on_loss).await;
+    }
+}
+
+async fn lost_lease_handed_over_no_sooner_than_its_expiry(pool: &PgPool, on_loss: OnLoss) {
+    let key = format!("table:busy-pool:{on_loss:?}");
     let ttl = Duration::from_millis(900);
     let holder_pool = PgPoolOptions::new()
         .max_connections(1)
@@ -1426,17 +1444,16 @@ async fn a_lost_lease_is_not_handed_over_before_it_would_expire(pool: PgPool) {
         .keep_warm(0, Duration::ZERO)
         .build()
         .expect("valid settings");
-    let lease = holder
-        .try_lock("table:busy-pool")
-        .await
-        .unwrap()
-        .expect("free");
+    let lease = holder.try_lock(key.as_str()).await.unwrap().expect("free");
     // The holder's own work takes the pool's one connection.
     let work = holder_pool.acquire().await.expect("the pool's connection");
     let other = locker(&pool_on((*pool.connect_options()).clone()).await, ttl);
-    let waiter = tokio::spawn(async move {
-        let granted = other.lock("table:busy-pool", Duration::from_secs(10)).await;
-        (Instant::now(), granted)
+    let waiter = tokio::spawn({
+        let key = key.clone();
+        async move {
+            let granted = other.lock(key, Duration::from_secs(10)).await;
+            (Instant::now(), granted)
+        }
     });
     let reason = bounded("the holder gives up", Duration::from_secs(5), lease.lost()).await;
     let lost_at = Instant::now();
@@ -1444,16 +1461,19 @@ async fn a_lost_lease_is_not_handed_over_before_it_would_expire(pool: PgPool) {
         matches!(reason, LossReason::HeartbeatTimedOut(_)),
         "{reason:?}"
     );
-    // The work ends just after: the clean-up could run now.
-    tokio::time::sleep(Duration::from_millis(5)).await;
+    // The work ends just after: a clean-up could run now.
     drop(work);
+    match on_loss {
+        OnLoss::Keep => {}
+        OnLoss::Drop => drop(lease),
+        OnLoss::Release => assert!(matches!(lease.release().await, Err(Error::LockLost { .. }))),
+    }
     let (granted_at, granted) = waiter.await.expect("the waiter");
     let granted = granted.expect("granted once the lease expired");
     let gap = granted_at.saturating_duration_since(lost_at);
     assert!(
         gap >= Duration::from_millis(200),
-        "the key was granted elsewhere {gap:?} after the holder's lost()"
+        "{on_loss:?}: the key was granted elsewhere {gap:?} after the holder's lost()"
     );
     granted.release().await.unwrap();
-    drop(lease);
 }

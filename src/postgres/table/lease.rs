@@ -143,9 +143,11 @@ impl TableLease {
     /// write, within the release deadline
     /// ([`TableLockerBuilder::release_timeout`](super::TableLockerBuilder::release_timeout)).
     ///
-    /// [`Error::LockLost`] if the lease had been lost (the row is deleted if
-    /// it is still ours), [`Error::ReleaseTimedOut`] if the server did not
-    /// answer in time (the row then expires after one TTL).
+    /// [`Error::LockLost`] if the lease had been lost (no round trip then:
+    /// the row, if still ours, is deleted when the lease would have
+    /// expired, so that nobody takes the key sooner after `lost()` than the
+    /// documented third of a TTL), [`Error::ReleaseTimedOut`] if the server
+    /// did not answer in time (the row then expires after one TTL).
     ///
     /// # Cancel safety
     ///
@@ -153,6 +155,15 @@ impl TableLease {
     /// (renewal has stopped), or deleted if the statement got through.
     pub async fn release(mut self) -> Result<(), Error> {
         self.released = true;
+        // Lost already: the renewal task deletes the row when the lease
+        // would have expired (see `Renewal::lose`), not now, a moment after
+        // the loss was reported.
+        if let Some(reason) = self.loss.reported() {
+            return Err(Error::LockLost {
+                key: self.key.clone(),
+                reason,
+            });
+        }
         self.renewer.abort();
         let span = tracing::debug_span!(
             "distlock.release",
@@ -200,7 +211,9 @@ impl TableLease {
 
 impl Drop for TableLease {
     fn drop(&mut self) {
-        if self.released {
+        // Released, or lost: the renewal task then deletes the row when the
+        // lease would have expired (see `Renewal::lose`).
+        if self.released || self.loss.reported().is_some() {
             return;
         }
         self.renewer.abort();

@@ -135,8 +135,7 @@ impl Renewal {
     /// TTL earlier so that the holder's code stops before anyone else can
     /// take the key, and deleting the row at once would hand the key over
     /// within milliseconds of the report. A guard released or dropped
-    /// meanwhile aborts this task and deletes the row itself: its holder
-    /// has stopped.
+    /// after the report leaves this task to it.
     async fn lose(self, reason: LossReason, last_ok: Instant) {
         tracing::warn!(key = %self.key, %reason, "distlock lease lost");
         crate::metrics::lost("table", &self.key);

@@ -587,9 +587,10 @@ impl Error {
     /// Whether a try that failed with this error may succeed if made
     /// again: no answer within the command deadline, or a Redis failure
     /// that passes (a connection refused or reset, a server loading its
-    /// data or in a failover; Redlock nodes that do so on a quorum). A waiting kind built from plain tries (the
-    /// semaphore over any locker) treats it as a busy try until its
-    /// deadline, as a backend's own waiting `lock` does.
+    /// data or in a failover; Redlock nodes that do so on a quorum). A
+    /// waiting kind built from plain tries (the semaphore over any locker)
+    /// treats it as a busy try until its deadline, as a backend's own
+    /// waiting `lock` does.
     pub(crate) fn passes(&self) -> bool {
         match self {
             Self::CommandTimedOut { .. } => true,

@@ -387,9 +387,10 @@ impl PgLocker {
     /// while they wait (the one holding the queue), and up to four more for
     /// the moment of a try (up to `permits` as a turn begins, never more
     /// than the pool has idle or may open); processes with waiters take
-    /// turns on the server. See [`Semaphore`] ("Waiting on PostgreSQL"). In the
-    /// multiplexed mode too, each held permit keeps a pooled connection of
-    /// its own (a [`SessionLock`](crate::SessionLock) of the default mode).
+    /// turns on the server. See [`Semaphore`] ("Waiting on PostgreSQL"). In
+    /// the multiplexed mode too, each held permit keeps a pooled connection
+    /// of its own (a [`SessionLock`](crate::SessionLock) of the default
+    /// mode).
     ///
     /// Refused with [`Error::InvalidArgument`] for zero permits or more than
     /// [`Semaphore::MAX_PERMITS`], and with [`Error::InvalidKey`] for a

@@ -71,8 +71,9 @@ pub(super) enum Waited<L> {
 /// After the first try that does not grant, the wait listens for the key's
 /// release signal, and where the key was held tries again at once: a
 /// release between that try and the subscription was not heard (a split
-/// vote or a failing try waits its pause as any later one does). It does the same when listening starts
-/// to work later (a subscriber connection that came up). Between the other
+/// vote or a failing try waits its pause as any later one does). It tries
+/// again at once too when listening starts to work later (a subscriber
+/// connection that came up). Between the other
 /// tries it sleeps until a signal wakes it or the pause the strategy
 /// chooses has passed, capped at the deadline.
 pub(super) async fn until_granted<L, Fut, P>(

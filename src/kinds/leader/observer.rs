@@ -24,8 +24,8 @@ const MIN_READ_DEADLINE: Duration = Duration::from_secs(1);
 /// So a leader is named at most one poll interval plus two read deadlines
 /// after the backend last looked and saw it holding the election's lock
 /// (that answer may take a deadline to arrive, and the next read another
-/// to give up). Once the
-/// reader has ended (a failure, or its runtime shut down) nobody is named.
+/// to give up). Once the reader has ended (a failure, or its runtime shut
+/// down) nobody is named.
 ///
 /// Cheap to clone; clones share one background reader, which stops when
 /// the last clone is dropped.

@@ -155,16 +155,6 @@ impl TableLease {
     /// (renewal has stopped), or deleted if the statement got through.
     pub async fn release(mut self) -> Result<(), Error> {
         self.released = true;
-        // Lost already: the renewal task deletes the row when the lease
-        // would have expired (see `Renewal::lose`), not now, a moment after
-        // the loss was reported.
-        if let Some(reason) = self.loss.reported() {
-            return Err(Error::LockLost {
-                key: self.key.clone(),
-                reason,
-            });
-        }
-        self.renewer.abort();
         let span = tracing::debug_span!(
             "distlock.release",
             backend = "table",
@@ -172,6 +162,17 @@ impl TableLease {
             hold_ms = self.acquired_at.elapsed().as_secs_f64() * 1e3,
             outcome = tracing::field::Empty,
         );
+        // Lost already: the renewal task deletes the row when the lease
+        // would have expired (see `Renewal::lose`), not now, a moment after
+        // the loss was reported.
+        if let Some(reason) = self.loss.reported() {
+            span.record("outcome", "lost");
+            return Err(Error::LockLost {
+                key: self.key.clone(),
+                reason,
+            });
+        }
+        self.renewer.abort();
         let budget = self.inner.release_timeout;
         let statement = release_statement(&self.inner, &self.key, &self.expr, self.owner);
         let outcome = tokio::time::timeout(budget, statement)

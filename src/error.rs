@@ -498,6 +498,21 @@ pub enum Error {
         after: Duration,
     },
 
+    /// A multiplexed locker could not open its shared connection: the
+    /// server refused it (a database that does not exist, a failed
+    /// password, no `CONNECT` right), or nothing answered at its address.
+    /// `cause` is the driver's error, one for every try queued for that
+    /// connection (each gets the same one; a driver error cannot be
+    /// copied). The tries got no lock. A connection limit is
+    /// [`Error::TooManyConnections`], a connection that did not open in
+    /// time [`Error::ConnectTimedOut`].
+    #[error("opening the multiplexed connection failed: {cause}")]
+    ConnectFailed {
+        /// The driver's error.
+        #[source]
+        cause: std::sync::Arc<sqlx::Error>,
+    },
+
     /// A background task that carries out part of a call stopped before it
     /// answered, which only happens when the Tokio runtime shuts down.
     #[error(

@@ -837,3 +837,57 @@ async fn a_multiplexed_wait_counts_the_time_spent_getting_its_connection(pool: P
         "timed out after {took:?}"
     );
 }
+
+/// Every try queued for a shared connection that fails to open learns why,
+/// in the first round. Before, only the first try of each round got the
+/// server's error; the others retried on a fresh connection, and past the
+/// third round got `MultiplexFailed` (each round costing up to twice the
+/// pool's `acquire_timeout` against an unreachable server).
+#[sqlx::test(migrations = false)]
+async fn every_try_queued_for_a_connection_that_fails_to_open_learns_why(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    init_tracing();
+    const TRIES: usize = 8;
+    // Refused at once by the server: a database that does not exist.
+    let missing = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy_with(connect_opts.clone().database("distlock_no_such_database"));
+    // Refused by nobody listening: the pool retries until its deadline,
+    // then one direct attempt tells why.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let nobody = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_lazy_with(connect_opts.clone().host("127.0.0.1").port(port));
+    for (pool, expected) in [(missing, "3D000"), (nobody, "connection refused")] {
+        let locker = mux(&pool, 1);
+        let mut tries = tokio::task::JoinSet::new();
+        for k in 0..TRIES {
+            let locker = locker.clone();
+            tries.spawn(async move { locker.try_lock(format!("unopened:{k}")).await });
+        }
+        let mut answers = Vec::new();
+        while let Some(joined) = tries.join_next().await {
+            answers.push(joined.expect("try").map(|lock| lock.is_some()));
+        }
+        for answer in &answers {
+            let Err(Error::ConnectFailed { cause }) = answer else {
+                panic!("{expected}: expected ConnectFailed, got {answers:?}");
+            };
+            let said = match cause.as_ref() {
+                sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+                sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    Some("connection refused".to_owned())
+                }
+                _ => None,
+            };
+            assert_eq!(said.as_deref(), Some(expected), "{answer:?}");
+            let shown = answer.as_ref().expect_err("failed").to_string();
+            assert!(shown.contains("multiplexed connection"), "{shown}");
+        }
+    }
+}

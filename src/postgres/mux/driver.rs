@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{sleep_until, timeout};
 
 use super::place::Place;
+use super::refusal::{answer, refuse_all};
 use super::request::{Granted, Inbox, Request, Ticket, TryError, TryOutcome};
 use super::sql::{self, ServerKey};
 use crate::postgres::conn::watched::close_listener;
@@ -169,46 +170,6 @@ async fn why_not(config: &DriverConfig) -> Error {
         Err(_) => Error::ConnectTimedOut {
             after: config.connect_timeout,
         },
-    }
-}
-
-/// Answers a try that took nothing, after giving back its place under
-/// `max_locks`: a caller woken by the answer may try again at once, and
-/// must find the place free (a place dropped after the answer, at the end
-/// of the driver's frame, made that try fail with `TooManyLocks`).
-fn answer(reply: oneshot::Sender<TryOutcome>, place: Place, outcome: TryOutcome) {
-    drop(place);
-    let _ = reply.send(outcome);
-}
-
-/// Answers every queued and future request of a driver that has no
-/// connection: tries may retry elsewhere, unlocks have nothing to do (the
-/// server freed the locks with the session).
-fn refuse_all(requests: &mut mpsc::UnboundedReceiver<Request>, err: Option<Error>) {
-    requests.close();
-    let mut err = err;
-    while let Ok(request) = requests.try_recv() {
-        match request {
-            Request::Try { reply, place, .. } => {
-                let outcome = match err.take() {
-                    // The first caller learns why; the others retry, and
-                    // their retry reports its own failure. A connection
-                    // limit refuses a retry as well: every caller learns it.
-                    Some(first) => {
-                        if let Error::TooManyConnections { message } = &first {
-                            err = Some(Error::TooManyConnections {
-                                message: message.clone(),
-                            });
-                        }
-                        Err(TryError::Failed(first))
-                    }
-                    None => Err(TryError::Gone),
-                };
-                answer(reply, place, outcome);
-            }
-            // Dropping the reply tells the releaser the lock is gone.
-            Request::Unlock { .. } => {}
-        }
     }
 }
 

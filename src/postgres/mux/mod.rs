@@ -45,6 +45,7 @@
 mod driver;
 mod gate;
 mod place;
+mod refusal;
 mod release;
 mod request;
 mod sql;

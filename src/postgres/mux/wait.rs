@@ -23,8 +23,8 @@ impl Mux {
     /// deadline (a stalled network): it is abandoned then and reported as
     /// [`Error::Timeout`], whose holder lookup takes at most two more
     /// deadlines. A shared connection that fails to open before then ends the
-    /// call sooner, with [`Error::ConnectTimedOut`] or
-    /// [`Error::MultiplexFailed`].
+    /// call sooner, with [`Error::ConnectTimedOut`], [`Error::ConnectFailed`],
+    /// [`Error::TooManyConnections`] or [`Error::MultiplexFailed`].
     ///
     /// Cancel safe: a try dropped mid-way leaves nothing held (see
     /// [`Mux::attempt`]), a dropped wait closes its connection.

@@ -39,7 +39,9 @@ impl PgLocker {
     /// shared connection's statements answer within that deadline or end
     /// the connection, and a try then moves to a fresh one, whose opening is
     /// bounded by the pool's acquire timeout instead
-    /// ([`Error::ConnectTimedOut`], [`Error::MultiplexFailed`]).
+    /// ([`Error::ConnectTimedOut`], [`Error::ConnectFailed`],
+    /// [`Error::TooManyConnections`], [`Error::MultiplexFailed`]: every try
+    /// queued for a connection that fails to open gets its reason).
     ///
     /// # Cancel safety
     ///

@@ -2,10 +2,11 @@
 
 use std::time::Duration;
 
+use crate::common::drop_after::drop_after;
 use distlock::Error;
 use distlock::idempotency::{self, Once};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection, PgPool};
+use sqlx::{Connection, PgConnection, PgPool};
 
 #[sqlx::test(migrations = false)]
 async fn claim_is_true_exactly_once(pool: PgPool) {
@@ -422,4 +423,68 @@ async fn once_in_refuses_a_transaction_begun_as_sql(pool: PgPool) {
     .await
     .unwrap();
     assert_eq!(ran, Once::Ran("y".into()));
+}
+
+/// `once` dropped at each of its `.await`s leaves the claim and the
+/// closure's write both kept or both gone, and gives the pool no connection
+/// in a transaction. Before, dropped while its `BEGIN` was in flight, the
+/// connection went back to the pool inside a transaction sqlx did not
+/// track (sqlx's rollback on drop counts only transactions it saw begin),
+/// and the next user's write on it was never committed.
+#[sqlx::test(migrations = false)]
+async fn once_dropped_at_any_await_leaves_no_open_transaction_in_the_pool(
+    pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    // One connection, so the next user gets the one `once` had.
+    let pool = pool_opts
+        .max_connections(1)
+        .connect_with(connect_opts)
+        .await
+        .unwrap();
+    distlock::migrate(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE effects (what text)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut cancelled = 0;
+    for budget in 0.. {
+        let key = format!("k{budget}");
+        let call = idempotency::once(&pool, "charge", &key, async |conn| {
+            sqlx::query("INSERT INTO effects VALUES ($1)")
+                .bind(format!("effect {budget}"))
+                .execute(&mut *conn)
+                .await?;
+            Ok::<_, Error>("done".to_owned())
+        });
+        let finished = drop_after(budget, call).await.is_some();
+        // The next user of the pool writes outside any transaction.
+        sqlx::query("INSERT INTO effects VALUES ($1)")
+            .bind(format!("next {budget}"))
+            .execute(&pool)
+            .await
+            .unwrap();
+        let mut observer = PgConnection::connect_with(&pool.connect_options())
+            .await
+            .unwrap();
+        let effects: Vec<String> = sqlx::query_scalar("SELECT what FROM effects")
+            .fetch_all(&mut observer)
+            .await
+            .unwrap();
+        assert!(
+            effects.contains(&format!("next {budget}")),
+            "dropped after {budget} waits: the next user's write was not committed ({effects:?})"
+        );
+        let effect = effects.contains(&format!("effect {budget}"));
+        let claimed = !idempotency::claim(&mut observer, "charge", &key)
+            .await
+            .unwrap();
+        assert_eq!(effect, claimed, "dropped after {budget} waits");
+        if finished {
+            assert!(effect, "finished, but the effect is not kept");
+            break;
+        }
+        cancelled += 1;
+    }
+    assert!(cancelled >= 3, "once awaited only {cancelled} times");
 }

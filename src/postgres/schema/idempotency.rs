@@ -18,6 +18,7 @@ use std::time::{Duration, SystemTime};
 use sqlx::{Connection, PgConnection, PgPool, Row};
 
 use crate::Error;
+use crate::postgres::conn::held::HeldConn;
 
 /// The longest `scope`, and the longest `key`, that [`claim`], [`once`],
 /// [`once_in`], [`store`] and [`stored`] take, in bytes of UTF-8. Together they form the primary key of
@@ -95,19 +96,29 @@ pub enum Once {
 ///
 /// # Cancel safety
 ///
-/// Dropping the future before it commits drops the transaction: sqlx rolls
-/// it back before the connection is used again, so neither the claim nor
-/// the effect is kept and the key can be claimed again.
+/// Dropping the future before it commits closes its connection (it is not
+/// given back to the pool): the server rolls the transaction back, so
+/// neither the claim nor the effect is kept and the key can be claimed
+/// again. Dropped while its `COMMIT` is in flight, the transaction may have
+/// committed; the pool opens a new connection in its place.
 pub async fn once<F, E>(pool: &PgPool, scope: &str, key: &str, f: F) -> Result<Once, E>
 where
     F: AsyncFnOnce(&mut PgConnection) -> Result<String, E>,
     E: From<Error>,
 {
     validate(scope, key)?;
-    let mut conn = crate::postgres::conn::pooled::acquire(pool)
+    let conn = crate::postgres::conn::pooled::acquire(pool)
         .await
         .map_err(Error::from)?;
-    run_once(&mut conn, scope, key, f).await
+    // Armed until the transaction has ended: dropped mid-way, the
+    // connection is closed and the server rolls back. Given back to the
+    // pool, a connection whose `BEGIN` was in flight would carry on in a
+    // transaction sqlx does not track (its rollback on drop counts only
+    // transactions it saw begin), and its next user's writes with it.
+    let mut conn = HeldConn::new(conn, true);
+    let ran = run_once(conn.conn(), scope, key, f).await;
+    conn.disarm();
+    ran
 }
 
 /// [`once`] on a connection you hold, typically inside your own transaction
@@ -127,10 +138,23 @@ where
 ///
 /// # Cancel safety
 ///
-/// Dropped before it finishes, the savepoint (or transaction) is rolled back
-/// by sqlx before the connection is used again: no claim and none of `f`'s
-/// writes are kept, and your own transaction is left as it was before the
-/// call.
+/// Dropped while `f` or the claim runs, the savepoint (or transaction) is
+/// rolled back by sqlx before the connection is used again: no claim and
+/// none of `f`'s writes are kept, and your own transaction is left as it was
+/// before the call.
+///
+/// **Not at its first and last `.await`**, where sqlx (0.9) itself is not
+/// cancel safe. Dropped while its `SAVEPOINT` is in flight, sqlx's rollback
+/// counts one transaction too few: in your transaction it rolls back all of
+/// it (the statements after run outside any transaction, and your `COMMIT`
+/// answers `Ok` having committed nothing of before), and on a connection
+/// outside one it leaves the `BEGIN` open untracked (what runs next is never
+/// committed). Dropped while its `RELEASE` is in flight, sqlx rolls back to
+/// the released savepoint: your next statement fails (SQLSTATE 3B001) and
+/// your transaction is aborted. So do not put a timeout or a `select!`
+/// around `once_in` in a transaction you go on using; where the call may be
+/// dropped, let your transaction go with it (drop it, or the connection),
+/// or use [`once`], which closes its connection when dropped.
 pub async fn once_in<F, E>(conn: &mut PgConnection, scope: &str, key: &str, f: F) -> Result<Once, E>
 where
     F: AsyncFnOnce(&mut PgConnection) -> Result<String, E>,

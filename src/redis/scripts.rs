@@ -13,7 +13,8 @@ use super::signals;
 /// of the same wait whose reply was lost); with fencing (keys 2 and 3), also
 /// issues the next fencing token in the same atomic step, so a token always
 /// belongs to exactly one holder. Returns -1 when another holder has the
-/// lock, else the token (0 without fencing); a key of another type (an
+/// lock (the holder's token instead, given `ARGV[3]`), else the token (0
+/// without fencing); a key of another type (an
 /// application's data under the lock's name) fails the script with
 /// `WRONGTYPE`, a permanent error, before it writes anything.
 ///
@@ -28,7 +29,10 @@ use super::signals;
 /// no lease to release it.
 const ACQUIRE: &str = "\
 local held = redis.call('GET', KEYS[1])
-if held and held ~= ARGV[1] then return -1 end
+if held and held ~= ARGV[1] then
+  if ARGV[3] then return held end
+  return -1
+end
 local token = 0
 if KEYS[2] then
   token = redis.call('INCR', KEYS[2])
@@ -42,17 +46,6 @@ if KEYS[2] then
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return token";
-
-/// [`ACQUIRE`] without fencing, answering a refusal with the token that
-/// holds the key instead of -1: a Redlock attempt that reached no quorum
-/// tells one holder on a quorum (whose release will signal) from a split
-/// vote among several calls (whose quiet cleanups will not) by counting
-/// the nodes of each token. Returns 0 when it took the key.
-const ACQUIRE_NAMING_HOLDER: &str = "\
-local held = redis.call('GET', KEYS[1])
-if held and held ~= ARGV[1] then return held end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 0";
 
 /// Deletes the key only while it still holds our token: after an expiry the
 /// key may belong to the next owner, whose lock must survive. Then, given a
@@ -88,14 +81,20 @@ pub(crate) fn acquire(claim: &Claim, fencing: bool) -> Cmd {
     cmd
 }
 
-/// [`ACQUIRE_NAMING_HOLDER`], as Redlock sends it to every node.
+/// [`ACQUIRE`] without fencing, as Redlock sends it to every node,
+/// answering a refusal with the token that holds the key instead of -1: an
+/// attempt that reached no quorum tells one holder on a quorum (whose
+/// release will signal) from a split vote among several calls (whose quiet
+/// cleanups will not) by counting the nodes of each token. Replies 0 when
+/// it took the key.
 pub(crate) fn acquire_naming_holder(claim: &Claim) -> Cmd {
     let mut cmd = redis::cmd("EVAL");
-    cmd.arg(ACQUIRE_NAMING_HOLDER)
+    cmd.arg(ACQUIRE)
         .arg(1)
         .arg(&claim.name)
         .arg(&claim.token)
-        .arg(claim.ttl_millis());
+        .arg(claim.ttl_millis())
+        .arg(1);
     cmd
 }
 

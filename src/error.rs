@@ -500,12 +500,13 @@ pub enum Error {
 
     /// A multiplexed locker could not open its shared connection: the
     /// server refused it (a database that does not exist, a failed
-    /// password, no `CONNECT` right), or nothing answered at its address.
+    /// password), or its port refused the connection (nothing listening).
     /// `cause` is the driver's error, one for every try queued for that
     /// connection (each gets the same one; a driver error cannot be
     /// copied). The tries got no lock. A connection limit is
-    /// [`Error::TooManyConnections`], a connection that did not open in
-    /// time [`Error::ConnectTimedOut`].
+    /// [`Error::TooManyConnections`], a missing `CONNECT` right
+    /// [`Error::PermissionDenied`], and a connection that did not open in
+    /// time (a host that does not answer) [`Error::ConnectTimedOut`].
     #[error("opening the multiplexed connection failed: {cause}")]
     ConnectFailed {
         /// The driver's error.

@@ -50,7 +50,8 @@ enum Cause {
     /// An error each try gets a copy of.
     Every(Error),
     /// An error that cannot be copied: the first try gets it, the others
-    /// go again.
+    /// go again. Opening a connection gives none (every error it can give
+    /// is copied); kept so that a new one is still told to one try.
     Once(Option<Error>),
 }
 
@@ -77,7 +78,8 @@ impl Cause {
     }
 }
 
-/// The errors opening a shared connection gives that carry only data.
+/// The errors opening a shared connection can give, copied (each carries
+/// only data, or a shared driver error).
 fn copy(err: &Error) -> Option<Error> {
     Some(match err {
         Error::ConnectFailed { cause } => Error::ConnectFailed {
@@ -87,6 +89,9 @@ fn copy(err: &Error) -> Option<Error> {
             message: message.clone(),
         },
         Error::PermissionDenied { message } => Error::PermissionDenied {
+            message: message.clone(),
+        },
+        Error::NotMigrated { message } => Error::NotMigrated {
             message: message.clone(),
         },
         Error::ConnectTimedOut { after } => Error::ConnectTimedOut { after: *after },

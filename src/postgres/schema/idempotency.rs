@@ -143,16 +143,18 @@ where
 /// none of `f`'s writes are kept, and your own transaction is left as it was
 /// before the call.
 ///
-/// **Not at its first and last `.await`**, where sqlx (0.9) itself is not
-/// cancel safe. Dropped while its `SAVEPOINT` is in flight, sqlx's rollback
-/// counts one transaction too few: in your transaction it rolls back all of
-/// it (the statements after run outside any transaction, and your `COMMIT`
-/// answers `Ok` having committed nothing of before), and on a connection
-/// outside one it leaves the `BEGIN` open untracked (what runs next is never
-/// committed). Dropped while its `RELEASE` is in flight, sqlx rolls back to
-/// the released savepoint: your next statement fails (SQLSTATE 3B001) and
-/// your transaction is aborted. So do not put a timeout or a `select!`
-/// around `once_in` in a transaction you go on using; where the call may be
+/// **Not at the `.await`s of its `SAVEPOINT` and its `RELEASE`**, where
+/// sqlx (0.9) itself is not cancel safe. Dropped while the `SAVEPOINT` is
+/// in flight, sqlx rolls back two levels of your transaction where it
+/// should roll back none: all of it if it is one or two levels deep (the
+/// statements after run outside any transaction, and your `COMMIT`
+/// answers `Ok` having committed nothing of before), else your two
+/// innermost savepoints; on a connection outside a transaction it leaves
+/// the `BEGIN` open, untracked (what runs next is never committed).
+/// Dropped while the `RELEASE` is in flight, sqlx rolls back to the
+/// released savepoint: your next statement fails (SQLSTATE 3B001) and your
+/// transaction is aborted. So do not put a timeout or a `select!` around
+/// `once_in` in a transaction you go on using; where the call may be
 /// dropped, let your transaction go with it (drop it, or the connection),
 /// or use [`once`], which closes its connection when dropped.
 pub async fn once_in<F, E>(conn: &mut PgConnection, scope: &str, key: &str, f: F) -> Result<Once, E>

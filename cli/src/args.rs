@@ -27,7 +27,8 @@ pub(crate) enum Command {
     /// (SIGINT, SIGTERM, SIGHUP) and stops reach everything it started, and
     /// nothing of it is left running when the lock is released.
     Run(RunArgs),
-    /// List the sessions holding or awaiting advisory locks in the database.
+    /// List the sessions holding or awaiting advisory locks in the database
+    /// (with --lease-table, the live leases of distlock.leases).
     Holders(HoldersArgs),
 }
 

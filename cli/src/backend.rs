@@ -29,6 +29,8 @@ pub(crate) struct Backend {
     pub(crate) locker: Arc<dyn Locker>,
     /// The same locker when the backend is PostgreSQL (holders, wait reports).
     pub(crate) postgres: Option<PgLocker>,
+    /// The same locker when it is the lease table (its live leases).
+    pub(crate) table: Option<TableLocker>,
 }
 
 /// Connects to the backend named by `conn`. `application` becomes the
@@ -100,6 +102,7 @@ pub(crate) async fn connect(
     Ok(Backend {
         locker: Arc::new(locker.clone()),
         postgres: Some(locker),
+        table: None,
     })
 }
 
@@ -129,8 +132,9 @@ async fn connect_lease_table(
         .build()
         .map_err(|err| Failure::usage(format!("--heartbeat: {err}")))?;
     Ok(Backend {
-        locker: Arc::new(locker),
+        locker: Arc::new(locker.clone()),
         postgres: None,
+        table: Some(locker),
     })
 }
 
@@ -263,6 +267,7 @@ async fn connect_redis(urls: &[String]) -> Result<Backend, Failure> {
     Ok(Backend {
         locker,
         postgres: None,
+        table: None,
     })
 }
 

@@ -1,4 +1,5 @@
-//! `distlock holders`: who holds or awaits advisory locks.
+//! `distlock holders`: who holds or awaits advisory locks (with
+//! `--lease-table`, the table's leases: `leases.rs`).
 
 use std::time::{Duration, SystemTime};
 
@@ -11,15 +12,11 @@ use serde_json::json;
 use crate::Failure;
 use crate::args::HoldersArgs;
 use crate::backend;
+use crate::columns::aligned;
+use crate::leases::lease_holders;
 
 /// Lists the holders as a table, or as JSON with `--json`. Exit code 0.
 pub(crate) async fn holders(args: HoldersArgs) -> Result<u8, Failure> {
-    if args.conn.lease_table {
-        return Err(Failure::usage(
-            "`holders` lists advisory locks; leases of --lease-table are the rows of \
-             distlock.leases (SELECT key_text, expires_at FROM distlock.leases)",
-        ));
-    }
     if let Some(key) = &args.key {
         LockKey::from(key.as_str())
             .validate()
@@ -32,6 +29,9 @@ pub(crate) async fn holders(args: HoldersArgs) -> Result<u8, Failure> {
         false,
     )
     .await?;
+    if let Some(table) = &backend.table {
+        return lease_holders(&args, table).await;
+    }
     let Some(locker) = backend.postgres else {
         return Err(Failure::usage("`holders` needs a PostgreSQL backend"));
     };
@@ -150,25 +150,7 @@ fn to_table(holders: &[Holder], label: impl Fn(&Holder) -> String) -> String {
             mode(h).to_owned(),
         ]);
     }
-    let widths: Vec<usize> = (0..header.len())
-        .map(|col| {
-            rows.iter()
-                .map(|r| r[col].chars().count())
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let mut out = String::new();
-    for row in rows {
-        let cells: Vec<String> = row
-            .iter()
-            .zip(&widths)
-            .map(|(cell, width)| format!("{cell:<width$}"))
-            .collect();
-        out.push_str(cells.join("  ").trim_end());
-        out.push('\n');
-    }
-    out
+    aligned(&rows)
 }
 
 /// One line of the tree: what the session does with one lock.

@@ -42,8 +42,10 @@ macro_rules! show {
 
 mod args;
 mod backend;
+mod columns;
 mod holders;
 mod inherit;
+mod leases;
 mod process;
 mod redact;
 mod run;

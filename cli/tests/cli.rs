@@ -1466,7 +1466,7 @@ async fn with_lease_table_runs_through_pgbouncer_one_runs_and_the_other_skips(po
         .await
         .expect("count");
     assert_eq!(left, 0, "every run deleted its row");
-    // `holders` lists advisory locks only.
+    // `holders --lease-table` reads the table through the pooler too.
     let out = finish(
         distlock(&url, &["holders", "--lease-table"])
             .spawn()
@@ -1474,7 +1474,75 @@ async fn with_lease_table_runs_through_pgbouncer_one_runs_and_the_other_skips(po
         "holders",
     )
     .await;
-    assert_eq!(out.status.code(), Some(64), "{}", text(&out));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "no leases are held in distlock.leases\n"
+    );
+}
+
+/// `distlock holders --lease-table` lists the live leases (key, token,
+/// times) as a table or JSON, of one key with KEY, and refuses `--tree`
+/// (the table has no waiters). It used to refuse the flag outright.
+#[sqlx::test(migrations = false)]
+async fn holders_lists_the_lease_tables_leases(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let url = url_of(&pool);
+    let locker = distlock::postgres::TableLocker::new(pool.clone());
+    let lease = locker
+        .try_lock("report:leased")
+        .await
+        .expect("try")
+        .expect("free");
+    let token = lease.fencing_token().expect("a token").value().to_string();
+    let holders = async |args: &[&str]| {
+        let mut all = vec!["holders", "--lease-table"];
+        all.extend(args);
+        let out = finish(distlock(&url, &all).spawn().expect("spawn"), "holders").await;
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            text(&out),
+        )
+    };
+
+    let (code, table, all) = holders(&[]).await;
+    assert_eq!(code, Some(0), "{all}");
+    let mut lines = table.lines();
+    let header = lines.next().expect("header");
+    for column in ["KEY", "TOKEN", "SINCE", "RENEWED", "EXPIRES"] {
+        assert!(header.contains(column), "{table}");
+    }
+    let row: Vec<&str> = lines.next().expect("a row").split_whitespace().collect();
+    assert_eq!(row[..2], ["report:leased", token.as_str()], "{table}");
+    assert!(lines.next().is_none(), "{table}");
+
+    let (code, json, all) = holders(&["--json"]).await;
+    assert_eq!(code, Some(0), "{all}");
+    let rows: serde_json::Value = serde_json::from_str(&json).expect("valid JSON");
+    let rows = rows.as_array().expect("an array");
+    assert_eq!(rows.len(), 1, "{json}");
+    assert_eq!(rows[0]["key"], "report:leased");
+    assert_eq!(rows[0]["fencing_token"], token.as_str());
+    for time in ["since", "renewed", "expires"] {
+        assert!(rows[0][time].as_str().expect(time).ends_with('Z'), "{json}");
+    }
+
+    let (code, other, all) = holders(&["report:other"]).await;
+    assert_eq!(code, Some(0), "{all}");
+    assert_eq!(other, "no leases are held in distlock.leases\n");
+    let (code, mine, all) = holders(&["report:leased"]).await;
+    assert_eq!(code, Some(0), "{all}");
+    assert!(mine.contains("report:leased"), "{mine}");
+
+    let (code, _, all) = holders(&["--tree"]).await;
+    assert_eq!(code, Some(64), "{all}");
+    assert!(all.contains("no waiters"), "{all}");
+
+    lease.release().await.expect("release");
+    let (code, none, all) = holders(&[]).await;
+    assert_eq!(code, Some(0), "{all}");
+    assert_eq!(none, "no leases are held in distlock.leases\n");
 }
 
 /// With --lease-table the lease lives three heartbeats: a heartbeat whose

@@ -62,7 +62,8 @@ pub(crate) struct ConnArgs {
     /// lock cannot be held. Every statement is one short transaction; the
     /// lease lives three --heartbeat (renewed every quarter of that) and
     /// expires three heartbeats after its last renewal if distlock dies. The command always gets a fencing
-    /// token. Needs the distlock schema (see `distlock::migrate`).
+    /// token. Needs the distlock schema (see `distlock::migrate`). With
+    /// `holders`: list the table's live leases instead of advisory locks.
     /// DISTLOCK_LEASE_TABLE takes 1, true, yes, on, y, t (or 0, false, no,
     /// off, n, f), in any case; anything else is a usage error (64).
     #[arg(
@@ -124,7 +125,8 @@ pub(crate) struct RunArgs {
 
 #[derive(Debug, Args)]
 pub(crate) struct HoldersArgs {
-    /// Only the holders of this lock name.
+    /// Only the holders of this lock name (with --lease-table, the lease a
+    /// run of this name would find).
     pub(crate) key: Option<String>,
 
     /// Print JSON (an array of objects) instead of a table.
@@ -134,7 +136,8 @@ pub(crate) struct HoldersArgs {
     /// Draw who waits for whom: each holder that waits for nothing, with
     /// the sessions waiting for it indented below it, and theirs below them;
     /// sessions that wait for each other (a deadlock not broken yet) are
-    /// drawn as a cycle.
+    /// drawn as a cycle. Not with --lease-table, whose waiters leave no
+    /// trace.
     #[arg(long)]
     pub(crate) tree: bool,
 

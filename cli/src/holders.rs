@@ -13,7 +13,7 @@ use crate::Failure;
 use crate::args::HoldersArgs;
 use crate::backend;
 use crate::columns::aligned;
-use crate::leases::lease_holders;
+use crate::leases::{lease_holders, refuse_tree};
 
 /// Lists the holders as a table, or as JSON with `--json`. Exit code 0.
 pub(crate) async fn holders(args: HoldersArgs) -> Result<u8, Failure> {
@@ -22,6 +22,7 @@ pub(crate) async fn holders(args: HoldersArgs) -> Result<u8, Failure> {
             .validate()
             .map_err(|err| Failure::usage(err.to_string()))?;
     }
+    refuse_tree(&args)?;
     let backend = backend::connect(
         &args.conn,
         "distlock holders",

@@ -12,29 +12,36 @@ use crate::Failure;
 use crate::args::HoldersArgs;
 use crate::columns::aligned;
 
-/// Lists the live leases (of `args.key` only, if given) as a table, or as
-/// JSON with `--json`. Exit code 0.
+/// Lists the live leases (with `args.key`, the one a run of that name would
+/// find, by the key's server-side identity) as a table, or as JSON with
+/// `--json`. Exit code 0.
 pub(crate) async fn lease_holders(args: &HoldersArgs, table: &TableLocker) -> Result<u8, Failure> {
-    if args.tree {
-        return Err(Failure::usage(
-            "--tree draws who waits for whom; the lease table has no waiters (they retry), \
-             so `holders --lease-table` lists its leases only",
-        ));
+    let leases = match &args.key {
+        Some(key) => table
+            .holder_of(key.as_str())
+            .await
+            .map(|lease| lease.into_iter().collect()),
+        None => table.holders().await,
     }
-    let leases = table
-        .holders()
-        .await
-        .map_err(|err| Failure::unavailable(format!("could not list leases: {err}")))?;
-    let leases: Vec<LeaseHolder> = leases
-        .into_iter()
-        .filter(|lease| args.key.as_ref().is_none_or(|key| *key == lease.key))
-        .collect();
+    .map_err(|err| Failure::unavailable(format!("could not list leases: {err}")))?;
     if args.json {
         show!("{}\n", to_json(&leases));
     } else {
         show!("{}", to_table(&leases));
     }
     Ok(0)
+}
+
+/// `--tree` draws waits, which the lease table does not have: a usage
+/// error, found before connecting.
+pub(crate) fn refuse_tree(args: &HoldersArgs) -> Result<(), Failure> {
+    if args.conn.lease_table && args.tree {
+        return Err(Failure::usage(
+            "--tree draws who waits for whom; the lease table has no waiters (they retry), \
+             so `holders --lease-table` lists its leases only",
+        ));
+    }
+    Ok(())
 }
 
 fn at(time: SystemTime) -> String {

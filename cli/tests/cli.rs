@@ -1531,13 +1531,44 @@ async fn holders_lists_the_lease_tables_leases(pool: PgPool) {
     let (code, other, all) = holders(&["report:other"]).await;
     assert_eq!(code, Some(0), "{all}");
     assert_eq!(other, "no leases are held in distlock.leases\n");
+    // A second lease: KEY lists the one a run of that name would find.
+    let second = locker
+        .try_lock("report:second")
+        .await
+        .expect("try")
+        .expect("free");
     let (code, mine, all) = holders(&["report:leased"]).await;
     assert_eq!(code, Some(0), "{all}");
-    assert!(mine.contains("report:leased"), "{mine}");
+    assert_eq!(mine.lines().count(), 2, "{mine}");
+    assert!(
+        mine.lines()
+            .nth(1)
+            .expect("a row")
+            .starts_with("report:leased "),
+        "{mine}"
+    );
+    let (code, both, all) = holders(&[]).await;
+    assert_eq!(code, Some(0), "{all}");
+    assert_eq!(both.lines().count(), 3, "{both}");
+    second.release().await.expect("release");
+    let times: Vec<std::time::SystemTime> = ["since", "renewed", "expires"]
+        .map(|time| humantime::parse_rfc3339(rows[0][time].as_str().expect(time)).expect(time))
+        .to_vec();
+    assert!(times[0] <= times[1] && times[1] < times[2], "{json}");
 
-    let (code, _, all) = holders(&["--tree"]).await;
-    assert_eq!(code, Some(64), "{all}");
-    assert!(all.contains("no waiters"), "{all}");
+    // `--tree` is a usage error before anything is connected.
+    let out = finish(
+        distlock(
+            "postgres://nobody@127.0.0.1:1/none",
+            &["holders", "--lease-table", "--tree"],
+        )
+        .spawn()
+        .expect("spawn"),
+        "holders --tree",
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out));
+    assert!(text(&out).contains("no waiters"), "{}", text(&out));
 
     lease.release().await.expect("release");
     let (code, none, all) = holders(&[]).await;

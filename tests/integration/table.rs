@@ -1340,6 +1340,19 @@ async fn hostile_key_names_lock_and_release_only_their_own_lease(pool: PgPool) {
 
 // ---- who holds what ---------------------------------------------------------
 
+/// Sets the row of the lease spelled `key_text` a second in the past, as
+/// if its holder had stopped renewing it.
+async fn expire_row(pool: &PgPool, key_text: &str) {
+    sqlx::query(
+        "UPDATE distlock.leases SET expires_at = clock_timestamp() - interval '1 s' \
+         WHERE key_text = $1",
+    )
+    .bind(key_text)
+    .execute(pool)
+    .await
+    .expect("expire the row");
+}
+
 /// `holders()` lists the live leases with their tokens and times, and
 /// neither an expired row nor a waiter (the table has no trace of waiters).
 #[sqlx::test(migrations = false)]
@@ -1360,13 +1373,7 @@ async fn holders_lists_the_live_leases(pool: PgPool) {
         .await
         .expect("gone")
         .expect("free");
-    sqlx::query(
-        "UPDATE distlock.leases SET expires_at = clock_timestamp() - interval '1 s' \
-         WHERE key_text = 'table:gone'",
-    )
-    .execute(&pool)
-    .await
-    .expect("expire one row");
+    expire_row(&pool, "table:gone").await;
     let waiter = tokio::spawn({
         let locker = locker.clone();
         async move { locker.lock("table:a", Duration::from_millis(500)).await }
@@ -1401,6 +1408,57 @@ async fn holders_lists_the_live_leases(pool: PgPool) {
     }
     drop(gone);
     assert!(locker.holders().await.expect("holders").is_empty());
+}
+
+/// `holder_of(key)` finds the lease a try of `key` would find, by the key's
+/// server-side identity: not a lease whose text only reads the same (an id
+/// and a name), and the lease of another spelling of the same lock (a
+/// client-hashed name and its id), as its holder spelled it; nothing for a
+/// free or expired key; a bad key is refused.
+#[sqlx::test(migrations = false)]
+async fn holder_of_finds_the_lease_a_try_would_find(pool: PgPool) {
+    migrated(&pool).await;
+    let locker = locker(&pool, Duration::from_secs(30));
+    let named = locker.try_lock("42").await.expect("42").expect("free");
+    let hashed = LockKey::hashed64("table:hashed");
+    let spelled = locker
+        .try_lock(hashed.clone())
+        .await
+        .expect("hashed")
+        .expect("free");
+
+    let found = locker.holder_of("42").await.expect("read").expect("held");
+    assert_eq!(Some(found.fencing_token), named.fencing_token());
+    assert_eq!(found.key, "42");
+    // The id 42 is another lock, and free.
+    assert_eq!(locker.holder_of(LockKey::id(42)).await.expect("read"), None);
+    assert!(
+        locker
+            .try_lock(LockKey::id(42))
+            .await
+            .expect("try")
+            .is_some()
+    );
+    // The client-hashed name's id is the same lock: its lease, as spelled.
+    let id = LockKey::id(hashed.pg_bigint().expect("client-hashed"));
+    let found = locker
+        .holder_of(id.clone())
+        .await
+        .expect("read")
+        .expect("held");
+    assert_eq!(found.key, "table:hashed");
+    assert_eq!(Some(found.fencing_token), spelled.fencing_token());
+    assert!(locker.try_lock(id).await.expect("try").is_none());
+
+    assert_eq!(locker.holder_of("table:free").await.expect("read"), None);
+    expire_row(&pool, "table:hashed").await;
+    assert_eq!(locker.holder_of(hashed).await.expect("read"), None);
+    assert!(matches!(
+        locker.holder_of("").await,
+        Err(Error::InvalidKey { .. })
+    ));
+    named.release().await.expect("release");
+    drop(spelled);
 }
 
 /// What the holder does once `lost()` fires.

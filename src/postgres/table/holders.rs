@@ -2,10 +2,11 @@
 
 use std::time::{Duration, SystemTime};
 
+use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, Row};
 
 use super::locker::TableLocker;
-use super::sql;
+use super::sql::{self, KeyExpr};
 use crate::{Error, FencingToken};
 
 /// One live lease of `distlock.leases`, from [`TableLocker::holders`].
@@ -47,27 +48,64 @@ impl TableLocker {
     ///
     /// Cancel safe: a read on a pooled connection.
     pub async fn holders(&self) -> Result<Vec<LeaseHolder>, Error> {
+        let rows = self
+            .read_leases("TableLocker::holders", sql::LIVE_LEASES.to_owned())
+            .await?;
+        rows.iter().map(decode).collect()
+    }
+
+    /// The live lease of `key`, if one is held: the lease a
+    /// [`try_lock`](Self::try_lock) of `key` would find (by the key's
+    /// server-side identity, so a lease of another name whose hash collides
+    /// with this one's is it, spelled as its holder spelled it; a
+    /// [`LockKey::id`](crate::LockKey::id) and a name that reads the same
+    /// are different leases). A bad key is refused before any round trip.
+    /// Otherwise as [`holders`](Self::holders): 1 round trip, a read, one
+    /// simple query, answered within the same deadline.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a read on a pooled connection.
+    pub async fn holder_of(
+        &self,
+        key: impl Into<crate::LockKey>,
+    ) -> Result<Option<LeaseHolder>, Error> {
+        let key = key.into();
+        key.validate()?;
+        let statement = sql::live_lease_of(&KeyExpr::new(&key));
+        let rows = self
+            .read_leases("TableLocker::holder_of", statement)
+            .await?;
+        rows.first().map(decode).transpose()
+    }
+
+    /// The rows `statement` (a simple query) answers, on a pooled
+    /// connection, within 5 s or the renewal deadline when that is longer
+    /// ([`Error::NoReply`] naming `call`).
+    async fn read_leases(
+        &self,
+        call: &'static str,
+        statement: String,
+    ) -> Result<Vec<PgRow>, Error> {
         let within = self
             .inner
             .renewal_deadline()
             .max(crate::postgres::holders::READ_WITHIN);
         let read = async |conn: &mut sqlx::PgConnection| {
-            let rows = sqlx::raw_sql(AssertSqlSafe(sql::LIVE_LEASES))
+            Ok(sqlx::raw_sql(AssertSqlSafe(statement))
                 .fetch_all(conn)
-                .await?;
-            rows.iter().map(decode).collect()
+                .await?)
         };
-        let call = ("TableLocker::holders", within);
         Box::pin(crate::postgres::timeout::read_on_pool(
             self.pool(),
-            call,
+            (call, within),
             read,
         ))
         .await
     }
 }
 
-fn decode(row: &sqlx::postgres::PgRow) -> Result<LeaseHolder, Error> {
+fn decode(row: &PgRow) -> Result<LeaseHolder, Error> {
     let at = |column: usize| -> Result<SystemTime, Error> {
         let micros: i64 = row.try_get(column)?;
         let since_epoch = Duration::from_micros(micros.unsigned_abs());

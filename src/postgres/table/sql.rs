@@ -30,15 +30,50 @@ use crate::key::Repr;
 /// key, with payload `<space>:<lock_id>`.
 pub(super) const CHANNEL: &str = "distlock_lease";
 
-/// The live leases (not expired by the server's clock), by key: key text,
-/// token, and granted, renewed and expiry times in microseconds since the
-/// epoch. No value goes into the text.
-pub(super) const LIVE_LEASES: &str = "SELECT l.key_text, l.token, \
-     (extract(epoch FROM l.acquired_at) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, \
-     (extract(epoch FROM l.renewed_at) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, \
-     (extract(epoch FROM l.expires_at) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8 \
-     FROM distlock.leases AS l WHERE l.expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() \
-     ORDER BY l.space, l.lock_id";
+/// A lease row `l` as [`LIVE_LEASES`] answers it: key text, token, and
+/// granted, renewed and expiry times in microseconds since the epoch.
+macro_rules! lease_columns {
+    () => {
+        "SELECT l.key_text, l.token, \
+         (extract(epoch FROM l.acquired_at) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, \
+         (extract(epoch FROM l.renewed_at) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, \
+         (extract(epoch FROM l.expires_at) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8"
+    };
+}
+
+/// Whether the lease row `l` is live (not expired by the server's clock).
+macro_rules! live {
+    () => {
+        "l.expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()"
+    };
+}
+
+/// The live leases, by key ([`lease_columns`]). No value goes into the
+/// text.
+pub(super) const LIVE_LEASES: &str = concat!(
+    lease_columns!(),
+    " FROM distlock.leases AS l WHERE ",
+    live!(),
+    " ORDER BY l.space, l.lock_id"
+);
+
+/// The live lease of `key`, if any ([`lease_columns`]): the row a grant of
+/// `key` would find, by the key's space and lock id (two names whose hashes
+/// collide share one row, spelled as its holder spelled it).
+pub(super) fn live_lease_of(key: &KeyExpr) -> String {
+    format!(
+        concat!(
+            lease_columns!(),
+            " FROM (SELECT {name} AS k) AS n \
+             JOIN distlock.leases AS l ON l.space OPERATOR(pg_catalog.=) {space}::pg_catalog.int2 \
+             AND l.lock_id OPERATOR(pg_catalog.=) {id} WHERE ",
+            live!()
+        ),
+        name = key.name,
+        space = key.space,
+        id = key.id,
+    )
+}
 
 /// A lease's owner: random, known only to its holder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -303,6 +338,7 @@ mod tests {
                 withdraw(&expr, owner, Some(i64::MIN)),
                 withdraw(&expr, owner, None),
                 leader_of(&expr),
+                live_lease_of(&expr),
             ] {
                 assert!(!sql.contains("DROP"), "{sql}");
                 assert!(!sql.contains(';'), "{sql}");

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::proxy::Proxy;
+use common::roles::{drop_role, make_role};
 use common::*;
 use distlock::{Error, LockKey, LossReason, PgLocker, SessionLock};
 use rand::Rng;
@@ -845,11 +846,10 @@ async fn a_multiplexed_wait_counts_the_time_spent_getting_its_connection(pool: P
 /// pool's `acquire_timeout` against an unreachable server).
 #[sqlx::test(migrations = false)]
 async fn every_try_queued_for_a_connection_that_fails_to_open_learns_why(
-    _pool_opts: PgPoolOptions,
+    pool_opts: PgPoolOptions,
     connect_opts: PgConnectOptions,
 ) {
     init_tracing();
-    const TRIES: usize = 8;
     // Refused at once by the server: a database that does not exist.
     let missing = PgPoolOptions::new()
         .acquire_timeout(Duration::from_secs(2))
@@ -864,16 +864,7 @@ async fn every_try_queued_for_a_connection_that_fails_to_open_learns_why(
         .acquire_timeout(Duration::from_millis(500))
         .connect_lazy_with(connect_opts.clone().host("127.0.0.1").port(port));
     for (pool, expected) in [(missing, "3D000"), (nobody, "connection refused")] {
-        let locker = mux(&pool, 1);
-        let mut tries = tokio::task::JoinSet::new();
-        for k in 0..TRIES {
-            let locker = locker.clone();
-            tries.spawn(async move { locker.try_lock(format!("unopened:{k}")).await });
-        }
-        let mut answers = Vec::new();
-        while let Some(joined) = tries.join_next().await {
-            answers.push(joined.expect("try").map(|lock| lock.is_some()));
-        }
+        let answers = queued_answers(&pool).await;
         for answer in &answers {
             let Err(Error::ConnectFailed { cause }) = answer else {
                 panic!("{expected}: expected ConnectFailed, got {answers:?}");
@@ -890,4 +881,50 @@ async fn every_try_queued_for_a_connection_that_fails_to_open_learns_why(
             assert!(shown.contains("multiplexed connection"), "{shown}");
         }
     }
+
+    // A role without the CONNECT right: a copied `PermissionDenied` each.
+    let admin = pool_opts
+        .connect_with(connect_opts.clone())
+        .await
+        .expect("admin pool");
+    let role = make_role(&admin, "dlmux_noconnect").await;
+    let db: String = sqlx::query_scalar("SELECT current_database()::text")
+        .fetch_one(&admin)
+        .await
+        .expect("current_database");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "REVOKE CONNECT ON DATABASE \"{db}\" FROM PUBLIC"
+    )))
+    .execute(&admin)
+    .await
+    .expect("revoke");
+    let refused = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy_with(connect_opts.clone().username(&role));
+    let answers = queued_answers(&refused).await;
+    for answer in &answers {
+        assert!(
+            matches!(answer, Err(Error::PermissionDenied { message }) if message.contains("permission denied for database")),
+            "expected PermissionDenied, got {answers:?}"
+        );
+    }
+    refused.close().await;
+    drop_role(&admin, &role).await.expect("drop role");
+    admin.close().await;
+}
+
+/// What 8 tries queued at once for the one shared connection of a
+/// multiplexed locker on `pool` answer.
+async fn queued_answers(pool: &PgPool) -> Vec<Result<bool, Error>> {
+    let locker = mux(pool, 1);
+    let mut tries = tokio::task::JoinSet::new();
+    for k in 0..8 {
+        let locker = locker.clone();
+        tries.spawn(async move { locker.try_lock(format!("unopened:{k}")).await });
+    }
+    let mut answers = Vec::new();
+    while let Some(joined) = tries.join_next().await {
+        answers.push(joined.expect("try").map(|lock| lock.is_some()));
+    }
+    answers
 }

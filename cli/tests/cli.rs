@@ -1570,6 +1570,28 @@ async fn holders_lists_the_lease_tables_leases(pool: PgPool) {
     assert_eq!(out.status.code(), Some(64), "{}", text(&out));
     assert!(text(&out).contains("no waiters"), "{}", text(&out));
 
+    // The lease of a running `distlock run --lease-table`, by its name.
+    let run = distlock(
+        &url,
+        &["run", "--lease-table", "report:run", "--", "sleep", "2"],
+    )
+    .spawn()
+    .expect("spawn run");
+    wait_until_leased(&pool, "report:run").await;
+    let (code, running, all) = holders(&["report:run"]).await;
+    assert_eq!(code, Some(0), "{all}");
+    assert_eq!(running.lines().count(), 2, "{running}");
+    assert!(
+        running
+            .lines()
+            .nth(1)
+            .expect("a row")
+            .starts_with("report:run "),
+        "{running}"
+    );
+    let out = finish(run, "run").await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
     lease.release().await.expect("release");
     let (code, none, all) = holders(&[]).await;
     assert_eq!(code, Some(0), "{all}");

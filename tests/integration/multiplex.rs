@@ -843,7 +843,9 @@ async fn a_multiplexed_wait_counts_the_time_spent_getting_its_connection(pool: P
 /// in the first round. Before, only the first try of each round got the
 /// server's error; the others retried on a fresh connection, and past the
 /// third round got `MultiplexFailed` (each round costing up to twice the
-/// pool's `acquire_timeout` against an unreachable server).
+/// pool's `acquire_timeout` against an unreachable server). Causes: a
+/// missing database, nothing listening, a server that never answers, a role
+/// without the CONNECT right.
 #[sqlx::test(migrations = false)]
 async fn every_try_queued_for_a_connection_that_fails_to_open_learns_why(
     pool_opts: PgPoolOptions,
@@ -881,6 +883,31 @@ async fn every_try_queued_for_a_connection_that_fails_to_open_learns_why(
             assert!(shown.contains("multiplexed connection"), "{shown}");
         }
     }
+
+    // A server that accepts and never answers: the pool gives up at its
+    // deadline, and so does the direct attempt after it; a copied
+    // `ConnectTimedOut` each.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a free port");
+    let port = silent.local_addr().expect("its address").port();
+    let holding = tokio::spawn(async move {
+        let mut accepted = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            accepted.push(socket);
+        }
+    });
+    let mute = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy_with(connect_opts.clone().host("127.0.0.1").port(port));
+    let answers = queued_answers(&mute).await;
+    for answer in &answers {
+        assert!(
+            matches!(answer, Err(Error::ConnectTimedOut { after }) if *after == Duration::from_millis(300)),
+            "expected ConnectTimedOut, got {answers:?}"
+        );
+    }
+    holding.abort();
 
     // A role without the CONNECT right: a copied `PermissionDenied` each.
     let admin = pool_opts

@@ -101,3 +101,106 @@ fn copy(err: &Error) -> Option<Error> {
         _ => return None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::PoolerEvidence;
+
+    /// What each of `tries` tries queued for a connection that did not open
+    /// (for `err`) is answered.
+    fn answers(err: Option<Error>, tries: usize) -> Vec<Result<(), Option<Error>>> {
+        let (requests, mut queued) = mpsc::unbounded_channel();
+        let mut replies = Vec::new();
+        for k in (0..).take(tries) {
+            let (reply, answer) = oneshot::channel();
+            let request = Request::Try {
+                key: crate::LockKey::id(k),
+                fencing: false,
+                reply,
+                place: Place::unlimited(),
+            };
+            requests.send(request).expect("queued");
+            replies.push(answer);
+        }
+        refuse_all(&mut queued, err);
+        let answer = |mut reply: oneshot::Receiver<TryOutcome>| match reply.try_recv() {
+            Ok(Err(TryError::Failed(err))) => Err(Some(err)),
+            Ok(Err(TryError::Gone)) => Err(None),
+            other => panic!("expected a refusal, got {other:?}"),
+        };
+        replies.into_iter().map(answer).collect()
+    }
+
+    /// Every error opening a shared connection can give reaches every try
+    /// queued for it, each with the same fields: the multiplexed
+    /// integration tests cause `ConnectFailed`, `PermissionDenied`,
+    /// `ConnectTimedOut` and `TooManyConnections`; the others are hard to
+    /// cause on purpose at that moment (a pooler that moves the probe
+    /// between backends; a missing schema, which opening does not read
+    /// today), so their copies are checked here.
+    #[test]
+    fn every_try_queued_for_a_connection_that_did_not_open_gets_its_error() {
+        let driver_error = || sqlx::Error::Protocol("refused".to_owned());
+        let errors = [
+            Error::Database(driver_error()),
+            Error::ConnectFailed {
+                cause: Arc::new(driver_error()),
+            },
+            Error::TooManyConnections {
+                message: "too many clients".to_owned(),
+            },
+            Error::PermissionDenied {
+                message: "permission denied for database".to_owned(),
+            },
+            Error::NotMigrated {
+                message: "schema \"distlock\" does not exist".to_owned(),
+            },
+            Error::ConnectTimedOut {
+                after: Duration::from_millis(1_500),
+            },
+            Error::PoolerDetected {
+                evidence: PoolerEvidence::BackendChanged { from: 10, to: 11 },
+            },
+            Error::PoolerDetected {
+                evidence: PoolerEvidence::MarkerSeen { pid: 12 },
+            },
+        ];
+        for err in errors {
+            // A driver error is shared, as `ConnectFailed`.
+            let expected = match &err {
+                Error::Database(_) => format!(
+                    "{:?}",
+                    Error::ConnectFailed {
+                        cause: Arc::new(driver_error())
+                    }
+                ),
+                other => format!("{other:?}"),
+            };
+            let got = answers(Some(err), 8);
+            for answer in &got {
+                let Err(Some(told)) = answer else {
+                    panic!("{expected}: expected every try told, got {got:?}");
+                };
+                assert_eq!(format!("{told:?}"), expected, "{got:?}");
+            }
+        }
+    }
+
+    /// An error that cannot be copied reaches one try; the others may go
+    /// again on a fresh connection. With no error (the driver ended under
+    /// them), every try may.
+    #[test]
+    fn an_error_that_cannot_be_copied_reaches_one_try_and_the_rest_go_again() {
+        let got = answers(Some(Error::NoRuntime("test")), 4);
+        assert!(
+            matches!(got[0], Err(Some(Error::NoRuntime("test")))),
+            "{got:?}"
+        );
+        assert!(got[1..].iter().all(|a| matches!(a, Err(None))), "{got:?}");
+        let got = answers(None, 3);
+        assert!(got.iter().all(|a| matches!(a, Err(None))), "{got:?}");
+    }
+}

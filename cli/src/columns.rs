@@ -1,4 +1,7 @@
-//! Text tables: rows of cells in aligned columns.
+//! Text tables: rows of cells in aligned columns, and how long ago a time
+//! shown in one was.
+
+use std::time::{Duration, SystemTime};
 
 /// `rows` (the header first) as lines of cells padded to their column's
 /// widest, two spaces apart, without trailing blanks.
@@ -24,4 +27,11 @@ pub(crate) fn aligned(rows: &[Vec<String>]) -> String {
         out.push('\n');
     }
     out
+}
+
+/// How long before now `time` was, in whole seconds (`3m 12s`); `None` for a
+/// time this machine's clock puts in the future.
+pub(crate) fn ago(time: SystemTime) -> Option<String> {
+    let age = SystemTime::now().duration_since(time).ok()?;
+    Some(humantime::format_duration(Duration::from_secs(age.as_secs())).to_string())
 }

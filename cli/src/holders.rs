@@ -1,7 +1,7 @@
 //! `distlock holders`: who holds or awaits advisory locks (with
 //! `--lease-table`, the table's leases: `leases.rs`).
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use std::collections::{HashMap, HashSet};
 
@@ -74,8 +74,7 @@ fn since(holder: &Holder) -> Option<String> {
 }
 
 fn age(holder: &Holder) -> Option<String> {
-    let age = SystemTime::now().duration_since(holder.since?).ok()?;
-    Some(humantime::format_duration(Duration::from_secs(age.as_secs())).to_string())
+    crate::columns::ago(holder.since?)
 }
 
 /// A JSON array; keys are strings because a `bigint` does not fit a

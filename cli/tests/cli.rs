@@ -1513,8 +1513,14 @@ async fn holders_lists_the_lease_tables_leases(pool: PgPool) {
     for column in ["KEY", "TOKEN", "SINCE", "RENEWED", "EXPIRES"] {
         assert!(header.contains(column), "{table}");
     }
-    let row: Vec<&str> = lines.next().expect("a row").split_whitespace().collect();
+    let line = lines.next().expect("a row");
+    let row: Vec<&str> = line.split_whitespace().collect();
     assert_eq!(row[..2], ["report:leased", token.as_str()], "{table}");
+    // SINCE says how long ago too, as the advisory table does.
+    assert!(
+        row[2].ends_with('Z') && row[3].starts_with('(') && line.contains(" ago)"),
+        "{table}"
+    );
     assert!(lines.next().is_none(), "{table}");
 
     let (code, json, all) = holders(&["--json"]).await;

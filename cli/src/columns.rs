@@ -29,6 +29,19 @@ pub(crate) fn aligned(rows: &[Vec<String>]) -> String {
     out
 }
 
+/// `time` as RFC 3339 (whole seconds, UTC) with how long ago it was,
+/// `2026-12-06T07:50:00Z (3m 12s ago)`: the SINCE cell of both `holders`
+/// tables. The age is by this machine's clock, which may differ from the
+/// server's that wrote the time; a time that clock puts in the future has
+/// no age.
+pub(crate) fn since(time: SystemTime) -> String {
+    let at = humantime::format_rfc3339_seconds(time);
+    match ago(time) {
+        Some(age) => format!("{at} ({age} ago)"),
+        None => at.to_string(),
+    }
+}
+
 /// How long before now `time` was, in whole seconds (`3m 12s`); `None` for a
 /// time this machine's clock puts in the future.
 pub(crate) fn ago(time: SystemTime) -> Option<String> {

@@ -135,11 +135,9 @@ fn to_table(holders: &[Holder], label: impl Fn(&Holder) -> String) -> String {
     ];
     let mut rows = vec![header.map(str::to_owned).to_vec()];
     for h in holders {
-        let since = match (since(h), age(h)) {
-            (Some(at), Some(age)) => format!("{at} ({age} ago)"),
-            (Some(at), None) => at,
-            _ => "-".to_owned(),
-        };
+        let since = h
+            .since
+            .map_or_else(|| "-".to_owned(), crate::columns::since);
         rows.push(vec![
             label(h),
             h.pid.to_string(),

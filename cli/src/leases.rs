@@ -10,7 +10,7 @@ use serde_json::json;
 
 use crate::Failure;
 use crate::args::HoldersArgs;
-use crate::columns::{ago, aligned};
+use crate::columns::{aligned, since};
 
 /// Lists the live leases (with `args.key`, the one a run of that name would
 /// find, by the key's server-side identity) as a table, or as JSON with
@@ -46,16 +46,6 @@ pub(crate) fn refuse_tree(args: &HoldersArgs) -> Result<(), Failure> {
 
 fn at(time: SystemTime) -> String {
     humantime::format_rfc3339_seconds(time).to_string()
-}
-
-/// The time a lease was granted, with how long ago, as the advisory table
-/// shows its holders' (the age by this machine's clock, which may differ
-/// from the server's that wrote the time).
-fn since(time: SystemTime) -> String {
-    match ago(time) {
-        Some(age) => format!("{} ({age} ago)", at(time)),
-        None => at(time),
-    }
 }
 
 /// A JSON array; tokens are strings because they do not fit a JavaScript

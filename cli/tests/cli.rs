@@ -379,6 +379,11 @@ async fn holders_lists_a_running_lock_as_table_and_json(pool: PgPool) {
     assert!(stdout.contains("distlock run report:nightly"), "{stdout}");
     assert!(stdout.contains(&pid.to_string()), "{stdout}");
     assert!(stdout.contains("held"), "{stdout}");
+    // SINCE: when, and how long ago.
+    assert!(
+        stdout.contains("Z (") && stdout.contains(" ago)"),
+        "{stdout}"
+    );
 
     let by_name = finish(
         distlock(&url, &["holders", "report:nightly"])

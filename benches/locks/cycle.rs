@@ -22,6 +22,9 @@ pub enum Cycle {
     XactPipelined,
     /// `locker.with_advisory_lock(key, async |_| Ok(()))`.
     XactDistlock,
+    /// The same with `.try_with_begin(true)`: the try in the `BEGIN`'s
+    /// round trip.
+    XactDistlockBegin,
     /// The same with `.keep_warm(0, ..)`: a pooled connection per cycle.
     XactDistlockCold,
     /// `pool.begin()`, `distlock::try_lock_xact(&mut *tx, key)`, `COMMIT`:
@@ -56,10 +59,11 @@ pub enum Cycle {
     TableRaw,
 }
 
-pub const ALL: [Cycle; 18] = [
+pub const ALL: [Cycle; 19] = [
     Cycle::XactRaw,
     Cycle::XactPipelined,
     Cycle::XactDistlock,
+    Cycle::XactDistlockBegin,
     Cycle::XactDistlockCold,
     Cycle::XactCaller,
     Cycle::SessionRaw,
@@ -83,6 +87,7 @@ impl Cycle {
             Cycle::XactRaw => "sqlx hand-written BEGIN / try / COMMIT",
             Cycle::XactPipelined => "pipelined `BEGIN; try` + COMMIT (reference)",
             Cycle::XactDistlock => "distlock with_advisory_lock",
+            Cycle::XactDistlockBegin => "distlock with_advisory_lock, try_with_begin",
             Cycle::XactDistlockCold => "distlock with_advisory_lock, keep_warm(0)",
             Cycle::XactCaller => "distlock try_lock_xact in the caller's BEGIN / COMMIT",
             Cycle::SessionRaw => "sqlx hand-written try/unlock",
@@ -107,6 +112,7 @@ impl Cycle {
             Cycle::XactRaw => "xact: sqlx BEGIN/try/COMMIT",
             Cycle::XactPipelined => "xact: pipelined BEGIN+try (ref)",
             Cycle::XactDistlock => "xact: distlock",
+            Cycle::XactDistlockBegin => "xact: distlock, try with BEGIN",
             Cycle::XactDistlockCold => "xact: distlock, no warm conns",
             Cycle::XactCaller => "xact: distlock in caller's tx",
             Cycle::SessionRaw => "session: sqlx raw",
@@ -131,6 +137,7 @@ impl Cycle {
             Cycle::XactRaw
                 | Cycle::XactPipelined
                 | Cycle::XactDistlock
+                | Cycle::XactDistlockBegin
                 | Cycle::XactDistlockCold
                 | Cycle::XactCaller
         )
@@ -156,6 +163,8 @@ pub struct Ctx {
     locker: PgLocker,
     /// Without warm connections: every lock borrows from the pool.
     cold: PgLocker,
+    /// `with_advisory_lock`'s try in the `BEGIN`'s round trip.
+    begin: PgLocker,
     mux: PgLocker,
     fenced: PgLocker,
     semaphore: distlock::Semaphore,
@@ -189,6 +198,10 @@ impl Ctx {
                 .keep_warm(0, std::time::Duration::ZERO)
                 .build()
                 .expect("valid settings"),
+            begin: PgLocker::builder(pool.clone())
+                .try_with_begin(true)
+                .build()
+                .expect("valid settings"),
             mux: PgLocker::builder(pool.clone())
                 .multiplex(2)
                 .build()
@@ -205,6 +218,7 @@ impl Ctx {
         drop((
             self.locker,
             self.cold,
+            self.begin,
             self.mux,
             self.fenced,
             self.semaphore,
@@ -246,8 +260,10 @@ impl Ctx {
                 sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
                 got
             }
-            Cycle::XactDistlock | Cycle::XactDistlockCold => match cycle {
+            Cycle::XactDistlock | Cycle::XactDistlockBegin | Cycle::XactDistlockCold => match cycle
+            {
                 Cycle::XactDistlock => &self.locker,
+                Cycle::XactDistlockBegin => &self.begin,
                 _ => &self.cold,
             }
             .with_advisory_lock(LockKey::id(key), async |_| Ok::<_, distlock::Error>(()))

@@ -30,6 +30,8 @@ pub enum Alt {
     XactRaw,
     /// `locker.with_advisory_lock(key, async |_| Ok(()))`.
     XactDistlock,
+    /// The same with `.try_with_begin(true)`.
+    XactDistlockBegin,
     /// `pool.acquire()`, `pg_try_advisory_lock($1)`, `pg_advisory_unlock($1)`.
     SessionRaw,
     /// sqlx's `PgAdvisoryLock::try_acquire(pool.acquire())` + `release_now()`.
@@ -40,9 +42,10 @@ pub enum Alt {
     SessionDistlockFenced,
 }
 
-pub const ALL: [Alt; 6] = [
+pub const ALL: [Alt; 7] = [
     Alt::XactRaw,
     Alt::XactDistlock,
+    Alt::XactDistlockBegin,
     Alt::SessionRaw,
     Alt::SessionSqlx,
     Alt::SessionDistlock,
@@ -54,6 +57,7 @@ impl Alt {
         match self {
             Alt::XactRaw => "sqlx hand-written BEGIN / try / COMMIT",
             Alt::XactDistlock => "distlock with_advisory_lock",
+            Alt::XactDistlockBegin => "distlock with_advisory_lock, try_with_begin",
             Alt::SessionRaw => "sqlx hand-written try/unlock",
             Alt::SessionSqlx => "sqlx PgAdvisoryLock",
             Alt::SessionDistlock => "distlock try_lock+release",
@@ -65,6 +69,7 @@ impl Alt {
         match self {
             Alt::XactRaw => "xact: sqlx BEGIN/try/COMMIT",
             Alt::XactDistlock => "xact: distlock",
+            Alt::XactDistlockBegin => "xact: distlock, try with BEGIN",
             Alt::SessionRaw => "session: sqlx raw",
             Alt::SessionSqlx => "session: PgAdvisoryLock",
             Alt::SessionDistlock => "session: distlock",
@@ -75,7 +80,7 @@ impl Alt {
     /// The hand-written alternative of the same scope.
     pub fn hand_written(self) -> Alt {
         match self {
-            Alt::XactRaw | Alt::XactDistlock => Alt::XactRaw,
+            Alt::XactRaw | Alt::XactDistlock | Alt::XactDistlockBegin => Alt::XactRaw,
             _ => Alt::SessionRaw,
         }
     }
@@ -134,6 +139,8 @@ struct Ctx {
     pool: PgPool,
     locker: PgLocker,
     fenced: PgLocker,
+    /// `with_advisory_lock`'s try in the `BEGIN`'s round trip.
+    begin: PgLocker,
 }
 
 impl Ctx {
@@ -154,12 +161,15 @@ impl Ctx {
         Ok(Self {
             locker: PgLocker::new(pool.clone()),
             fenced: PgLocker::builder(pool.clone()).fencing(true).build()?,
+            begin: PgLocker::builder(pool.clone())
+                .try_with_begin(true)
+                .build()?,
             pool,
         })
     }
 
     async fn close(self) {
-        drop((self.locker, self.fenced));
+        drop((self.locker, self.fenced, self.begin));
         self.pool.close().await;
     }
 
@@ -190,11 +200,13 @@ impl Ctx {
                 tx.commit().await?;
                 got
             }
-            Alt::XactDistlock => self
-                .locker
-                .with_advisory_lock(LockKey::id(key), async |_| Ok::<_, distlock::Error>(()))
-                .await?
-                .is_some(),
+            Alt::XactDistlock | Alt::XactDistlockBegin => match alt {
+                Alt::XactDistlock => &self.locker,
+                _ => &self.begin,
+            }
+            .with_advisory_lock(LockKey::id(key), async |_| Ok::<_, distlock::Error>(()))
+            .await?
+            .is_some(),
             Alt::SessionRaw => {
                 let mut conn = self.pool.acquire().await?;
                 let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")

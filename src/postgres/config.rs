@@ -22,6 +22,9 @@ pub(crate) struct Config {
     /// most `warm_idle` (see `warm`).
     pub(crate) warm: usize,
     pub(crate) warm_idle: Duration,
+    /// `with_advisory_lock` sends its try with the `BEGIN`
+    /// ([`prepared_try`](crate::postgres::request::prepared_try)).
+    pub(crate) try_with_begin: bool,
 }
 
 /// Default interval between two heartbeats of a session lock.
@@ -43,6 +46,7 @@ impl Default for Config {
             max_locks: None,
             warm: crate::postgres::conn::warm::DEFAULT_WARM,
             warm_idle: crate::postgres::conn::warm::DEFAULT_WARM_IDLE,
+            try_with_begin: false,
         }
     }
 }

@@ -9,7 +9,7 @@
 //! | exclusive leases ([`Locker`]) | `exclusive.rs` | all |
 //! | shared leases ([`distlock::SharedLocker`]) | `shared.rs` | PostgreSQL (default, fenced, multiplexed) |
 //! | multi-key locks ([`distlock::MultiKeyLocker`]) | `multi.rs` | PostgreSQL (default, fenced, multiplexed) |
-//! | transaction-scoped locks ([`distlock::XactLocker`]) | `xact.rs` | PostgreSQL (default, fenced, multiplexed) |
+//! | transaction-scoped locks ([`distlock::XactLocker`]) | `xact.rs` | PostgreSQL (default, fenced, multiplexed, `try_with_begin`) |
 //! | upgradeable read leases ([`distlock::UpgradeableLocker`]) | `upgradeable.rs` | PostgreSQL (default, fenced, multiplexed) |
 //! | [`distlock::Semaphore`] | `semaphore.rs` | all |
 //! | [`distlock::LeaderElection`] (terms, `leader()` and `observe()` where the backend records leaders: [`distlock::ElectionLocker`]) | `leader.rs` | all |
@@ -324,36 +324,71 @@ struct Postgres {
     pool: PgPool,
     fencing: bool,
     connections: usize,
+    /// `with_advisory_lock`'s try goes with its `BEGIN`.
+    try_with_begin: bool,
 }
 
 impl Postgres {
     async fn new(pool: PgPool, fencing: bool, connections: usize) -> Self {
+        Self::with(pool, fencing, connections, false).await
+    }
+
+    /// The default settings but `try_with_begin`.
+    async fn trying_with_begin(pool: PgPool) -> Self {
+        Self::with(pool, false, 0, true).await
+    }
+
+    async fn with(pool: PgPool, fencing: bool, connections: usize, try_with_begin: bool) -> Self {
         distlock::migrate(&pool).await.expect("migrate");
         let second = PgPoolOptions::new()
             .connect_with(pool.connect_options().as_ref().clone())
             .await
             .expect("second pool");
-        Self::over(pool.clone(), second, pool, fencing, connections)
+        let mut backend = Self::over(pool.clone(), second, pool, fencing, connections);
+        if try_with_begin {
+            backend = backend.trying(true);
+        }
+        backend
     }
 
     fn over(a: PgPool, b: PgPool, pool: PgPool, fencing: bool, connections: usize) -> Self {
-        let make = |pool: PgPool| {
-            Arc::new(
-                PgLocker::builder(pool)
-                    .fencing(fencing)
-                    .heartbeat(Duration::from_millis(200))
-                    .multiplex(connections)
-                    .build()
-                    .expect("valid settings"),
-            )
-        };
         Self {
-            a: make(a),
-            b: make(b),
+            a: Self::locker(a, fencing, connections, false),
+            b: Self::locker(b, fencing, connections, false),
             pool,
             fencing,
             connections,
+            try_with_begin: false,
         }
+    }
+
+    /// The same pools, with lockers that send `with_advisory_lock`'s try
+    /// with its `BEGIN` or not.
+    fn trying(self, try_with_begin: bool) -> Self {
+        let (fencing, connections) = (self.fencing, self.connections);
+        Self {
+            a: Self::locker(self.a.pool().clone(), fencing, connections, try_with_begin),
+            b: Self::locker(self.b.pool().clone(), fencing, connections, try_with_begin),
+            try_with_begin,
+            ..self
+        }
+    }
+
+    fn locker(
+        pool: PgPool,
+        fencing: bool,
+        connections: usize,
+        try_with_begin: bool,
+    ) -> Arc<PgLocker> {
+        Arc::new(
+            PgLocker::builder(pool)
+                .fencing(fencing)
+                .heartbeat(Duration::from_millis(200))
+                .multiplex(connections)
+                .try_with_begin(try_with_begin)
+                .build()
+                .expect("valid settings"),
+        )
     }
 }
 
@@ -462,7 +497,8 @@ async fn pooler(pool: &PgPool) -> (TxPool, PgPool, PgPool) {
 impl PooledBackend for Postgres {
     async fn behind_a_pooler(&self) -> (TxPool, Self) {
         let (proxy, a, b) = pooler(&self.pool).await;
-        let pooled = Self::over(a, b, self.pool.clone(), self.fencing, self.connections);
+        let pooled = Self::over(a, b, self.pool.clone(), self.fencing, self.connections)
+            .trying(self.try_with_begin);
         (proxy, pooled)
     }
 }
@@ -470,6 +506,8 @@ impl PooledBackend for Postgres {
 backend!(pg_default, #[sqlx::test(migrations = false)] (pool: PgPool) => Postgres::new(pool, false, 0).await;
     exclusive, exclusive_pooled, shared, shared_pooled, multi, multi_pooled, xact, xact_pooled,
     upgradeable, upgradeable_pooled, semaphore, semaphore_pooled, leader, leader_pooled);
+backend!(pg_try_with_begin, #[sqlx::test(migrations = false)] (pool: PgPool) => Postgres::trying_with_begin(pool).await;
+    xact, xact_pooled);
 backend!(pg_fenced, #[sqlx::test(migrations = false)] (pool: PgPool) => Postgres::new(pool, true, 0).await;
     exclusive, exclusive_pooled, shared, multi, xact, upgradeable, semaphore);
 backend!(pg_multiplexed, #[sqlx::test(migrations = false)] (pool: PgPool) => Postgres::new(pool, true, 2).await;

@@ -761,6 +761,30 @@ async fn with_advisory_lock_under_stalled_network_fails_within_the_heartbeat_dea
     .await;
 }
 
+/// The same with the try sent in the `BEGIN`'s round trip
+/// (`try_with_begin`), whose answer is the one that stalls.
+#[sqlx::test(migrations = false)]
+async fn with_advisory_lock_trying_with_begin_under_stalled_network_fails_within_the_heartbeat_deadline(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    stalled_try(
+        &connect_opts,
+        ("with_advisory_lock() trying with BEGIN", "faults:x"),
+        async |l| {
+            let trying = PgLocker::builder(l.pool().clone())
+                .heartbeat_timeout(l.heartbeat_timeout())
+                .try_with_begin(true)
+                .build()
+                .expect("valid settings");
+            trying
+                .with_advisory_lock("faults:x", async |_conn| Ok::<_, Error>(0))
+                .await
+        },
+    )
+    .await;
+}
+
 #[sqlx::test(migrations = false)]
 async fn with_advisory_lock_wait_under_stalled_network_times_out_instead_of_hanging(
     _pool_opts: PgPoolOptions,

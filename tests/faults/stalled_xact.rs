@@ -19,8 +19,15 @@ const HEARTBEAT_TIMEOUT: Duration = Duration::from_millis(300);
 const LIMIT: Duration = Duration::from_secs(5);
 
 fn locker(pool: sqlx::PgPool) -> PgLocker {
+    trying_locker(pool, false)
+}
+
+/// [`locker`], sending `with_advisory_lock`'s try with its `BEGIN` when
+/// `try_with_begin`.
+fn trying_locker(pool: sqlx::PgPool, try_with_begin: bool) -> PgLocker {
     PgLocker::builder(pool)
         .heartbeat_timeout(HEARTBEAT_TIMEOUT)
+        .try_with_begin(try_with_begin)
         .build()
         .expect("valid settings")
 }
@@ -32,9 +39,23 @@ async fn a_busy_try_whose_rollback_stalls_ends_in_time(
     _pool_opts: PgPoolOptions,
     connect_opts: PgConnectOptions,
 ) {
-    let (proxy, pool) = proxied_unpinged(&connect_opts).await;
-    let locker = locker(pool.clone());
-    let mut holder = observer(&connect_opts).await;
+    busy_try_whose_rollback_stalls(&connect_opts, false).await;
+}
+
+/// The same with the try in the `BEGIN`'s round trip (`try_with_begin`),
+/// whose failed transaction's `ROLLBACK` stalls.
+#[sqlx::test(migrations = false)]
+async fn a_busy_try_with_begin_whose_rollback_stalls_ends_in_time(
+    _pool_opts: PgPoolOptions,
+    connect_opts: PgConnectOptions,
+) {
+    busy_try_whose_rollback_stalls(&connect_opts, true).await;
+}
+
+async fn busy_try_whose_rollback_stalls(connect_opts: &PgConnectOptions, try_with_begin: bool) {
+    let (proxy, pool) = proxied_unpinged(connect_opts).await;
+    let locker = trying_locker(pool.clone(), try_with_begin);
+    let mut holder = observer(connect_opts).await;
     assert!(raw_try_lock(&mut holder, &Raw::text("xact:busy")).await);
     let busy = async || {
         locker
@@ -51,7 +72,7 @@ async fn a_busy_try_whose_rollback_stalls_ends_in_time(
     let started = Instant::now();
     let res = bounded("a busy try over a stalled rollback", LIMIT, busy()).await;
     let took = started.elapsed();
-    println!("busy try, its ROLLBACK stalled: {res:?} after {took:?}");
+    println!("busy try ({try_with_begin}), its ROLLBACK stalled: {res:?} after {took:?}");
     assert!(matches!(res, Ok(None)), "{res:?}");
     assert!(
         took < HEARTBEAT_TIMEOUT + Duration::from_secs(1),

@@ -42,6 +42,16 @@ async fn attempts(
                 .map(drop),
         ),
         (
+            "with_advisory_lock trying with BEGIN",
+            PgLocker::builder(pool.clone())
+                .try_with_begin(true)
+                .build()
+                .expect("valid settings")
+                .with_advisory_lock("k", async |_| Ok::<_, Error>(()))
+                .await
+                .map(drop),
+        ),
+        (
             "with_advisory_lock_wait",
             locker
                 .with_advisory_lock_wait("k", t, async |_| Ok::<_, Error>(()))

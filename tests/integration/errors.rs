@@ -350,6 +350,52 @@ async fn a_session_with_another_clients_marker_is_refused_with_that_evidence(poo
     );
 }
 
+/// `with_advisory_lock` on such a session is refused the same way, naming
+/// the backend, whether its try answers (the default) or fails the
+/// statement it shares with the `BEGIN` (`try_with_begin`); the
+/// connection is rolled back and usable after either.
+#[sqlx::test(migrations = false)]
+async fn with_advisory_lock_on_a_session_with_another_clients_marker_is_refused(pool: PgPool) {
+    let one = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .expect("pool of one");
+    let pid: i32 = {
+        let mut conn = one.acquire().await.expect("conn");
+        sqlx::query("SELECT pg_catalog.set_config('distlock.locks', '1', false)")
+            .execute(&mut *conn)
+            .await
+            .expect("mark the session as another client would");
+        sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *conn)
+            .await
+            .expect("pid")
+    };
+    for try_with_begin in [false, true, true] {
+        let locker = PgLocker::builder(one.clone())
+            .try_with_begin(try_with_begin)
+            .build()
+            .expect("valid settings");
+        let err = locker
+            .with_advisory_lock("k", async |_| Ok::<_, Error>(()))
+            .await
+            .expect_err("marked session");
+        match err {
+            Error::PoolerDetected {
+                evidence: distlock::PoolerEvidence::MarkerSeen { pid: seen },
+            } => assert_eq!(seen, pid, "{try_with_begin}"),
+            other => panic!("{try_with_begin}: {other:?}"),
+        }
+        let status: Option<String> =
+            sqlx::query_scalar("SELECT current_setting('distlock.xact_lock', true)")
+                .fetch_one(&one)
+                .await
+                .expect("the connection is usable");
+        assert!(status.as_deref().is_none_or(str::is_empty), "{status:?}");
+    }
+}
+
 /// A pool of one connection to `pool`'s database whose session already has
 /// prepared statements named as sqlx names its own, `sqlx_s_{from}` to
 /// `sqlx_s_4` (another client's, as a transaction pooler that lets them

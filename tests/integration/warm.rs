@@ -427,3 +427,117 @@ async fn the_next_lock_after_with_advisory_lock_pays_no_round_trip_for_its_rollb
         lock.release().await.unwrap();
     }
 }
+
+/// The proxy's count of round trips once what was sent has reached it: the
+/// `ROLLBACK` a `with_advisory_lock` sends without waiting may still be on
+/// its way when the call returns.
+async fn settled(proxy: &common::proxy::Proxy) -> usize {
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    proxy.round_trips()
+}
+
+/// A locker that keeps connections (as [`keeping_locker`]) and sends
+/// `with_advisory_lock`'s try with its `BEGIN` when `try_with_begin`.
+fn keeping_locker_trying(pool: &PgPool, try_with_begin: bool) -> PgLocker {
+    PgLocker::builder(pool.clone())
+        .keep_warm(2, Duration::from_secs(3600))
+        .try_with_begin(try_with_begin)
+        .build()
+        .expect("valid settings")
+}
+
+/// `with_advisory_lock` on a kept connection, with `try_with_begin`, sends
+/// its try with the `BEGIN`, in one round trip: the call costs that one,
+/// the checked commit, and the `ROLLBACK` that ends sqlx's transaction
+/// (sent without waiting for its answer, but a burst of its own for the
+/// proxy); a busy key costs the try and its rollback. Without the setting,
+/// `BEGIN` and try are a round trip each.
+#[sqlx::test(migrations = false)]
+async fn with_advisory_lock_tries_in_the_round_trip_of_its_begin(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (proxy, pool) = counted_pool(&connect).await;
+    let mut other = observer(&connect).await;
+    for (try_with_begin, taken, busy) in [(false, 4, 3), (true, 3, 2)] {
+        let locker = keeping_locker_trying(&pool, try_with_begin);
+        let key = format!("warm:fused:{try_with_begin}");
+        // The locker's first lock probes for a transaction pooler, and the
+        // connection prepares the statements once.
+        for _ in 0..2 {
+            xact_backend_pid(&locker, &key).await;
+        }
+        for round in 0..3 {
+            let before = settled(&proxy).await;
+            locker
+                .with_advisory_lock(&key, async |_| Ok::<_, distlock::Error>(()))
+                .await
+                .unwrap()
+                .expect("free");
+            let trips = settled(&proxy).await - before;
+            assert_eq!(trips, taken, "{try_with_begin}, round {round}: taken");
+        }
+        sqlx::query("SELECT pg_advisory_lock(hashtext($1))")
+            .bind(&key)
+            .execute(&mut other)
+            .await
+            .unwrap();
+        for round in 0..3 {
+            let before = settled(&proxy).await;
+            let ran = locker
+                .with_advisory_lock(&key, async |_| Ok::<_, distlock::Error>(()))
+                .await
+                .unwrap();
+            assert!(ran.is_none(), "round {round}: the key is held");
+            let trips = settled(&proxy).await - before;
+            assert_eq!(trips, busy, "{try_with_begin}, round {round}: busy");
+        }
+    }
+}
+
+/// A session that lost the prepared try (the closure deallocated it, as
+/// `DISCARD ALL` would) prepares it again on the
+/// next call, which takes the lock all the same; the call after that is
+/// back to one round trip for `BEGIN` and try.
+#[sqlx::test(migrations = false)]
+async fn with_advisory_lock_prepares_its_try_again_where_a_session_lost_it(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (proxy, pool) = counted_pool(&connect).await;
+    let locker = keeping_locker_trying(&pool, true);
+    let key = "warm:deallocated";
+    let pid = xact_backend_pid(&locker, key).await;
+    let cost = async || {
+        let before = settled(&proxy).await;
+        let pid = xact_backend_pid(&locker, key).await;
+        (pid, settled(&proxy).await - before)
+    };
+    assert_eq!(cost().await, (pid, 4), "prepared once, on the first call");
+    let left = locker
+        .with_advisory_lock(key, async |conn| {
+            let ours = "SELECT name FROM pg_prepared_statements WHERE name LIKE 'distlock%'";
+            let names: Vec<String> = sqlx::query_scalar(ours).fetch_all(&mut *conn).await?;
+            assert_eq!(names.len(), 1, "one prepared try: {names:?}");
+            for name in names {
+                let deallocate = format!("DEALLOCATE \"{name}\"");
+                sqlx::raw_sql(sqlx::AssertSqlSafe(deallocate))
+                    .execute(&mut *conn)
+                    .await?;
+            }
+            let left: Vec<String> = sqlx::query_scalar(ours).fetch_all(&mut *conn).await?;
+            Ok::<_, distlock::Error>(left)
+        })
+        .await
+        .unwrap()
+        .expect("free");
+    assert!(left.is_empty(), "{left:?}");
+    let (again, trips) = cost().await;
+    assert_eq!(again, pid, "the same kept session");
+    assert_eq!(
+        trips,
+        4 + 3,
+        "the failed try, rollback and prepare, BEGIN and try apart"
+    );
+    assert_eq!(cost().await, (pid, 4), "prepared again");
+}

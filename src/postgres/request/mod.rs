@@ -16,6 +16,9 @@
 //! An upgradeable read lock is one more shape of the same statements: the
 //! key shared behind an exclusive "upgrade intent" derived from it, and its
 //! upgrade the exclusive lock on a session that already holds the key.
+//! `with_advisory_lock`'s try can also travel with its `BEGIN`
+//! ([`prepared_try`]): the same parts, composed into a statement that fails
+//! instead of answering "not taken".
 //! The grant-after-timeout race is the caller's to close: a wait that fails
 //! may have been granted, so its connection is closed, never pooled.
 
@@ -23,6 +26,7 @@ pub(crate) mod fragments;
 pub(crate) mod key;
 pub(crate) mod key_args;
 pub(crate) mod lock_request;
+pub(crate) mod prepared_try;
 pub(crate) mod sql;
 pub(crate) mod unlimited;
 

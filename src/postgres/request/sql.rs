@@ -807,6 +807,64 @@ macro_rules! xact_try_only {
     };
 }
 
+/// The transaction-scoped try of `with_advisory_lock` as a statement that
+/// answers with its outcome alone, for [`prepared_try`](super::prepared_try):
+/// it runs in the round trip of the `BEGIN` (one simple query, whose rows
+/// the driver does not read), so it raises where [`xact_try_only`]
+/// answers: a busy key and a session that carries another client's lock
+/// marker each fail the statement with a cast error (22P02) whose value
+/// says which, and the failed transaction is rolled back. The value
+/// carries the backend's pid, which also keeps the planner from folding
+/// the cast (and raising) when it plans the statement. The guards run
+/// first, as in [`xact_try_only`] (the target list is evaluated in order):
+/// on a standby the standby check fails the statement before a busy key
+/// can be reported.
+macro_rules! xact_try_raising {
+    ($try:literal) => {
+        concat!(
+            "SELECT ",
+            xact_guards!(),
+            ", CASE WHEN NOT (",
+            session_marker!(none),
+            ") THEN ('",
+            prepared_try_marker!(),
+            "' OPERATOR(pg_catalog.||) pg_catalog.pg_backend_pid())::pg_catalog.int4 WHEN ",
+            call_in_place!($try),
+            " THEN 0 ELSE ('",
+            prepared_try_busy!(),
+            "' OPERATOR(pg_catalog.||) pg_catalog.pg_backend_pid())::pg_catalog.int4 END"
+        )
+    };
+}
+
+/// The start of the value a [`xact_try_raising`] statement fails to cast
+/// when the session carries another client's lock marker; the backend's
+/// pid follows.
+macro_rules! prepared_try_marker {
+    () => {
+        "distlock: session shared with another client, backend "
+    };
+}
+pub(crate) use prepared_try_marker;
+
+/// The start of the value a [`xact_try_raising`] statement fails to cast
+/// when the key is busy (what a server log shows for a busy try).
+macro_rules! prepared_try_busy {
+    () => {
+        "distlock: lock busy, not an error of the application, backend "
+    };
+}
+pub(crate) use prepared_try_busy;
+
+/// The text of [`xact_try_raising`] for `lock`; its parameters are the
+/// key's (`$1`–`$3`).
+pub(crate) fn xact_try_raising(lock: Lock) -> &'static str {
+    match lock {
+        Lock::Exclusive => xact_try_raising!("pg_try_advisory_xact_lock"),
+        Lock::Shared => xact_try_raising!("pg_try_advisory_xact_lock_shared"),
+    }
+}
+
 /// The try of `with_advisory_lock*`; binds the key, and `$4` (true) if a
 /// wait follows a busy key (`waits`), which only that form reads.
 pub(crate) fn xact_try(lock: Lock, waits: bool) -> &'static str {
@@ -901,6 +959,7 @@ mod tests {
         for lock in [Lock::Exclusive, Lock::Shared] {
             all.push(xact_try(lock, false));
             all.push(xact_try(lock, true));
+            all.push(xact_try_raising(lock));
             all.push(xact_wait(lock));
         }
         for sql in all {
@@ -922,6 +981,27 @@ mod tests {
                 (0, 2) if waits_or_tries => {}
                 _ => panic!("{in_cte} CTEs and {in_place} in place: {sql}"),
             }
+        }
+    }
+
+    /// The try sent with the `BEGIN` keeps every guarantee of the one it
+    /// stands in for: the same guards and marker check, the same lock call.
+    #[test]
+    fn the_raising_try_composes_the_parts_of_the_answering_one() {
+        for lock in [Lock::Exclusive, Lock::Shared] {
+            let answering = xact_try(lock, false);
+            let raising = xact_try_raising(lock);
+            for part in [xact_guards!(), session_marker!(none)] {
+                assert!(answering.contains(part) && raising.contains(part), "{part}");
+            }
+            let call = match lock {
+                Lock::Exclusive => call_in_place!("pg_try_advisory_xact_lock"),
+                Lock::Shared => call_in_place!("pg_try_advisory_xact_lock_shared"),
+            };
+            assert!(answering.contains(call) && raising.contains(call), "{call}");
+            // The guards come first: on a standby its check fails the
+            // statement before a busy key is reported.
+            assert!(raising.starts_with(concat!("SELECT ", xact_guards!(), ", CASE")));
         }
     }
 

@@ -15,6 +15,7 @@ use crate::postgres::request::Lock;
 use crate::postgres::request::fragments::xact_marker;
 use crate::postgres::request::key::Bound;
 use crate::postgres::request::lock_request::Request;
+use crate::postgres::request::prepared_try::{self, Answer};
 use crate::postgres::request::row::xact_taken;
 use crate::postgres::sqlstate::{
     IN_FAILED_TRANSACTION, LOCK_NOT_AVAILABLE, UNDEFINED_OBJECT, locking_error, sqlstate,
@@ -81,7 +82,10 @@ impl PgLocker {
     /// with sqlx.
     ///
     /// Costs 3 round trips plus the closure's own (`BEGIN`, the lock attempt,
-    /// `COMMIT`/`ROLLBACK`); contention costs the same 3. The check above
+    /// `COMMIT`/`ROLLBACK`); contention costs the same 3. With
+    /// [`try_with_begin`](crate::PgLockerBuilder::try_with_begin), 2: the
+    /// attempt goes with the `BEGIN` (at the price of an `ERROR` line in the
+    /// server's log for each busy try). The check above
     /// rides in the `COMMIT` round trip. After a commit, one more statement
     /// (the `ROLLBACK` of the empty transaction sqlx's `Transaction` needs
     /// to end) is sent without waiting for its answer, which the
@@ -151,8 +155,10 @@ impl PgLocker {
     /// moment its holder commits; nothing polls. The caller's own
     /// `lock_timeout` is restored before `f` runs. A `timeout` longer than
     /// `lock_timeout` can express (about 24.8 days), up to `Duration::MAX`,
-    /// means "as long as the server allows". Costs the same 3 round trips
-    /// as the try variant when the lock is free, 4 when it has to wait. If
+    /// means "as long as the server allows". Costs 3 round trips when the
+    /// lock is free (`BEGIN`, the try, `COMMIT`; never sent with the
+    /// `BEGIN`, whatever [`try_with_begin`](crate::PgLockerBuilder::try_with_begin)
+    /// says), 4 when it has to wait. If
     /// the server does not answer the `BEGIN` or the lock statement by the
     /// deadline plus the heartbeat deadline (a stalled network), it gives up
     /// with [`Error::Timeout`] and closes its connection.
@@ -287,11 +293,17 @@ impl PgLocker {
             deadline.unwrap_or(now).max(now),
             self.config().heartbeat_timeout,
         );
-        let Ok(began) = tokio::time::timeout_at(grace, held.conn().begin()).await else {
+        // With `try_with_begin`, a try goes out with the `BEGIN`, in its
+        // round trip ([`prepared_try`]); a wait begins first and waits in a
+        // statement of its own.
+        let fused = (mode.timeout().is_none() && self.config().try_with_begin)
+            .then(|| prepared_try::begin_and_try(mode.lock(), args.into()));
+        let Ok(began) = tokio::time::timeout_at(grace, begin(held.conn(), fused.as_deref())).await
+        else {
             return Err(failed(self.stalled(&key, mode, started, held).await).into());
         };
         let began = began.map_err(Error::from);
-        let mut tx = if retry_on_pool(kept, &began) {
+        let began = if retry_on_pool(kept, &began) {
             drop(began);
             // Replacing the armed wrapper closes the broken connection.
             held = warm.adopt(
@@ -304,58 +316,79 @@ impl PgLocker {
             if deadline.is_none() {
                 grace = crate::deadline::from_now(self.config().heartbeat_timeout);
             }
+            let begin = begin(held.conn(), fused.as_deref());
+            let Ok(began) = tokio::time::timeout_at(grace, begin).await else {
+                return Err(failed(self.stalled(&key, mode, started, held).await).into());
+            };
+            began.map_err(Error::from)
+        } else {
+            began
+        };
+        // A try that failed in the `BEGIN`'s round trip says why.
+        let refused = fused.is_some() && began.is_err();
+        let began = if refused {
+            // Consumed whole: no part of `began`, which borrows the
+            // connection, is left to drop after `held` is used.
+            let err = match began_error(began) {
+                Error::Database(err) => err,
+                err => return Err(failed(err).into()),
+            };
+            let not_taken = match prepared_try::answer(err) {
+                Answer::Busy => NotTaken::Busy,
+                Answer::MarkerSeen(pid) => NotTaken::MarkerSeen(pid),
+                Answer::Failed(err) => NotTaken::Failed(err),
+                Answer::NotPrepared => NotTaken::NotPrepared,
+            };
+            if !matches!(not_taken, NotTaken::NotPrepared) {
+                // The try's transaction failed: end it.
+                let rollback = rollback_conn_within(held.conn(), within).await;
+                return self
+                    .not_taken(not_taken, rollback, &key, mode, started, held)
+                    .await
+                    .map_err(E::from);
+            }
+            // This session lacks the prepared try: prepare it, and take the
+            // lock as a wait does, in a statement of its own.
+            let prepare = prepared_try::rollback_and_prepare(mode.lock());
+            let prepare = sqlx::raw_sql(sqlx::AssertSqlSafe(prepare)).execute(held.conn());
+            let Ok(prepared) = tokio::time::timeout_at(grace, prepare).await else {
+                return Err(failed(self.stalled(&key, mode, started, held).await).into());
+            };
+            prepared.map_err(|err| failed(err.into()))?;
             let Ok(began) = tokio::time::timeout_at(grace, held.conn().begin()).await else {
                 return Err(failed(self.stalled(&key, mode, started, held).await).into());
             };
-            began.map_err(|err| failed(err.into()))?
+            began.map_err(Error::from)
         } else {
-            began.map_err(failed)?
+            began
         };
-        let attempt = lock_in_xact(&mut tx, args.into(), mode, deadline);
-        let attempt = tokio::time::timeout_at(grace, attempt);
-        let attempt = match deadline {
-            Some(_) => span::waiting(&key, attempt).await,
-            None => attempt.await,
-        };
-        let Ok(attempt) = attempt else {
-            drop(tx);
-            return Err(failed(self.stalled(&key, mode, started, held).await).into());
-        };
-        let locked = match attempt {
-            Ok(Ok(locked)) => locked,
-            // Nothing was taken on a session a pooler shares.
-            Ok(Err(pid)) => {
-                if matches!(rollback_within(tx, within).await, Ok(true)) {
-                    held.into_pool();
-                }
-                let err = crate::postgres::pooler::marker_seen(pid);
-                return Err(span::failed(&key, "postgres", started, err).into());
-            }
-            Err(err) => {
-                let rolled_back = matches!(rollback_within(tx, within).await, Ok(true));
-                let err = self.xact_lock_failed(err, &key, mode, started, held, rolled_back);
-                return Err(span::failed(&key, "postgres", started, err.await).into());
-            }
-        };
-        if !locked {
-            // A rollback without an answer (a stalled network) closes the
-            // connection: the server rolls back when the session ends.
-            let held = match rollback_within(tx, within).await {
-                Ok(clean) => clean.then_some(held),
-                Err(err) => {
-                    return Err(span::failed(&key, "postgres", started, err.into()).into());
-                }
+        let mut tx = began.map_err(failed)?;
+        let taken = fused.is_some() && !refused;
+        if !taken {
+            let attempt = lock_in_xact(&mut tx, args.into(), mode, deadline);
+            let attempt = tokio::time::timeout_at(grace, attempt);
+            let attempt = match deadline {
+                Some(_) => span::waiting(&key, attempt).await,
+                None => attempt.await,
             };
-            if deadline.is_some() {
-                let wanted = mode.lock().wanted();
-                let err = self.timeout_error_as(&key, wanted, started, held).await;
-                return Err(span::failed(&key, "postgres", started, err).into());
+            let Ok(attempt) = attempt else {
+                drop(tx);
+                return Err(failed(self.stalled(&key, mode, started, held).await).into());
+            };
+            let not_taken = match attempt {
+                Ok(Ok(true)) => None,
+                Ok(Ok(false)) => Some(NotTaken::Busy),
+                // Nothing was taken on a session a pooler shares.
+                Ok(Err(pid)) => Some(NotTaken::MarkerSeen(pid)),
+                Err(err) => Some(NotTaken::Failed(err)),
+            };
+            if let Some(not_taken) = not_taken {
+                let rollback = rollback_within(tx, within).await;
+                return self
+                    .not_taken(not_taken, rollback, &key, mode, started, held)
+                    .await
+                    .map_err(E::from);
             }
-            span::ended(&key, "postgres", started, false);
-            if let Some(held) = held {
-                held.into_pool();
-            }
-            return Ok(None);
         }
         span::ended(&key, "postgres", started, true);
         let span = tracing::Span::current();
@@ -471,6 +504,66 @@ impl PgLocker {
         }
         locking_error(err, key)
     }
+
+    /// The answer of a call whose lock was not taken, its transaction
+    /// already rolled back (`rollback`: `Ok(true)` clean, `Ok(false)` no
+    /// answer in time, which closes the connection; the server rolls back
+    /// when the session ends): `Ok(None)` for a busy try.
+    async fn not_taken<T>(
+        &self,
+        not_taken: NotTaken,
+        rollback: Result<bool, sqlx::Error>,
+        key: &LockKey,
+        mode: Mode,
+        started: Instant,
+        held: HeldConn,
+    ) -> Result<Option<T>, Error> {
+        let err = match not_taken {
+            NotTaken::Busy => {
+                let held = match rollback {
+                    Ok(clean) => clean.then_some(held),
+                    Err(err) => return Err(span::failed(key, "postgres", started, err.into())),
+                };
+                if mode.timeout().is_none() {
+                    span::ended(key, "postgres", started, false);
+                    if let Some(held) = held {
+                        held.into_pool();
+                    }
+                    return Ok(None);
+                }
+                let wanted = mode.lock().wanted();
+                self.timeout_error_as(key, wanted, started, held).await
+            }
+            NotTaken::MarkerSeen(pid) => {
+                if matches!(rollback, Ok(true)) {
+                    held.into_pool();
+                }
+                crate::postgres::pooler::marker_seen(pid)
+            }
+            NotTaken::Failed(err) => {
+                let rolled_back = matches!(rollback, Ok(true));
+                self.xact_lock_failed(err, key, mode, started, held, rolled_back)
+                    .await
+            }
+            // Answered before the rollback, never passed here.
+            NotTaken::NotPrepared => Error::Database(sqlx::Error::BeginFailed),
+        };
+        Err(span::failed(key, "postgres", started, err))
+    }
+}
+
+/// Why a call did not take its lock.
+#[derive(Debug)]
+enum NotTaken {
+    /// Another session holds the key (a wait: until its deadline).
+    Busy,
+    /// The session carries another client's lock marker: a pooler shares
+    /// it, and nothing was attempted. The backend's pid.
+    MarkerSeen(i32),
+    /// The lock statement failed.
+    Failed(sqlx::Error),
+    /// The session lacked the prepared try ([`prepared_try`]).
+    NotPrepared,
 }
 
 /// How the lock's transaction ended after the closure.
@@ -569,6 +662,40 @@ async fn rollback_within(
         Ok(Ok(())) => Ok(true),
         Ok(Err(err)) => Err(err),
         Err(_) => Ok(false),
+    }
+}
+
+/// `ROLLBACK` of a failed transaction that sqlx does not count as open
+/// (a try that failed in the `BEGIN`'s round trip), answered within
+/// `within`; as [`rollback_within`].
+async fn rollback_conn_within(
+    conn: &mut PgConnection,
+    within: Duration,
+) -> Result<bool, sqlx::Error> {
+    match tokio::time::timeout(within, sqlx::raw_sql("ROLLBACK").execute(conn)).await {
+        Ok(Ok(_)) => Ok(true),
+        Ok(Err(err)) => Err(err),
+        Err(_) => Ok(false),
+    }
+}
+
+/// The error of a `begin` that failed (the value has no other use).
+fn began_error<T>(began: Result<T, Error>) -> Error {
+    match began {
+        Err(err) => err,
+        Ok(_) => Error::Database(sqlx::Error::BeginFailed),
+    }
+}
+
+/// Begins the transaction: with `fused` (the `BEGIN` and a try,
+/// [`prepared_try::begin_and_try`]) as its statement, or a plain `BEGIN`.
+async fn begin<'c>(
+    conn: &'c mut PgConnection,
+    fused: Option<&str>,
+) -> Result<sqlx::Transaction<'c, sqlx::Postgres>, sqlx::Error> {
+    match fused {
+        Some(fused) => conn.begin_with(sqlx::AssertSqlSafe(fused.to_owned())).await,
+        None => conn.begin().await,
     }
 }
 

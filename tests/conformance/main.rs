@@ -161,7 +161,7 @@ impl MultiGuard for MultiLock {
 }
 
 /// How long a loss may take to be noticed by the backends as configured
-/// here (heartbeats of 200 ms, TTLs of 1 s).
+/// here (heartbeats of 200 ms with deadlines of 1 s, TTLs of 1 s).
 const LOSS_NOTICED_WITHIN: Duration = Duration::from_secs(5);
 /// How long a dropped lease may take to be freed in the background.
 const DROP_FREED_WITHIN: Duration = Duration::from_secs(5);
@@ -384,6 +384,12 @@ impl Postgres {
             PgLocker::builder(pool)
                 .fencing(fencing)
                 .heartbeat(Duration::from_millis(200))
+                // A command's deadline (the heartbeat's by default) of 1 s:
+                // the first try of a multiplexed locker opens its shared
+                // connection, which took more than 200 ms in a CI run with
+                // the suite's tests in parallel on 2 cores
+                // (`CommandTimedOut { after: 200ms }`).
+                .heartbeat_timeout(Duration::from_secs(1))
                 .multiplex(connections)
                 .try_with_begin(try_with_begin)
                 .build()

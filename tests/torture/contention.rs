@@ -1,6 +1,7 @@
 //! Multi-process contention without faults: 4 processes × 16 tasks on 16
 //! keys, in each mode, every critical section a read-sleep-write of the
-//! register.
+//! register. In transaction mode processes 1 and 3 send the try with the
+//! `BEGIN` (`try_with_begin`), 0 and 2 do not.
 //!
 //! In session mode, processes 2 and 3 write the register without the fence
 //! (their tokens are only logged): on their writes only the lock keeps two
@@ -36,6 +37,9 @@ async fn contention(name: &str, mode: Mode, broken: Broken) {
             heartbeat_timeout_ms: 2_000,
             // Without the fence, only the lock protects the register.
             fence_register: broken == Broken::No && p < 2,
+            // Transaction mode: two of the four send the try with the
+            // `BEGIN`, on the same keys as the two that do not.
+            try_with_begin: mode == Mode::Xact && p % 2 == 1,
             broken,
             ..Config::new(p, &dir.path, &db.name, port, mode)
         })
@@ -58,8 +62,13 @@ async fn contention(name: &str, mode: Mode, broken: Broken) {
     outcome.print(
         name,
         &[format!(
-            "{acquired} acquisitions in {took:.1?} ({:.0}/s) by {PROCESSES} processes × 16 tasks on 16 keys",
-            acquired as f64 / took.as_secs_f64()
+            "{acquired} acquisitions in {took:.1?} ({:.0}/s) by {PROCESSES} processes × 16 tasks on 16 keys{}",
+            acquired as f64 / took.as_secs_f64(),
+            if mode == Mode::Xact {
+                " (processes 1 and 3 with try_with_begin)"
+            } else {
+                ""
+            }
         )],
     );
     if broken != Broken::No {

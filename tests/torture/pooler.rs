@@ -243,6 +243,10 @@ async fn pgbouncer_xact(broken: Broken) {
                 hold_us: (0, 5_000),
                 lock_pool: 4,
                 statement_cache: (p < 2).then_some(0),
+                // One through PgBouncer and the direct one send the try
+                // with the `BEGIN`: through the recipe's `DEALLOCATE ALL`,
+                // every call of process 1 prepares it again.
+                try_with_begin: p >= 1,
                 duration_ms: if broken == Broken::No {
                     scale::pick(5_000, 60_000)
                 } else {
@@ -269,7 +273,7 @@ async fn pgbouncer_xact(broken: Broken) {
         "PgBouncer (transaction pooling), with_advisory_lock",
         &[
             format!(
-                "through PgBouncer: {} + {} acquisitions; directly: {}",
+                "through PgBouncer: {} + {} acquisitions (the second with try_with_begin); directly, with try_with_begin: {}",
                 through(0),
                 through(1),
                 through(2)

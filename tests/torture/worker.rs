@@ -91,6 +91,9 @@ pub struct Config {
     pub register: bool,
     pub broken: Broken,
     pub multiplex: usize,
+    /// `with_advisory_lock`'s try goes with its `BEGIN`
+    /// (`PgLockerBuilder::try_with_begin`).
+    pub try_with_begin: bool,
     /// sqlx's statement cache capacity, when not the default (0 through a
     /// transaction-pooling PgBouncer older than 1.21; see RELIABILITY.md).
     pub statement_cache: Option<usize>,
@@ -125,6 +128,7 @@ impl Config {
             register: true,
             broken: Broken::No,
             multiplex: 0,
+            try_with_begin: false,
             statement_cache: None,
             seed: super::scale::seed(),
         }
@@ -154,6 +158,7 @@ impl Config {
                 Broken::ReleaseEarly(share) => json!(["early", share]),
             },
             "multiplex": self.multiplex, "statement_cache": self.statement_cache,
+            "try_with_begin": self.try_with_begin,
             "seed": self.seed,
         })
         .to_string()
@@ -202,6 +207,7 @@ impl Config {
                 _ => Broken::No,
             },
             multiplex: usize::try_from(u("multiplex")).expect("multiplex"),
+            try_with_begin: b("try_with_begin"),
             statement_cache: v["statement_cache"]
                 .as_u64()
                 .map(|n| usize::try_from(n).expect("statement_cache")),
@@ -283,6 +289,7 @@ async fn run(cfg: Config) {
         .release_timeout(Duration::from_millis(cfg.release_timeout_ms))
         .fencing(cfg.fencing)
         .multiplex(cfg.multiplex)
+        .try_with_begin(cfg.try_with_begin)
         .build()
         .expect("valid settings");
     let deadline =

@@ -145,7 +145,9 @@ pub trait XactLocker: Send + Sync {
     /// once if another session holds it.
     ///
     /// On [`PgLocker`]: [`PgLocker::with_advisory_lock`], 3 round trips plus
-    /// the closure's own; writes only what `f` writes.
+    /// the closure's own (2 with
+    /// [`try_with_begin`](crate::PgLockerBuilder::try_with_begin)); writes
+    /// only what `f` writes.
     ///
     /// # Cancel safety
     ///

@@ -334,12 +334,12 @@ impl PgLocker {
                 err => return Err(failed(err).into()),
             };
             let not_taken = match prepared_try::answer(err) {
-                Answer::Busy => NotTaken::Busy,
-                Answer::MarkerSeen(pid) => NotTaken::MarkerSeen(pid),
-                Answer::Failed(err) => NotTaken::Failed(err),
-                Answer::NotPrepared => NotTaken::NotPrepared,
+                Answer::Busy => Some(NotTaken::Busy),
+                Answer::MarkerSeen(pid) => Some(NotTaken::MarkerSeen(pid)),
+                Answer::Failed(err) => Some(NotTaken::Failed(err)),
+                Answer::NotPrepared => None,
             };
-            if !matches!(not_taken, NotTaken::NotPrepared) {
+            if let Some(not_taken) = not_taken {
                 // The try's transaction failed: end it.
                 let rollback = rollback_conn_within(held.conn(), within).await;
                 return self
@@ -545,8 +545,6 @@ impl PgLocker {
                 self.xact_lock_failed(err, key, mode, started, held, rolled_back)
                     .await
             }
-            // Answered before the rollback, never passed here.
-            NotTaken::NotPrepared => Error::Database(sqlx::Error::BeginFailed),
         };
         Err(span::failed(key, "postgres", started, err))
     }
@@ -562,8 +560,6 @@ enum NotTaken {
     MarkerSeen(i32),
     /// The lock statement failed.
     Failed(sqlx::Error),
-    /// The session lacked the prepared try ([`prepared_try`]).
-    NotPrepared,
 }
 
 /// How the lock's transaction ended after the closure.

@@ -344,33 +344,21 @@ impl Postgres {
             .connect_with(pool.connect_options().as_ref().clone())
             .await
             .expect("second pool");
-        let mut backend = Self::over(pool.clone(), second, pool, fencing, connections);
-        if try_with_begin {
-            backend = backend.trying(true);
-        }
-        backend
+        let settings = (fencing, connections, try_with_begin);
+        Self::over(pool.clone(), second, pool, settings)
     }
 
-    fn over(a: PgPool, b: PgPool, pool: PgPool, fencing: bool, connections: usize) -> Self {
+    /// Lockers over `a` and `b` with `(fencing, connections,
+    /// try_with_begin)`.
+    fn over(a: PgPool, b: PgPool, pool: PgPool, settings: (bool, usize, bool)) -> Self {
+        let (fencing, connections, try_with_begin) = settings;
         Self {
-            a: Self::locker(a, fencing, connections, false),
-            b: Self::locker(b, fencing, connections, false),
+            a: Self::locker(a, fencing, connections, try_with_begin),
+            b: Self::locker(b, fencing, connections, try_with_begin),
             pool,
             fencing,
             connections,
-            try_with_begin: false,
-        }
-    }
-
-    /// The same pools, with lockers that send `with_advisory_lock`'s try
-    /// with its `BEGIN` or not.
-    fn trying(self, try_with_begin: bool) -> Self {
-        let (fencing, connections) = (self.fencing, self.connections);
-        Self {
-            a: Self::locker(self.a.pool().clone(), fencing, connections, try_with_begin),
-            b: Self::locker(self.b.pool().clone(), fencing, connections, try_with_begin),
             try_with_begin,
-            ..self
         }
     }
 
@@ -503,8 +491,8 @@ async fn pooler(pool: &PgPool) -> (TxPool, PgPool, PgPool) {
 impl PooledBackend for Postgres {
     async fn behind_a_pooler(&self) -> (TxPool, Self) {
         let (proxy, a, b) = pooler(&self.pool).await;
-        let pooled = Self::over(a, b, self.pool.clone(), self.fencing, self.connections)
-            .trying(self.try_with_begin);
+        let settings = (self.fencing, self.connections, self.try_with_begin);
+        let pooled = Self::over(a, b, self.pool.clone(), settings);
         (proxy, pooled)
     }
 }

@@ -314,23 +314,34 @@ async fn errors_tell_an_id_key_from_a_name(pool: PgPool) {
     }
 }
 
-/// A connection whose session already carries another client's lock
-/// marker is what a transaction pooler hands out: the refusal says so,
-/// instead of "backend pid changed from 4242 to 4242".
-#[sqlx::test(migrations = false)]
-async fn a_session_with_another_clients_marker_is_refused_with_that_evidence(pool: PgPool) {
+/// A pool of one connection to `pool`'s database whose session carries
+/// a lock marker, as another client's session lock leaves it; and that
+/// session's backend pid.
+async fn marked_session(pool: &PgPool) -> (PgPool, i32) {
     let one = PgPoolOptions::new()
         .max_connections(1)
         .connect_with(pool.connect_options().as_ref().clone())
         .await
         .expect("pool of one");
-    {
-        let mut conn = one.acquire().await.expect("conn");
-        sqlx::query("SELECT pg_catalog.set_config('distlock.locks', '1', false)")
-            .execute(&mut *conn)
-            .await
-            .expect("mark the session as another client would");
-    }
+    let mut conn = one.acquire().await.expect("conn");
+    sqlx::query("SELECT pg_catalog.set_config('distlock.locks', '1', false)")
+        .execute(&mut *conn)
+        .await
+        .expect("mark the session as another client would");
+    let pid = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await
+        .expect("pid");
+    drop(conn);
+    (one, pid)
+}
+
+/// A connection whose session already carries another client's lock
+/// marker is what a transaction pooler hands out: the refusal says so,
+/// instead of "backend pid changed from 4242 to 4242".
+#[sqlx::test(migrations = false)]
+async fn a_session_with_another_clients_marker_is_refused_with_that_evidence(pool: PgPool) {
+    let (one, _) = marked_session(&pool).await;
     let locker = PgLocker::new(one);
     let err = locker.try_lock("k").await.expect_err("marked session");
     let text = shown(&err);
@@ -356,22 +367,7 @@ async fn a_session_with_another_clients_marker_is_refused_with_that_evidence(poo
 /// connection is rolled back and usable after either.
 #[sqlx::test(migrations = false)]
 async fn with_advisory_lock_on_a_session_with_another_clients_marker_is_refused(pool: PgPool) {
-    let one = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(pool.connect_options().as_ref().clone())
-        .await
-        .expect("pool of one");
-    let pid: i32 = {
-        let mut conn = one.acquire().await.expect("conn");
-        sqlx::query("SELECT pg_catalog.set_config('distlock.locks', '1', false)")
-            .execute(&mut *conn)
-            .await
-            .expect("mark the session as another client would");
-        sqlx::query_scalar("SELECT pg_backend_pid()")
-            .fetch_one(&mut *conn)
-            .await
-            .expect("pid")
-    };
+    let (one, pid) = marked_session(&pool).await;
     for try_with_begin in [false, true, true] {
         let locker = PgLocker::builder(one.clone())
             .try_with_begin(try_with_begin)

@@ -496,9 +496,9 @@ async fn with_advisory_lock_tries_in_the_round_trip_of_its_begin(
 }
 
 /// A session that lost the prepared try (the closure deallocated it, as
-/// `DISCARD ALL` would) prepares it again on the
-/// next call, which takes the lock all the same; the call after that is
-/// back to one round trip for `BEGIN` and try.
+/// `DISCARD ALL` would) prepares it again on the next call, which takes
+/// the lock all the same; the call after that is back to one round trip
+/// for `BEGIN` and try.
 #[sqlx::test(migrations = false)]
 async fn with_advisory_lock_prepares_its_try_again_where_a_session_lost_it(
     _opts: PgPoolOptions,

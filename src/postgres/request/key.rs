@@ -43,12 +43,12 @@ impl<'a> From<KeyArgs<'a>> for Bound<'a> {
 }
 
 impl<'a> Bound<'a> {
-    /// Binds `$1`, `$2`, `$3`.
     /// The key's space, value and name, as [`bind`](Self::bind) binds them.
     pub(crate) fn values(self) -> (i32, Option<i64>, Option<&'a str>) {
         (self.space, self.value, self.name)
     }
 
+    /// Binds `$1`, `$2`, `$3`.
     pub(crate) fn bind(self, query: PgQuery<'a>) -> PgQuery<'a> {
         query.bind(self.space).bind(self.value).bind(self.name)
     }

@@ -51,6 +51,18 @@ impl Lock {
     }
 }
 
+/// Why a lock statement did not take its lock.
+#[derive(Debug)]
+pub(crate) enum NotTaken {
+    /// Another session holds the key (a wait: until its deadline).
+    Busy,
+    /// The session carries another client's lock marker: a pooler shares
+    /// it, and nothing was attempted. The backend's pid.
+    MarkerSeen(i32),
+    /// The lock statement failed.
+    Failed(sqlx::Error),
+}
+
 /// What a statement does about a busy key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Step {

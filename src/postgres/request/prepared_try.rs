@@ -8,7 +8,7 @@
 //! parameters, and planning the try on every call costs more than the
 //! round trip it saves), which fails when the lock is not taken. An open
 //! transaction then means the lock is held; a failure says why not
-//! ([`Answer`]). A busy key costs an `ERROR` line in the server's log,
+//! ([`answer`]). A busy key costs an `ERROR` line in the server's log,
 //! whose value reads "distlock: lock busy, not an error of the
 //! application".
 //!
@@ -24,9 +24,9 @@ use std::sync::LazyLock;
 
 use sqlx::postgres::PgDatabaseError;
 
-use crate::postgres::request::Lock;
 use crate::postgres::request::key::Bound;
 use crate::postgres::request::sql::{prepared_try_busy, prepared_try_marker, xact_try_raising};
+use crate::postgres::request::{Lock, NotTaken};
 use crate::postgres::sqlstate::INVALID_STATEMENT_NAME;
 
 /// SQLSTATE 22P02: a value that does not parse as its type, which the try
@@ -96,47 +96,34 @@ pub(crate) fn rollback_and_prepare(lock: Lock) -> String {
     format!("ROLLBACK; {}", prepared(lock).prepare)
 }
 
-/// Why [`begin_and_try`] failed.
-#[derive(Debug)]
-pub(crate) enum Answer {
-    /// Another session holds the key.
-    Busy,
-    /// The session carries another client's lock marker (a pooler shares
-    /// it); nothing was attempted. The backend's pid.
-    MarkerSeen(i32),
-    /// The session lacks the prepared statement.
-    NotPrepared,
-    /// Anything else: the server's error.
-    Failed(sqlx::Error),
-}
-
-/// Reads a failure of [`begin_and_try`].
-pub(crate) fn answer(err: sqlx::Error) -> Answer {
+/// Reads a failure of [`begin_and_try`]: why the lock was not taken, or
+/// `None` where the session lacks the prepared statement.
+pub(crate) fn answer(err: sqlx::Error) -> Option<NotTaken> {
     let Some(db) = err
         .as_database_error()
         .and_then(|db| db.try_downcast_ref::<PgDatabaseError>())
     else {
-        return Answer::Failed(err);
+        return Some(NotTaken::Failed(err));
     };
     match db.code() {
-        INVALID_STATEMENT_NAME => Answer::NotPrepared,
-        INVALID_TEXT_REPRESENTATION => raised(db.message()).unwrap_or(Answer::Failed(err)),
-        _ => Answer::Failed(err),
+        INVALID_STATEMENT_NAME => None,
+        INVALID_TEXT_REPRESENTATION => Some(raised(db.message()).unwrap_or(NotTaken::Failed(err))),
+        _ => Some(NotTaken::Failed(err)),
     }
 }
 
 /// The answer a cast error of the try carries: its value is quoted
 /// verbatim in the message, whatever language the server speaks.
-fn raised(message: &str) -> Option<Answer> {
+fn raised(message: &str) -> Option<NotTaken> {
     let pid = |prefix: &str| {
         let at = message.find(prefix)? + prefix.len();
         let digits = message[at..].split(|c: char| !c.is_ascii_digit()).next()?;
         digits.parse::<i32>().ok()
     };
     if let Some(pid) = pid(prepared_try_marker!()) {
-        return Some(Answer::MarkerSeen(pid));
+        return Some(NotTaken::MarkerSeen(pid));
     }
-    pid(prepared_try_busy!()).map(|_| Answer::Busy)
+    pid(prepared_try_busy!()).map(|_| NotTaken::Busy)
 }
 
 #[cfg(test)]
@@ -187,12 +174,12 @@ mod tests {
             "invalid input syntax for type integer: \"{}4242\"",
             prepared_try_busy!()
         );
-        assert!(matches!(raised(&busy), Some(Answer::Busy)));
+        assert!(matches!(raised(&busy), Some(NotTaken::Busy)));
         let marker = format!(
             "ungültige Eingabesyntax für Typ integer: »{}4242«",
             prepared_try_marker!()
         );
-        assert!(matches!(raised(&marker), Some(Answer::MarkerSeen(4242))));
+        assert!(matches!(raised(&marker), Some(NotTaken::MarkerSeen(4242))));
         assert!(raised("invalid input syntax for type integer: \"x\"").is_none());
     }
 }

@@ -11,12 +11,12 @@ use crate::postgres::conn::held::HeldConn;
 use crate::postgres::conn::warm::retry_on_pool;
 use crate::postgres::conn::watched::WatchedConn;
 use crate::postgres::locker::PgLocker;
-use crate::postgres::request::Lock;
 use crate::postgres::request::fragments::xact_marker;
 use crate::postgres::request::key::Bound;
 use crate::postgres::request::lock_request::Request;
-use crate::postgres::request::prepared_try::{self, Answer};
+use crate::postgres::request::prepared_try;
 use crate::postgres::request::row::xact_taken;
+use crate::postgres::request::{Lock, NotTaken};
 use crate::postgres::sqlstate::{
     IN_FAILED_TRANSACTION, LOCK_NOT_AVAILABLE, UNDEFINED_OBJECT, locking_error, sqlstate,
 };
@@ -333,13 +333,7 @@ impl PgLocker {
                 Error::Database(err) => err,
                 err => return Err(failed(err).into()),
             };
-            let not_taken = match prepared_try::answer(err) {
-                Answer::Busy => Some(NotTaken::Busy),
-                Answer::MarkerSeen(pid) => Some(NotTaken::MarkerSeen(pid)),
-                Answer::Failed(err) => Some(NotTaken::Failed(err)),
-                Answer::NotPrepared => None,
-            };
-            if let Some(not_taken) = not_taken {
+            if let Some(not_taken) = prepared_try::answer(err) {
                 // The try's transaction failed: end it.
                 let rollback = rollback_conn_within(held.conn(), within).await;
                 return self
@@ -548,18 +542,6 @@ impl PgLocker {
         };
         Err(span::failed(key, "postgres", started, err))
     }
-}
-
-/// Why a call did not take its lock.
-#[derive(Debug)]
-enum NotTaken {
-    /// Another session holds the key (a wait: until its deadline).
-    Busy,
-    /// The session carries another client's lock marker: a pooler shares
-    /// it, and nothing was attempted. The backend's pid.
-    MarkerSeen(i32),
-    /// The lock statement failed.
-    Failed(sqlx::Error),
 }
 
 /// How the lock's transaction ended after the closure.

@@ -128,20 +128,21 @@ where
                 failing: failed.is_some(),
             };
         };
-        if listener.is_none() {
-            let within = pacing.listen_within.min(deadline - now);
-            let started = pacing.signals.listen(&claim.name, within).await;
-            was_heard = started.is_heard();
-            listener = Some(started);
-            // A held key's release before the subscription was not heard:
-            // try again at once. A split vote or a failing try signals
-            // nothing: its pause is waited out below.
-            if cause == Cause::Held {
-                continue;
+        let listening = match &mut listener {
+            Some(listening) => listening,
+            None => {
+                let within = pacing.listen_within.min(deadline - now);
+                let started = pacing.signals.listen(&claim.name, within).await;
+                was_heard = started.is_heard();
+                let listening = listener.insert(started);
+                // A held key's release before the subscription was not
+                // heard: try again at once. A split vote or a failing try
+                // signals nothing: its pause is waited out below.
+                if cause == Cause::Held {
+                    continue;
+                }
+                listening
             }
-        }
-        let Some(listening) = &mut listener else {
-            continue;
         };
         let heard = listening.is_heard();
         if heard && !was_heard {

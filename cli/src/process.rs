@@ -143,15 +143,20 @@ impl Terminal {
     }
 
     /// The command was stopped: stop distlock too (the shell sees the job
-    /// stopped); once continued, continue the command, with the terminal if
-    /// distlock got it back.
-    pub(crate) fn relay_stop(&self, group: Group) {
+    /// stopped). Returns once distlock is continued (the shell's `fg` or
+    /// `bg`), leaving the command stopped: the caller checks the lease
+    /// first, then calls [`continue_command`](Self::continue_command).
+    pub(crate) fn stop_along(&self, group: Group) {
         tracing::info!("the command was stopped; stopping distlock too");
         self.take_back(group);
-        // Returns once a SIGCONT (the shell's `fg` or `bg`) continues distlock.
         if let Err(err) = raise(Signal::SIGSTOP) {
             tracing::debug!(%err, "could not stop");
         }
+    }
+
+    /// Continues the command stopped with [`stop_along`](Self::stop_along),
+    /// with the terminal if distlock got it back.
+    pub(crate) fn continue_command(&self, group: Group) {
         if self.in_foreground()
             && let Err(err) = tcsetpgrp(&self.tty, group.0)
         {

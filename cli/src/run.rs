@@ -365,11 +365,32 @@ async fn supervise(
                 if let Some(terminal) = terminal
                     && group.leader_stopped()
                 {
-                    terminal.relay_stop(group);
+                    terminal.stop_along(group);
+                    if let Some(reason) = loss_after_stop(lease).await {
+                        return Ok(Ended::Lost(reason));
+                    }
+                    terminal.continue_command(group);
                 }
             }
         }
     }
+}
+
+/// How long distlock, continued after a stop, lets the lease's keeper run
+/// before it continues the command.
+const AFTER_STOP: Duration = Duration::from_millis(50);
+
+/// The lease's loss, if it was lost while distlock and the command were
+/// stopped (Ctrl-Z): a Redis lease whose validity ran out by the clock, a
+/// lease-table lease whose renewal deadline passed (its keeper reports that
+/// at its first timer, without a round trip), a session lock whose keeper
+/// finds its connection gone within [`AFTER_STOP`]. `None`: the command
+/// may go on.
+async fn loss_after_stop(lease: &dyn Lease) -> Option<LossReason> {
+    if let Some(reason) = lease.loss() {
+        return Some(reason);
+    }
+    tokio::time::timeout(AFTER_STOP, lease.lost()).await.ok()
 }
 
 /// Completes when `timer` is set and has run out; never while it is unset.
@@ -384,6 +405,9 @@ async fn until_armed(timer: &mut Option<Pin<Box<Sleep>>>) {
 /// process of it is left after `grace`; returns once the command is reaped.
 async fn stop(child: &mut Child, group: Group, grace: Duration) {
     group.signal(Signal::SIGTERM);
+    // A group stopped by Ctrl-Z (whose lease ran out meanwhile) acts on the
+    // SIGTERM only once continued.
+    group.signal(Signal::SIGCONT);
     // `timeout` saturates: a huge grace waits "forever" rather than overflow.
     if tokio::time::timeout(grace, until_gone(child, group))
         .await

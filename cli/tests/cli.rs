@@ -950,6 +950,21 @@ fn have_script() -> bool {
     found
 }
 
+/// `shell_line`, run by the shell on a pseudo-terminal (script(1)), with DATABASE_URL
+/// `url`; its input, output and errors piped.
+fn on_terminal(shell_line: &str, url: &str) -> Command {
+    let mut script = Command::new("script");
+    script
+        .args(["-qec", shell_line, "/dev/null"])
+        .env("DATABASE_URL", url)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    script
+}
+
 #[sqlx::test(migrations = false)]
 async fn an_interactive_command_can_read_the_terminal(pool: PgPool) {
     // The command runs in a process group of its own; on a terminal, that
@@ -963,15 +978,7 @@ async fn an_interactive_command_can_read_the_terminal(pool: PgPool) {
         "{} run tty -- sh -c 'read line; echo got:$line; exit 3'",
         env!("CARGO_BIN_EXE_distlock")
     );
-    let mut script = Command::new("script");
-    script
-        .args(["-qec", &inner, "/dev/null"])
-        .env("DATABASE_URL", &url)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
+    let mut script = on_terminal(&inner, &url);
     let mut child = script.spawn().expect("spawn script");
     let mut stdin = child.stdin.take().expect("stdin");
     tokio::io::AsyncWriteExt::write_all(&mut stdin, b"hello\n")
@@ -1362,6 +1369,138 @@ async fn huge_durations_saturate_instead_of_panicking(pool: PgPool) {
     close(obs).await;
 }
 
+/// The state letter of process `pid` (`T` stopped, `S` sleeping, ...).
+fn state_of(pid: i32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().next().map(str::to_owned)
+}
+
+/// Waits until process `pid` is stopped (by a signal, not traced).
+async fn until_stopped(pid: i32, what: &str) {
+    let start = Instant::now();
+    while state_of(pid).as_deref() != Some("T") {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{what} (pid {pid}) was not stopped: state {:?}",
+            state_of(pid)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// `distlock run --lease-table --heartbeat HEARTBEAT` on a pseudo-terminal,
+/// its command writing without pause until `stop_file` exists (then exiting
+/// with 7), stopped with Ctrl-Z and continued (`fg`) after `stopped_for`.
+struct StoppedRun {
+    child: Child,
+    out_file: PathBuf,
+    stop_file: PathBuf,
+    /// Bytes the command had written when it was stopped.
+    written: u64,
+    /// The terminal's input, open until the run ends.
+    _typed: tokio::process::ChildStdin,
+}
+
+impl StoppedRun {
+    /// `None` where script(1) is missing.
+    async fn start(pool: &PgPool, heartbeat: &str, stopped_for: Duration) -> Option<Self> {
+        if !have_script() {
+            return None;
+        }
+        distlock::migrate(pool).await.expect("migrate");
+        let dir = scratch("ctrl-z");
+        let (ppid_file, out_file, stop_file) =
+            (dir.join("ppid"), dir.join("out"), dir.join("stop"));
+        let inner = format!(
+            "{} run --lease-table --heartbeat {heartbeat} --grace 2s stopped -- sh -c \
+             'echo $PPID > {}; while [ ! -e {} ]; do echo x; done > {}; exit 7'",
+            env!("CARGO_BIN_EXE_distlock"),
+            ppid_file.display(),
+            stop_file.display(),
+            out_file.display()
+        );
+        let mut script = on_terminal(&inner, &url_of(pool));
+        let mut child = script.spawn().expect("spawn script");
+        let script_pid = child.id().expect("script's pid") as i32;
+        let distlock_pid = read_pid(&ppid_file).await;
+        let mut stdin = child.stdin.take().expect("stdin");
+        // Ctrl-Z on the terminal: SIGTSTP to its foreground group, the
+        // command's; distlock stops itself in turn.
+        tokio::io::AsyncWriteExt::write_all(&mut stdin, b"\x1a")
+            .await
+            .expect("type Ctrl-Z");
+        until_stopped(distlock_pid, "distlock").await;
+        let written = std::fs::metadata(&out_file).expect("output").len();
+        tokio::time::sleep(stopped_for).await;
+        assert_eq!(
+            std::fs::metadata(&out_file).expect("output").len(),
+            written,
+            "the command ran while stopped"
+        );
+        // `fg`: continue distlock (and `script`, if it stopped itself too).
+        for pid in [distlock_pid, script_pid] {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGCONT,
+            );
+        }
+        Some(Self {
+            child,
+            out_file,
+            stop_file,
+            written,
+            _typed: stdin,
+        })
+    }
+
+    /// Bytes the command wrote after it was stopped.
+    fn written_since_stop(&self) -> u64 {
+        std::fs::metadata(&self.out_file).expect("output").len() - self.written
+    }
+
+    /// Waits for the run to end: its output, and the bytes the command wrote
+    /// after it was stopped.
+    async fn finish(self, what: &str) -> (Output, u64) {
+        let out = finish(self.child, what).await;
+        let since = std::fs::metadata(&self.out_file).expect("output").len() - self.written;
+        (out, since)
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn fg_after_ctrl_z_continues_a_command_whose_lease_holds(pool: PgPool) {
+    // TTL 3 s: the lease outlives the 200 ms stop.
+    let Some(run) = StoppedRun::start(&pool, "1s", Duration::from_millis(200)).await else {
+        return;
+    };
+    let start = Instant::now();
+    while run.written_since_stop() == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the command was not continued"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    std::fs::write(&run.stop_file, "").expect("stop file");
+    let (out, _) = run.finish("run continued while its lease held").await;
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out));
+}
+
+#[sqlx::test(migrations = false)]
+async fn fg_after_ctrl_z_does_not_continue_a_command_whose_lease_ran_out(pool: PgPool) {
+    // The lease (TTL 150 ms) runs out while distlock and the command stay
+    // stopped. On `fg`, distlock must find the lease lost before it
+    // continues the command: the command writes nothing more.
+    let Some(run) = StoppedRun::start(&pool, "50ms", Duration::from_millis(450)).await else {
+        return;
+    };
+    let (out, since) = run.finish("run continued after its lease ran out").await;
+    assert_eq!(out.status.code(), Some(EXIT_LOST), "{}", text(&out));
+    assert!(text(&out).contains("was lost"), "{}", text(&out));
+    assert_eq!(since, 0, "the command went on without the lock");
+}
+
 #[sqlx::test(migrations = false)]
 async fn a_command_that_cannot_start_leaves_the_terminal_to_the_caller(pool: PgPool) {
     if !have_script() {
@@ -1374,15 +1513,7 @@ async fn a_command_that_cannot_start_leaves_the_terminal_to_the_caller(pool: PgP
         "{} run no-start -- /nonexistent/command; cat /proc/self/stat",
         env!("CARGO_BIN_EXE_distlock")
     );
-    let mut script = Command::new("script");
-    script
-        .args(["-qec", &inner, "/dev/null"])
-        .env("DATABASE_URL", &url)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
+    let mut script = on_terminal(&inner, &url);
     let out = finish(script.spawn().expect("spawn script"), "failed start").await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stat = stdout

@@ -7,7 +7,10 @@ use crate::common;
 use std::time::Duration;
 
 use common::cluster::Cluster;
+use common::pgbouncer::PgBouncer;
+use common::{Raw, raw_try_lock, raw_unlock};
 use distlock::{Error, PgLocker};
+use sqlx::postgres::PgPoolOptions;
 
 /// Every lock path against the standby: each must fail with `HotStandby`.
 async fn attempts(
@@ -70,8 +73,58 @@ async fn every_lock_path_refuses_a_hot_standby() {
     every_lock_path_refuses(&primary, &standby).await;
 }
 
+/// `with_advisory_lock` trying with its `BEGIN` reaches a standby session
+/// that has its statement prepared only through a pooler that keeps server
+/// sessions across clients: PgBouncer (transaction mode, one server
+/// connection) in front of a standby. The first client prepares the
+/// statement there (and is refused by the plain try); the clients after it
+/// run the prepared statement, whose standby check must fail it before it
+/// can report the key busy (the key is held on the standby meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_with_begin_prepared_on_a_standby_session_refuses_it() {
+    let primary = Cluster::primary("standby_prepared", &[]).await;
+    let standby = Cluster::standby_of(&primary, "standby_prepared_s", &[]).await;
+    let bouncer = PgBouncer::builder(standby.port())
+        .set("default_pool_size", "1")
+        .start()
+        .await;
+    let standby_pool = standby.pool().await;
+    let mut other = standby_pool.acquire().await.expect("a standby session");
+    assert!(
+        raw_try_lock(&mut other, &Raw::text("k")).await,
+        "k on the standby"
+    );
+    for call in 1..=3 {
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(bouncer.options(&standby.options()))
+            .await
+            .expect("a client of PgBouncer");
+        let outcome = PgLocker::builder(pool.clone())
+            .try_with_begin(true)
+            .build()
+            .expect("valid settings")
+            .with_advisory_lock("k", async |_| Ok::<_, Error>(()))
+            .await;
+        match outcome {
+            Err(Error::HotStandby { .. }) => {}
+            other => panic!("call {call} through PgBouncer: expected HotStandby, got {other:?}"),
+        }
+        pool.close().await;
+    }
+    assert!(
+        raw_unlock(&mut other, &Raw::text("k")).await,
+        "k on the standby"
+    );
+    drop(other);
+    standby_pool.close().await;
+}
+
 /// Every lock path against `standby`, a standby of `primary` (which holds
-/// the key meanwhile), refuses with `HotStandby` and takes nothing.
+/// the key meanwhile), refuses with `HotStandby` and takes nothing: with
+/// the keys free on the standby, and with them held there by another
+/// session, so that a statement which tried the lock before its standby
+/// check would answer "busy" (or time out) instead of refusing.
 pub(crate) async fn every_lock_path_refuses(primary: &Cluster, standby: &Cluster) {
     let primary_pool = primary.pool().await;
     let standby_pool = standby.pool().await;
@@ -81,6 +134,35 @@ pub(crate) async fn every_lock_path_refuses(primary: &Cluster, standby: &Cluster
         .await
         .expect("try_lock on the primary")
         .expect("free on the primary");
+    refused_on(&standby_pool).await;
+    let mut other = standby_pool.acquire().await.expect("a standby session");
+    for name in ["k", "j"] {
+        assert!(
+            raw_try_lock(&mut other, &Raw::text(name)).await,
+            "{name} on the standby"
+        );
+    }
+    refused_on(&standby_pool).await;
+    for name in ["k", "j"] {
+        assert!(
+            raw_unlock(&mut other, &Raw::text(name)).await,
+            "{name} on the standby"
+        );
+    }
+    drop(other);
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
+        .fetch_one(&standby_pool)
+        .await
+        .expect("pg_locks on the standby");
+    assert_eq!(left, 0, "advisory locks left on the standby");
+    held.release().await.expect("release on the primary");
+    standby_pool.close().await;
+    primary_pool.close().await;
+}
+
+/// Every lock path on `standby_pool`, plain and multiplexed, fails with
+/// `HotStandby`, naming the key.
+async fn refused_on(standby_pool: &sqlx::PgPool) {
     for multiplexed in [false, true] {
         let locker = if multiplexed {
             PgLocker::builder(standby_pool.clone())
@@ -90,7 +172,7 @@ pub(crate) async fn every_lock_path_refuses(primary: &Cluster, standby: &Cluster
         } else {
             PgLocker::new(standby_pool.clone())
         };
-        for (what, outcome) in attempts(&locker, &standby_pool).await {
+        for (what, outcome) in attempts(&locker, standby_pool).await {
             let what = format!("{what} (multiplexed: {multiplexed})");
             if multiplexed && !what.starts_with("try_lock ") && !what.starts_with("lock ") {
                 continue;
@@ -106,12 +188,4 @@ pub(crate) async fn every_lock_path_refuses(primary: &Cluster, standby: &Cluster
             }
         }
     }
-    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
-        .fetch_one(&standby_pool)
-        .await
-        .expect("pg_locks on the standby");
-    assert_eq!(left, 0, "advisory locks left on the standby");
-    held.release().await.expect("release on the primary");
-    standby_pool.close().await;
-    primary_pool.close().await;
 }

@@ -816,9 +816,14 @@ macro_rules! xact_try_only {
 /// says which, and the failed transaction is rolled back. The value
 /// carries the backend's pid, which also keeps the planner from folding
 /// the cast (and raising) when it plans the statement. The guards run
-/// first, as in [`xact_try_only`] (the target list is evaluated in order):
-/// on a standby the standby check fails the statement before a busy key
-/// can be reported.
+/// first (the target list is evaluated in order): unlike the `CASE` of
+/// [`xact_try_only`], which comes before its guards and cannot fail the
+/// statement, this one fails it for a busy key, so on a standby the
+/// standby check must fail the statement first. A standby session has the
+/// statement prepared only behind a pooler that keeps server sessions
+/// across clients (a refused call closes its own connection); the faults
+/// test `standby::a_try_with_begin_prepared_on_a_standby_session_refuses_it`
+/// runs that case.
 macro_rules! xact_try_raising {
     ($try:literal) => {
         concat!(

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use distlock::{LockKey, PgLocker};
 use sqlx::postgres::{PgAdvisoryLock, PgAdvisoryLockKey, PgConnectOptions, PgPoolOptions};
-use sqlx::{AssertSqlSafe, Either, PgPool, Row};
+use sqlx::{AssertSqlSafe, Connection, Either, PgPool, Row};
 
 use crate::counting::CountingProxy;
 use crate::stats::{median_f64, us};
@@ -27,6 +27,12 @@ pub enum Cycle {
     XactDistlockBegin,
     /// The same with `.keep_warm(0, ..)`: a pooled connection per cycle.
     XactDistlockCold,
+    /// `with_advisory_lock` on a key another session holds: `Ok(None)`
+    /// (`BEGIN`, the try, `ROLLBACK`).
+    XactDistlockBusy,
+    /// The same with `.try_with_begin(true)` (`BEGIN` with the try, which
+    /// fails, then `ROLLBACK`).
+    XactDistlockBeginBusy,
     /// `pool.begin()`, `distlock::try_lock_xact(&mut *tx, key)`, `COMMIT`:
     /// the lock inside the caller's own transaction.
     XactCaller,
@@ -59,12 +65,14 @@ pub enum Cycle {
     TableRaw,
 }
 
-pub const ALL: [Cycle; 19] = [
+pub const ALL: [Cycle; 21] = [
     Cycle::XactRaw,
     Cycle::XactPipelined,
     Cycle::XactDistlock,
     Cycle::XactDistlockBegin,
     Cycle::XactDistlockCold,
+    Cycle::XactDistlockBusy,
+    Cycle::XactDistlockBeginBusy,
     Cycle::XactCaller,
     Cycle::SessionRaw,
     Cycle::SessionSqlx,
@@ -89,6 +97,8 @@ impl Cycle {
             Cycle::XactDistlock => "distlock with_advisory_lock",
             Cycle::XactDistlockBegin => "distlock with_advisory_lock, try_with_begin",
             Cycle::XactDistlockCold => "distlock with_advisory_lock, keep_warm(0)",
+            Cycle::XactDistlockBusy => "distlock with_advisory_lock, key busy",
+            Cycle::XactDistlockBeginBusy => "distlock with_advisory_lock, key busy, try_with_begin",
             Cycle::XactCaller => "distlock try_lock_xact in the caller's BEGIN / COMMIT",
             Cycle::SessionRaw => "sqlx hand-written try/unlock",
             Cycle::SessionSqlx => "sqlx PgAdvisoryLock",
@@ -114,6 +124,8 @@ impl Cycle {
             Cycle::XactDistlock => "xact: distlock",
             Cycle::XactDistlockBegin => "xact: distlock, try with BEGIN",
             Cycle::XactDistlockCold => "xact: distlock, no warm conns",
+            Cycle::XactDistlockBusy => "xact: distlock, busy",
+            Cycle::XactDistlockBeginBusy => "xact: distlock, busy, try with BEGIN",
             Cycle::XactCaller => "xact: distlock in caller's tx",
             Cycle::SessionRaw => "session: sqlx raw",
             Cycle::SessionSqlx => "session: PgAdvisoryLock",
@@ -139,8 +151,15 @@ impl Cycle {
                 | Cycle::XactDistlock
                 | Cycle::XactDistlockBegin
                 | Cycle::XactDistlockCold
+                | Cycle::XactDistlockBusy
+                | Cycle::XactDistlockBeginBusy
                 | Cycle::XactCaller
         )
+    }
+
+    /// Whether the cycle finds its key held elsewhere (it must not take it).
+    fn busy(self) -> bool {
+        matches!(self, Cycle::XactDistlockBusy | Cycle::XactDistlockBeginBusy)
     }
 
     /// What the ratio column compares against.
@@ -153,9 +172,15 @@ impl Cycle {
     }
 
     fn key(self) -> i64 {
+        if self.busy() {
+            return BUSY_KEY;
+        }
         7_100 + ALL.iter().position(|c| *c == self).unwrap_or(0) as i64
     }
 }
+
+/// The key the busy cycles find held, by a connection of [`Ctx`]'s own.
+const BUSY_KEY: i64 = 7_000;
 
 /// Pools and lockers for the cycles, all on one database.
 pub struct Ctx {
@@ -169,6 +194,8 @@ pub struct Ctx {
     fenced: PgLocker,
     semaphore: distlock::Semaphore,
     table: distlock::postgres::TableLocker,
+    /// Holds [`BUSY_KEY`], outside the pool.
+    holder: sqlx::PgConnection,
 }
 
 impl Ctx {
@@ -187,7 +214,13 @@ impl Ctx {
         )
         .execute(&pool)
         .await?;
+        let mut holder = sqlx::PgConnection::connect_with(opts).await?;
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(BUSY_KEY)
+            .execute(&mut holder)
+            .await?;
         Ok(Self {
+            holder,
             semaphore,
             table: distlock::postgres::TableLocker::builder(pool.clone())
                 .listen(false)
@@ -215,6 +248,7 @@ impl Ctx {
     }
 
     pub async fn close(self) {
+        let _ = self.holder.close().await;
         drop((
             self.locker,
             self.cold,
@@ -227,7 +261,7 @@ impl Ctx {
         self.pool.close().await;
     }
 
-    /// One cycle; fails if the key was not free.
+    /// One cycle; fails if the key was not free (held, for a busy cycle).
     pub async fn once(&self, cycle: Cycle) -> anyhow::Result<()> {
         self.timed(cycle).await.map(|_| ())
     }
@@ -260,10 +294,13 @@ impl Ctx {
                 sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
                 got
             }
-            Cycle::XactDistlock | Cycle::XactDistlockBegin | Cycle::XactDistlockCold => match cycle
-            {
-                Cycle::XactDistlock => &self.locker,
-                Cycle::XactDistlockBegin => &self.begin,
+            Cycle::XactDistlock
+            | Cycle::XactDistlockBegin
+            | Cycle::XactDistlockCold
+            | Cycle::XactDistlockBusy
+            | Cycle::XactDistlockBeginBusy => match cycle {
+                Cycle::XactDistlock | Cycle::XactDistlockBusy => &self.locker,
+                Cycle::XactDistlockBegin | Cycle::XactDistlockBeginBusy => &self.begin,
                 _ => &self.cold,
             }
             .with_advisory_lock(LockKey::id(key), async |_| Ok::<_, distlock::Error>(()))
@@ -396,8 +433,11 @@ impl Ctx {
                 }
             }
         };
-        if !got {
-            bail!("{}: key {key} was not free", cycle.label());
+        if got == cycle.busy() {
+            bail!(
+                "{}: key {key} was not as expected (taken: {got})",
+                cycle.label()
+            );
         }
         let total = start.elapsed();
         Ok((taken.unwrap_or(total), total))

@@ -112,6 +112,24 @@ async fn a_try_with_begin_prepared_on_a_standby_session_refuses_it() {
         }
         pool.close().await;
     }
+    // The one server connection kept the statement the first call prepared,
+    // so the calls after it ran it.
+    let through = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(bouncer.options(&standby.options()))
+        .await
+        .expect("a client of PgBouncer");
+    // A simple query: the server session keeps the statements earlier
+    // clients' extended queries prepared under sqlx's names.
+    let row = sqlx::raw_sql(
+        "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'distlock_xact_try_%'",
+    )
+    .fetch_one(&through)
+    .await
+    .expect("pg_prepared_statements through PgBouncer");
+    let prepared: i64 = sqlx::Row::get(&row, 0);
+    assert_eq!(prepared, 1, "the server connection's prepared try");
+    through.close().await;
     assert!(
         raw_unlock(&mut other, &Raw::text("k")).await,
         "k on the standby"

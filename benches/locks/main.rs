@@ -484,6 +484,7 @@ async fn machine(opts: &PgConnectOptions) -> anyhow::Result<String> {
 fn cycle_table(results: &mut [cycle::CycleResult]) -> String {
     let mut out = String::from(
         "\n### Uncontended cycle (one task, one free key)\n\n\
+         The rows marked \"key busy\" find their key held by another connection (`Ok(None)`).\n\n\
          | alternative | median µs | spread of round medians µs | p99 µs | of which taking µs (median) | round trips (incl. pool pings) | ratio |\n\
          |---|---:|---:|---:|---:|---:|---:|\n",
     );

@@ -81,7 +81,8 @@ fn with_ttou_blocked<T>(f: impl FnOnce() -> T) -> T {
 /// while it runs that group gets the foreground (if distlock had it), and
 /// distlock takes it back afterwards. If the command is stopped (Ctrl-Z),
 /// distlock stops as well, so that the shell sees the job stopped, and on
-/// `fg` continues the command with the terminal.
+/// `fg` checks the lease, then continues the command with the terminal (or
+/// ends it, if the lease was lost meanwhile).
 #[derive(Debug)]
 pub(crate) struct Terminal {
     tty: File,

@@ -390,7 +390,20 @@ async fn loss_after_stop(lease: &dyn Lease) -> Option<LossReason> {
     if let Some(reason) = lease.loss() {
         return Some(reason);
     }
-    tokio::time::timeout(AFTER_STOP, lease.lost()).await.ok()
+    if let Ok(reason) = tokio::time::timeout(AFTER_STOP, lease.lost()).await {
+        return Some(reason);
+    }
+    // distlock may have got no CPU for all of AFTER_STOP after it was
+    // continued (or been stopped again meanwhile): then the keeper's overdue
+    // timer and this one fired in the same turn of the timer driver, and
+    // the keeper, woken with it, has not run yet. Let it run first.
+    for _ in 0..4 {
+        tokio::task::yield_now().await;
+        if let Some(reason) = lease.loss() {
+            return Some(reason);
+        }
+    }
+    None
 }
 
 /// Completes when `timer` is set and has run out; never while it is unset.

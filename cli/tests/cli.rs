@@ -1489,10 +1489,11 @@ async fn fg_after_ctrl_z_continues_a_command_whose_lease_holds(pool: PgPool) {
 
 #[sqlx::test(migrations = false)]
 async fn fg_after_ctrl_z_does_not_continue_a_command_whose_lease_ran_out(pool: PgPool) {
-    // The lease (TTL 150 ms) runs out while distlock and the command stay
-    // stopped. On `fg`, distlock must find the lease lost before it
-    // continues the command: the command writes nothing more.
-    let Some(run) = StoppedRun::start(&pool, "50ms", Duration::from_millis(450)).await else {
+    // The lease (TTL 900 ms, given up 600 ms after its last renewal) runs
+    // out while distlock and the command stay stopped. On `fg`, distlock
+    // must find the lease lost before it continues the command: the
+    // command writes nothing more.
+    let Some(run) = StoppedRun::start(&pool, "300ms", Duration::from_millis(1500)).await else {
         return;
     };
     let (out, since) = run.finish("run continued after its lease ran out").await;

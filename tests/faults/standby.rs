@@ -113,7 +113,7 @@ async fn a_try_with_begin_prepared_on_a_standby_session_refuses_it() {
         pool.close().await;
     }
     // The one server connection kept the statement the first call prepared,
-    // so the calls after it ran it.
+    // and the calls after it ran it (each run plans it).
     let through = PgPoolOptions::new()
         .max_connections(1)
         .connect_with(bouncer.options(&standby.options()))
@@ -122,13 +122,18 @@ async fn a_try_with_begin_prepared_on_a_standby_session_refuses_it() {
     // A simple query: the server session keeps the statements earlier
     // clients' extended queries prepared under sqlx's names.
     let row = sqlx::raw_sql(
-        "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'distlock_xact_try_%'",
+        "SELECT count(*), coalesce(sum(generic_plans + custom_plans), 0)::int8 \
+         FROM pg_prepared_statements WHERE name LIKE 'distlock_xact_try_%'",
     )
     .fetch_one(&through)
     .await
     .expect("pg_prepared_statements through PgBouncer");
-    let prepared: i64 = sqlx::Row::get(&row, 0);
+    let (prepared, runs): (i64, i64) = (sqlx::Row::get(&row, 0), sqlx::Row::get(&row, 1));
     assert_eq!(prepared, 1, "the server connection's prepared try");
+    assert!(
+        runs >= 2,
+        "the prepared try ran {runs} times, not in calls 2 and 3"
+    );
     through.close().await;
     assert!(
         raw_unlock(&mut other, &Raw::text("k")).await,

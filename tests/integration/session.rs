@@ -433,10 +433,10 @@ async fn cancelling_try_lock_lock_release_at_random_points_leaks_no_lock(pool: P
     }
     // Releases are quick, so random budgets rarely cut one short: cut a few
     // on purpose, after their first poll (the unlock sent and its answer
-    // not yet read, or the connection still held by a heartbeat). Not with `timeout(Duration::ZERO, ..)`: its timer fires at
-    // the time driver's next tick, and a fast unlock beats it every time.
-    // A cut release lets the lock go in the background, so the next round
-    // waits for it.
+    // not yet read, or the connection still held by a heartbeat). Not with
+    // `timeout(Duration::ZERO, ..)`: its timer fires at the time driver's
+    // next tick, and a fast unlock beats it every time. A cut release lets
+    // the lock go in the background, so the next round waits for it.
     for _ in 0..20 {
         if stats[5] >= 3 {
             break;

@@ -132,11 +132,14 @@ pub trait Lease: Debug + Send + Sync {
     fn fencing_token(&self) -> Option<FencingToken>;
 
     /// Completes when the lease can no longer be trusted, with the reason.
-    /// Cancel safe on every backend: it only watches a channel.
+    /// Cancel safe on every backend: it only watches a channel (and, for a
+    /// lease with a time to live, the clock).
     async fn lost(&self) -> LossReason;
 
     /// `true` once [`lost`](Self::lost) would complete; exactly when
-    /// [`loss`](Self::loss) is `Some`.
+    /// [`loss`](Self::loss) is `Some`. A lease with a time to live (Redis,
+    /// the lease table) also reads the clock: past its deadline it is lost
+    /// even if its keeper has not run since. No round trip.
     fn is_lost(&self) -> bool;
 
     /// Why the lease was lost, if it was; `None` while it is held.

@@ -7,8 +7,15 @@
 //! and `lost()` completes with that reason. A keeper that goes away without
 //! reporting a reason (its task was dropped, its runtime shut down) counts
 //! as a loss too: nothing keeps the lock any more.
+//!
+//! A lease with a time to live (Redis, the lease table) also carries its
+//! [`Validity`]: until when the holder knows it holds the lease, by its own
+//! clock. Past that instant the guard reports the loss itself, so a holder
+//! whose keeper could not run (a starved runtime, a process stopped and
+//! continued) learns it at its first look, not at the keeper's next turn.
 
 use tokio::sync::watch;
+use tokio::time::{Instant, sleep_until};
 
 use crate::LossReason;
 
@@ -21,6 +28,50 @@ pub(crate) struct LossState {
     rx: watch::Receiver<Option<LossReason>>,
     /// What a keeper that went away without a reason reads as.
     orphaned: LossReason,
+    /// For a lease with a time to live: until when it is known held (boxed:
+    /// every guard embeds this state, most without a time to live).
+    expiry: Option<Box<Expiry>>,
+}
+
+/// The guard's end of a lease's validity.
+#[derive(Debug, Clone)]
+struct Expiry {
+    until: watch::Receiver<Instant>,
+    /// What the guard reports once the clock passed `until` before the
+    /// keeper said anything.
+    reason: LossReason,
+}
+
+/// The keeper's end of a lease's validity: it moves the instant forward
+/// after each renewal the server confirmed.
+#[derive(Debug)]
+pub(crate) struct Validity {
+    tx: watch::Sender<Instant>,
+}
+
+impl Validity {
+    /// Until when the lease is known held.
+    pub(crate) fn until(&self) -> Instant {
+        *self.tx.borrow()
+    }
+
+    /// Moves the validity to `until`; `false`, changing nothing, if it had
+    /// run out already. A renewal confirmed only after that (its reply read
+    /// late by a starved runtime) comes too late: the guard may have
+    /// reported the loss by the clock, and a loss is never taken back. The
+    /// check and the move happen under the channel's lock, which the guard
+    /// holds while it reads the clock, so the two cannot interleave.
+    pub(crate) fn extend(&self, until: Instant) -> bool {
+        let mut moved = false;
+        self.tx.send_if_modified(|current| {
+            moved = Instant::now() < *current;
+            if moved {
+                *current = until;
+            }
+            moved
+        });
+        moved
+    }
 }
 
 /// A new loss channel, not lost yet; `orphaned` is what the guard reports
@@ -30,16 +81,93 @@ pub(crate) fn channel(orphaned: LossReason) -> (LossSender, LossState) {
     (tx, LossState::watching(rx, orphaned))
 }
 
+/// A new loss channel for a lease known held until `until`: past it (unless
+/// the keeper extended it) the guard reports `by_clock` on its own.
+pub(crate) fn channel_with_validity(
+    orphaned: LossReason,
+    until: Instant,
+    by_clock: LossReason,
+) -> (LossSender, Validity, LossState) {
+    let (tx, mut state) = channel(orphaned);
+    let (validity, until) = watch::channel(until);
+    state.expiry = Some(Box::new(Expiry {
+        until,
+        reason: by_clock,
+    }));
+    (tx, Validity { tx: validity }, state)
+}
+
+impl Expiry {
+    /// The clock's reason, if the validity has run out. The clock is read
+    /// while the channel is borrowed (see [`Validity::extend`]).
+    fn ran_out(&self) -> Option<LossReason> {
+        let until = self.until.borrow();
+        (Instant::now() >= *until).then(|| self.reason.clone())
+    }
+
+    /// Until when the lease is known held.
+    fn until(&self) -> Instant {
+        *self.until.borrow()
+    }
+
+    /// Completes once the validity has run out.
+    async fn run_out(&self) -> LossReason {
+        let mut until = self.until.clone();
+        loop {
+            if let Some(reason) = self.ran_out() {
+                return reason;
+            }
+            let at = *until.borrow_and_update();
+            tokio::select! {
+                () = sleep_until(at) => {}
+                // Extended (or the keeper gone, the instant final): look again.
+                changed = until.changed() => {
+                    if changed.is_err() {
+                        sleep_until(at).await;
+                    }
+                }
+            }
+        }
+    }
+}
+
 impl LossState {
     /// The guard's end of a channel made elsewhere (a multiplexed
     /// connection's driver keeps one sender per lock).
     pub(crate) fn watching(rx: watch::Receiver<Option<LossReason>>, orphaned: LossReason) -> Self {
-        Self { rx, orphaned }
+        Self {
+            rx,
+            orphaned,
+            expiry: None,
+        }
     }
 
-    /// Completes with the reason once the lock is lost. Cancel safe: it only
-    /// watches the channel.
+    /// Completes with the reason once the lock is lost: reported, or (for a
+    /// lease with a validity) run out by the clock. Cancel safe: it only
+    /// watches channels and the clock.
     pub(crate) async fn lost(&self) -> LossReason {
+        match &self.expiry {
+            None => self.reported_loss().await,
+            Some(expiry) => tokio::select! {
+                biased;
+                reason = self.reported_loss() => reason,
+                reason = expiry.run_out() => self.loss().unwrap_or(reason),
+            },
+        }
+    }
+
+    /// How long the lease is still known held: `None` for a lock without a
+    /// validity, zero once lost.
+    pub(crate) fn validity(&self) -> Option<std::time::Duration> {
+        let expiry = self.expiry.as_deref()?;
+        if self.is_lost() {
+            return Some(std::time::Duration::ZERO);
+        }
+        Some(expiry.until().saturating_duration_since(Instant::now()))
+    }
+
+    /// Completes with the reason the keeper reported, or the orphaned one.
+    async fn reported_loss(&self) -> LossReason {
         let mut rx = self.rx.clone();
         if let Ok(reason) = rx.wait_for(Option::is_some).await
             && let Some(reason) = reason.clone()
@@ -47,12 +175,13 @@ impl LossState {
             return reason;
         }
         // The sender is gone; a reason it sent last still counts.
-        self.loss().unwrap_or_else(|| self.orphaned.clone())
+        self.reported().unwrap_or_else(|| self.orphaned.clone())
     }
 
-    /// Whether the lock is lost: a reason was reported, or the keeper is gone.
+    /// Whether the lock is lost: a reason was reported, the keeper is gone,
+    /// or the lease's validity ran out by the clock.
     pub(crate) fn is_lost(&self) -> bool {
-        self.rx.borrow().is_some() || self.rx.has_changed().is_err()
+        self.loss().is_some()
     }
 
     /// The reason the keeper reported, if any, whether or not the keeper is
@@ -61,15 +190,22 @@ impl LossState {
         self.rx.borrow().clone()
     }
 
-    /// Why the lock was lost, if it was.
+    /// Why the lock was lost, if it was: the keeper's reason first (it says
+    /// more than the clock), then a keeper gone, then the clock.
     pub(crate) fn loss(&self) -> Option<LossReason> {
         if let Some(reason) = self.rx.borrow().clone() {
             return Some(reason);
         }
-        self.rx
-            .has_changed()
-            .is_err()
-            .then(|| self.orphaned.clone())
+        if self.rx.has_changed().is_err() {
+            return Some(self.orphaned.clone());
+        }
+        self.expiry.as_deref().and_then(Expiry::ran_out)
+    }
+
+    /// The clock's reason, if the lease's validity has run out (whatever
+    /// the keeper said).
+    pub(crate) fn ran_out(&self) -> Option<LossReason> {
+        self.expiry.as_deref().and_then(Expiry::ran_out)
     }
 }
 
@@ -99,5 +235,46 @@ mod tests {
         assert!(state.is_lost());
         assert_eq!(state.loss(), Some(LossReason::KeeperStopped));
         assert_eq!(state.lost().await, LossReason::KeeperStopped);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_validity_run_out_is_a_loss_the_keeper_cannot_take_back() {
+        let ms = std::time::Duration::from_millis;
+        let start = Instant::now();
+        let (tx, validity, state) = channel_with_validity(
+            LossReason::KeeperStopped,
+            start + ms(100),
+            LossReason::Expired,
+        );
+        assert_eq!(state.validity(), Some(ms(100)));
+        // Extended in time: the guard waits for the new instant.
+        tokio::time::sleep(ms(60)).await;
+        assert!(validity.extend(start + ms(200)));
+        assert_eq!(state.loss(), None);
+        assert_eq!(state.lost().await, LossReason::Expired);
+        assert_eq!(
+            Instant::now(),
+            start + ms(200),
+            "lost() woke at the moved instant"
+        );
+        assert_eq!(state.loss(), Some(LossReason::Expired));
+        assert_eq!(state.validity(), Some(std::time::Duration::ZERO));
+        // Too late: refused, and the loss stands.
+        assert!(!validity.extend(start + ms(400)));
+        assert_eq!(state.loss(), Some(LossReason::Expired));
+        // The keeper's own reason, once reported, says more than the clock.
+        tx.send_replace(Some(LossReason::HeartbeatTimedOut(ms(200))));
+        assert_eq!(state.loss(), Some(LossReason::HeartbeatTimedOut(ms(200))));
+        assert_eq!(state.lost().await, LossReason::HeartbeatTimedOut(ms(200)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lock_without_a_validity_is_lost_only_when_reported() {
+        let (tx, state) = channel(LossReason::KeeperStopped);
+        tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
+        assert_eq!(state.loss(), None);
+        assert_eq!(state.validity(), None);
+        tx.send_replace(Some(LossReason::NotHeld));
+        assert_eq!(state.lost().await, LossReason::NotHeld);
     }
 }

@@ -381,11 +381,10 @@ async fn supervise(
 const AFTER_STOP: Duration = Duration::from_millis(50);
 
 /// The lease's loss, if it was lost while distlock and the command were
-/// stopped (Ctrl-Z): a Redis lease whose validity ran out by the clock, a
-/// lease-table lease whose renewal deadline passed (its keeper reports that
-/// at its first timer, without a round trip), a session lock whose keeper
-/// finds its connection gone within [`AFTER_STOP`]. `None`: the command
-/// may go on.
+/// stopped (Ctrl-Z): a Redis lease whose validity ran out or a lease-table
+/// lease whose renewal deadline passed (both read off the clock by
+/// `loss()`), a session lock whose keeper finds its connection gone within
+/// [`AFTER_STOP`]. `None`: the command may go on.
 async fn loss_after_stop(lease: &dyn Lease) -> Option<LossReason> {
     if let Some(reason) = lease.loss() {
         return Some(reason);

@@ -5,12 +5,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{oneshot, watch};
+use tokio::sync::oneshot;
 use tokio::time::{Instant, sleep_until, timeout_at};
 use tracing::Instrument;
 
 use super::claim::Claim;
-use crate::loss_state::{self, LossSender, LossState};
+use crate::loss_state::{self, LossSender, LossState, Validity};
 use crate::{Error, LockKey, LossReason, metrics};
 
 /// The server side of a lease: one Redis instance, or a Redlock quorum.
@@ -37,13 +37,6 @@ pub(crate) enum Extension {
     Lost(LossReason),
 }
 
-/// What the lease sees of its watchdog.
-#[derive(Debug, Clone)]
-pub(crate) struct State {
-    /// Until when the lease is known to be held.
-    pub(crate) valid_until: Instant,
-}
-
 /// What `release()` sends: where to put the outcome.
 type ReleaseRequest = oneshot::Sender<Result<(), Error>>;
 
@@ -53,7 +46,6 @@ type ReleaseRequest = oneshot::Sender<Result<(), Error>>;
 pub(crate) struct Handle {
     claim: Arc<Claim>,
     acquired_at: std::time::Instant,
-    state: watch::Receiver<State>,
     loss: LossState,
     release: Option<oneshot::Sender<ReleaseRequest>>,
 }
@@ -61,13 +53,14 @@ pub(crate) struct Handle {
 impl Handle {
     /// Starts the watchdog of a claim whose write started at `started`.
     pub(crate) fn spawn<B: Backend>(backend: B, claim: Arc<Claim>, started: Instant) -> Self {
-        let state = State {
-            valid_until: started + claim.window(),
-        };
-        let (state_tx, state_rx) = watch::channel(state);
         // A watchdog dropped without a reason (its runtime shut down) no
-        // longer extends the key.
-        let (loss_tx, loss_rx) = loss_state::channel(LossReason::KeeperStopped);
+        // longer extends the key; past its validity the lease counts as
+        // expired even before the watchdog says so.
+        let (loss_tx, validity, loss_rx) = loss_state::channel_with_validity(
+            LossReason::KeeperStopped,
+            started + claim.window(),
+            LossReason::Expired,
+        );
         let (release_tx, release_rx) = oneshot::channel();
         let span = tracing::debug_span!("distlock.watchdog", key = %claim.key, backend = B::NAME);
         let acquired_at = std::time::Instant::now();
@@ -75,7 +68,7 @@ impl Handle {
             backend,
             claim: Arc::clone(&claim),
             acquired_at,
-            state: state_tx,
+            validity,
             loss: loss_tx,
             release: release_rx,
         };
@@ -83,7 +76,6 @@ impl Handle {
         Self {
             claim,
             acquired_at,
-            state: state_rx,
             loss: loss_rx,
             release: Some(release_tx),
         }
@@ -103,11 +95,7 @@ impl Handle {
 
     /// How long the lease is still known to be held (zero once lost).
     pub(crate) fn validity(&self) -> Duration {
-        if self.loss.is_lost() {
-            return Duration::ZERO;
-        }
-        let valid_until = self.state.borrow().valid_until;
-        valid_until.saturating_duration_since(Instant::now())
+        self.loss.validity().unwrap_or(Duration::ZERO)
     }
 
     pub(crate) async fn lost(&self) -> LossReason {
@@ -117,16 +105,13 @@ impl Handle {
     /// Also `true` once the validity ran out by the clock, even if the
     /// watchdog has not had a chance to run yet (a starved runtime).
     pub(crate) fn is_lost(&self) -> bool {
-        self.loss().is_some()
+        self.loss.is_lost()
     }
 
     /// What the watchdog reported, or [`LossReason::Expired`] once the
     /// validity ran out by the clock.
     pub(crate) fn loss(&self) -> Option<LossReason> {
-        self.loss.loss().or_else(|| {
-            let valid_until = self.state.borrow().valid_until;
-            (Instant::now() >= valid_until).then_some(LossReason::Expired)
-        })
+        self.loss.loss()
     }
 
     /// Asks the watchdog to release and waits for the outcome.
@@ -157,7 +142,7 @@ struct Watchdog<B> {
     backend: B,
     claim: Arc<Claim>,
     acquired_at: std::time::Instant,
-    state: watch::Sender<State>,
+    validity: Validity,
     loss: LossSender,
     release: oneshot::Receiver<ReleaseRequest>,
 }
@@ -187,18 +172,18 @@ impl<B: Backend> Watchdog<B> {
     /// not been confirmed by then is lost.
     async fn extend(&mut self) -> Result<Instant, LossReason> {
         let started = Instant::now();
-        let valid_until = self.state.borrow().valid_until;
+        let valid_until = self.validity.until();
         let outcome = timeout_at(valid_until, self.backend.extend(&self.claim)).await;
         match outcome {
-            // A reply read only after the validity ran out (a starved
-            // runtime: the timeout looks at its future before its timer)
-            // comes too late: the guard may already have reported the
-            // lease lost by the clock, and a loss is never taken back.
-            Ok(Extension::Extended) if Instant::now() >= valid_until => Err(LossReason::Expired),
+            // `extend` refuses a reply read only after the validity ran out
+            // (a starved runtime: the timeout looks at its future before
+            // its timer): the guard may have reported the loss already.
             Ok(Extension::Extended) => {
-                let until = started + self.claim.window();
-                self.state.send_modify(|state| state.valid_until = until);
-                Ok(started + self.claim.ttl / 3)
+                if self.validity.extend(started + self.claim.window()) {
+                    Ok(started + self.claim.ttl / 3)
+                } else {
+                    Err(LossReason::Expired)
+                }
             }
             Ok(Extension::Retry(reason)) => {
                 let retry_at = Instant::now() + self.claim.ttl / 10;

@@ -213,6 +213,110 @@ async fn a_lease_outlives_its_ttl_while_renewed(pool: PgPool) {
     next.release().await.unwrap();
 }
 
+/// A holder whose runtime ran nothing past the renewal deadline (a long
+/// blocking call, a process stopped and continued) sees its lease lost at
+/// its first look, before the renewal task has run again: the guard reads
+/// its own clock as well as the task's reports. `sqlx::test` runs on a
+/// current-thread runtime, so a blocking sleep starves the renewal task.
+#[sqlx::test(migrations = false)]
+async fn a_starved_holder_sees_its_lease_lost_at_its_first_look(pool: PgPool) {
+    migrated(&pool).await;
+    let ttl = Duration::from_millis(600);
+    let deadline = ttl * 2 / 3;
+    let (a, b) = (locker(&pool, ttl), locker(&pool, ttl));
+    let lease = a.try_lock("table:starved").await.unwrap().expect("free");
+    assert!(!lease.is_lost());
+    std::thread::sleep(deadline + Duration::from_millis(50));
+    assert_eq!(
+        lease.loss(),
+        Some(LossReason::HeartbeatTimedOut(deadline)),
+        "lost by the clock before the renewal task ran"
+    );
+    assert!(lease.is_lost());
+    let reason = bounded("lost()", Duration::from_millis(100), lease.lost()).await;
+    let err = lease.release().await.expect_err("lost");
+    let timed_out = |reason: &LossReason| matches!(reason, LossReason::HeartbeatTimedOut(_));
+    let released_lost = matches!(&err, Error::LockLost { reason, .. } if timed_out(reason));
+    assert!(timed_out(&reason) && released_lost, "{reason:?}, {err:?}");
+    // The row is left to expire (or to the renewal task's delete at expiry).
+    let next = bounded("the key is free after a TTL", ttl * 3, async {
+        loop {
+            if let Some(next) = b.try_lock("table:starved").await.unwrap() {
+                return next;
+            }
+            tokio::time::sleep(ttl / 10).await;
+        }
+    })
+    .await;
+    next.release().await.unwrap();
+}
+
+/// A renewal the server confirmed in time, but whose answer the holder read
+/// only past the renewal deadline, does not bring a lease back: the guard
+/// may have reported it lost by the clock meanwhile, and a loss is never
+/// taken back. Another connection holds the lease's row locked, so the
+/// renewal waits on the server; it is released while the holder's runtime
+/// is starved, so the answer is there, unread, when the runtime runs again.
+#[sqlx::test(migrations = false)]
+async fn a_renewal_read_past_the_deadline_does_not_undo_a_loss(pool: PgPool) {
+    migrated(&pool).await;
+    let ttl = Duration::from_millis(2400);
+    let deadline = ttl * 2 / 3;
+    let locker = locker(&pool, ttl);
+    let lease = locker.try_lock("table:late").await.unwrap().expect("free");
+    let granted = Instant::now();
+    let ms = Duration::from_millis;
+    // Renewal sent at ttl/4 (600 ms), given up at 1,100 ms; the row is
+    // freed at 900 ms, while the runtime is starved (700 to 1,750 ms).
+    let blocker = row_locked_until(&pool, "table:late", granted + ttl / 4 + ms(300)).await;
+    assert!(
+        granted.elapsed() < ttl / 4,
+        "the row was locked before the renewal"
+    );
+    tokio::time::sleep_until((granted + ttl / 4 + ms(100)).into()).await;
+    assert!(!lease.is_lost(), "{:?}", lease.loss());
+    std::thread::sleep((granted + deadline + ms(150)).saturating_duration_since(Instant::now()));
+    assert!(lease.is_lost(), "past the deadline by the clock");
+    // The renewal task reads its answer now.
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(lease.is_lost(), "a loss was taken back: {:?}", lease.loss());
+    }
+    blocker.join().expect("blocker");
+    assert!(matches!(lease.release().await, Err(Error::LockLost { .. })));
+}
+
+/// A thread of its own (with its own runtime, so it runs while the test's
+/// runtime is starved) that locks `key`'s lease row and commits at `until`.
+async fn row_locked_until(pool: &PgPool, key: &str, until: Instant) -> std::thread::JoinHandle<()> {
+    let options = pool.connect_options().as_ref().clone();
+    let key = key.to_owned();
+    let (locked_tx, locked) = tokio::sync::oneshot::channel();
+    let thread = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async move {
+            use sqlx::Connection;
+            let mut conn = sqlx::PgConnection::connect_with(&options)
+                .await
+                .expect("connect");
+            let mut tx = conn.begin().await.expect("begin");
+            sqlx::query("SELECT 1 FROM distlock.leases WHERE key_text = $1 FOR UPDATE")
+                .bind(&key)
+                .fetch_one(&mut *tx)
+                .await
+                .expect("lock the row");
+            let _ = locked_tx.send(());
+            tokio::time::sleep(until.saturating_duration_since(Instant::now())).await;
+            tx.commit().await.expect("commit");
+        });
+    });
+    locked.await.expect("the row is locked");
+    thread
+}
+
 // ---- through PgBouncer -------------------------------------------------------
 
 #[sqlx::test(migrations = false)]

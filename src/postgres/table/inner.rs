@@ -34,6 +34,12 @@ impl Inner {
         self.ttl * 2 / 3
     }
 
+    /// Until when a lease granted or renewed by a statement sent at `sent`
+    /// is known held: [`renewal_deadline`](Self::renewal_deadline) later.
+    pub(super) fn valid_until(&self, sent: tokio::time::Instant) -> tokio::time::Instant {
+        crate::deadline::after(sent, self.renewal_deadline())
+    }
+
     /// A connection from the pool for `key`'s statement, or
     /// [`Error::PoolExhausted`] when every connection is in use. Of the
     /// kind the locker's warm connections keep (shared with no session

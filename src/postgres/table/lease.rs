@@ -63,14 +63,21 @@ impl TableLease {
         sent: tokio::time::Instant,
     ) -> Self {
         // The renewal task holds the sender: if it stops without a reason
-        // (its runtime shut down), nothing renews the row any more.
-        let (loss, loss_rx) = loss_state::channel(LossReason::KeeperStopped);
+        // (its runtime shut down), nothing renews the row any more. Past
+        // the renewal deadline the guard reports the loss by the clock,
+        // whether or not the task has run since.
+        let (loss, validity, loss_rx) = loss_state::channel_with_validity(
+            LossReason::KeeperStopped,
+            inner.valid_until(sent),
+            LossReason::HeartbeatTimedOut(inner.renewal_deadline()),
+        );
         let renewal = Renewal {
             inner: Arc::clone(&inner),
             key: key.clone(),
             expr: expr.clone(),
             owner,
             loss,
+            validity,
         };
         let span = tracing::debug_span!("distlock.renew", backend = "table", key = %key);
         let renewer = tokio::spawn(renewal.run(sent).instrument(span)).abort_handle();
@@ -85,6 +92,15 @@ impl TableLease {
             renewer,
             released: false,
         }
+    }
+
+    /// The loss the renewal task reported, or is about to report (the
+    /// deadline passed by the clock; the task gives up at it too). Either
+    /// way the task is left running: it deletes the row when the lease would
+    /// have expired, not at once, so that nobody takes the key sooner after
+    /// the holder could see the loss than the documented third of a TTL.
+    fn left_to_renewal(&self) -> Option<LossReason> {
+        self.loss.reported().or_else(|| self.loss.ran_out())
     }
 
     /// The lease's owner, for the leader record of an election.
@@ -110,24 +126,30 @@ impl TableLease {
     /// someone else's, [`LossReason::HeartbeatTimedOut`] or
     /// [`LossReason::ConnectionFailed`] when no renewal succeeded within two
     /// thirds of a TTL, [`LossReason::KeeperStopped`] when the renewal task
-    /// stopped (the runtime shut down).
+    /// stopped (the runtime shut down). It watches the clock too: two
+    /// thirds of a TTL after the last renewal that succeeded was sent, it
+    /// completes even if the renewal task has not run since.
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe: it only watches a channel.
+    /// Cancel safe: it only watches a channel and the clock.
     pub async fn lost(&self) -> LossReason {
         self.loss.lost().await
     }
 
     /// `true` once [`lost`](Self::lost) would complete; exactly when
-    /// [`loss`](Self::loss) is `Some` (the renewal task ending counts). No
-    /// round trip.
+    /// [`loss`](Self::loss) is `Some`. No round trip.
     pub fn is_lost(&self) -> bool {
         self.loss.is_lost()
     }
 
-    /// Why the lease was lost, if it was: `None` while it is held. No round
-    /// trip.
+    /// Why the lease was lost, if it was: `None` while it is held. Read off
+    /// this process's clock as well as the renewal task's reports: two
+    /// thirds of a TTL after the last renewal that succeeded was sent, it is
+    /// [`LossReason::HeartbeatTimedOut`] even if the task has not run since
+    /// (a starved runtime, a process stopped and continued), so a holder
+    /// that looks before each protected write never writes on a lease past
+    /// its deadline. No round trip.
     pub fn loss(&self) -> Option<LossReason> {
         self.loss.loss()
     }
@@ -164,8 +186,8 @@ impl TableLease {
         );
         // Lost already: the renewal task deletes the row when the lease
         // would have expired (see `Renewal::lose`), not now, a moment after
-        // the loss was reported.
-        if let Some(reason) = self.loss.reported() {
+        // the loss was seen.
+        if let Some(reason) = self.left_to_renewal() {
             span.record("outcome", "lost");
             return Err(Error::LockLost {
                 key: self.key.clone(),
@@ -214,7 +236,7 @@ impl Drop for TableLease {
     fn drop(&mut self) {
         // Released, or lost: the renewal task then deletes the row when the
         // lease would have expired (see `Renewal::lose`).
-        if self.released || self.loss.reported().is_some() {
+        if self.released || self.left_to_renewal().is_some() {
             return;
         }
         self.renewer.abort();

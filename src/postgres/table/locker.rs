@@ -491,7 +491,7 @@ impl TableLocker {
         // taker's row); a server silent for the renewal deadline is
         // stalled, and a grant answered later would be lost at once (its
         // renewal deadline counts from the send).
-        let give_up = crate::deadline::after(sent, self.inner.renewal_deadline());
+        let give_up = self.inner.valid_until(sent);
         let Ok(answer) = tokio::time::timeout_at(give_up, answer_rx).await else {
             return Err(Error::CommandTimedOut {
                 key: key.clone(),

@@ -35,6 +35,7 @@ use tokio::time::{Instant, sleep_until, timeout_at};
 
 use super::inner::Inner;
 use super::sql::{self, KeyExpr, Owner};
+use crate::loss_state::Validity;
 use crate::postgres::conn::held::HeldConn;
 use crate::{Error, LockKey, LossReason};
 
@@ -45,6 +46,8 @@ pub(super) struct Renewal {
     pub(super) expr: KeyExpr,
     pub(super) owner: Owner,
     pub(super) loss: watch::Sender<Option<LossReason>>,
+    /// Until when the lease is known held; the guard reads it too.
+    pub(super) validity: Validity,
 }
 
 /// The shortest time an attempt is given (unless less is left before the
@@ -71,7 +74,7 @@ impl Renewal {
         let pause = (ttl / 60).max(Duration::from_millis(5));
         let mut last_ok = sent;
         loop {
-            let deadline = crate::deadline::after(last_ok, self.inner.renewal_deadline());
+            let deadline = self.validity.until();
             sleep_until(crate::deadline::after(last_ok, ttl / 4)).await;
             let mut last_error = None;
             let renewed = loop {
@@ -96,7 +99,14 @@ impl Renewal {
                 }
             };
             match renewed {
-                Ok(at) => last_ok = at,
+                Ok(at) if self.validity.extend(self.inner.valid_until(at)) => last_ok = at,
+                // Confirmed, but read only past the deadline (a starved
+                // runtime): the guard may have reported the loss by the
+                // clock already. The row lives a TTL from `at`.
+                Ok(at) => {
+                    let waited = last_ok.elapsed();
+                    return self.lose(LossReason::HeartbeatTimedOut(waited), at).await;
+                }
                 Err(Some(err)) => {
                     return self.lose(LossReason::ConnectionFailed(err), last_ok).await;
                 }

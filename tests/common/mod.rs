@@ -293,6 +293,34 @@ pub async fn terminate_and_await_loss(conn: &mut PgConnection, lock: &distlock::
 
 /// Runs `fut` with a hard upper bound so a hang fails the test instead of
 /// stalling the suite.
+/// Blocks every thread of the current runtime for `duration`, so that none
+/// of its tasks runs meanwhile (as in a long blocking call, or a process
+/// stopped and continued). To be called from the future the runtime was
+/// started with (a test's body): on a current-thread runtime that thread
+/// runs every task, and blocking it is enough; on a multi-thread runtime it
+/// runs none, and one task per worker blocks that worker, each spawned
+/// from outside the runtime so that any idle worker takes it, all of them
+/// held at a barrier until every worker is blocked.
+pub fn starve_runtime(duration: Duration) {
+    let runtime = tokio::runtime::Handle::current();
+    let workers = match runtime.runtime_flavor() {
+        tokio::runtime::RuntimeFlavor::CurrentThread => 0,
+        _ => runtime.metrics().num_workers(),
+    };
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(workers + 1));
+    for _ in 0..workers {
+        let (runtime, barrier) = (runtime.clone(), std::sync::Arc::clone(&barrier));
+        std::thread::spawn(move || {
+            runtime.spawn(async move {
+                barrier.wait();
+                std::thread::sleep(duration);
+            })
+        });
+    }
+    barrier.wait();
+    std::thread::sleep(duration);
+}
+
 pub async fn bounded<F: Future>(what: &str, limit: Duration, fut: F) -> F::Output {
     match tokio::time::timeout(limit, fut).await {
         Ok(out) => out,

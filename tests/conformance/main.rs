@@ -13,6 +13,7 @@
 //! | upgradeable read leases ([`distlock::UpgradeableLocker`]) | `upgradeable.rs` | PostgreSQL (default, fenced, multiplexed) |
 //! | [`distlock::Semaphore`] | `semaphore.rs` | all |
 //! | [`distlock::LeaderElection`] (terms, `leader()` and `observe()` where the backend records leaders: [`distlock::ElectionLocker`]) | `leader.rs` | all |
+//! | leases with a time to live: lost by the clock past their deadline, even with their keeper starved | `ttl.rs` | lease table, Redis, Redlock |
 //!
 //! Besides its behaviour, each kind has its fault cases: dropped at every
 //! `.await` (`common::drop_after`; in the default run each of the first
@@ -39,6 +40,7 @@ mod leader;
 mod multi;
 mod semaphore;
 mod shared;
+mod ttl;
 mod upgradeable;
 mod xact;
 
@@ -72,6 +74,13 @@ trait Backend: Send + Sync {
             distlock::Semaphore::new(b, name, permits).expect("a valid semaphore"),
         )
     }
+}
+
+/// A backend whose leases have a time to live.
+trait TtlBackend: Backend {
+    /// The lockers' TTL: a lease is lost, by the clock, at the latest this
+    /// long after its last renewal.
+    fn ttl(&self) -> Duration;
 }
 
 /// A backend with shared leases.
@@ -293,6 +302,8 @@ macro_rules! kind {
         a_successor_stopped_in_its_grace_leaves_the_grace_to_the_next); };
     (leader_pooled, $($rest:tt)*) => { cases!(leader_pooled, leader, $($rest)*;
         behind_a_pooler); };
+    (ttl, $($rest:tt)*) => { cases!(ttl, ttl, $($rest)*;
+        starved_past_its_deadline_is_lost_at_first_look); };
 }
 
 macro_rules! cases {
@@ -570,6 +581,12 @@ impl Backend for Table {
     }
 }
 
+impl TtlBackend for Table {
+    fn ttl(&self) -> Duration {
+        Self::TTL
+    }
+}
+
 #[async_trait]
 impl PooledBackend for Table {
     async fn behind_a_pooler(&self) -> (TxPool, Self) {
@@ -581,7 +598,7 @@ impl PooledBackend for Table {
 }
 
 backend!(table, #[sqlx::test(migrations = false)] (pool: PgPool) => Table::new(pool).await;
-    exclusive, exclusive_pooled, semaphore, semaphore_pooled, leader, leader_pooled);
+    exclusive, exclusive_pooled, semaphore, semaphore_pooled, leader, leader_pooled, ttl);
 
 // ---- Redis --------------------------------------------------------------
 
@@ -645,6 +662,12 @@ mod redis_backends {
         }
     }
 
+    impl TtlBackend for Single {
+        fn ttl(&self) -> Duration {
+            TTL
+        }
+    }
+
     /// `Redlock` over three private `redis-server`s.
     pub(super) struct Quorum {
         servers: Vec<RedisServer>,
@@ -686,14 +709,20 @@ mod redis_backends {
             false
         }
     }
+
+    impl TtlBackend for Quorum {
+        fn ttl(&self) -> Duration {
+            TTL
+        }
+    }
 }
 
 #[cfg(feature = "redis")]
 backend!(redis_single, #[tokio::test(flavor = "multi_thread", worker_threads = 2)] () => redis_backends::Single::start().await;
-    exclusive, semaphore, leader);
+    exclusive, semaphore, leader, ttl);
 #[cfg(feature = "redis")]
 backend!(redlock, #[tokio::test(flavor = "multi_thread", worker_threads = 2)] () => redis_backends::Quorum::start().await;
-    exclusive, semaphore, leader);
+    exclusive, semaphore, leader, ttl);
 
 // ---- In memory ----------------------------------------------------------
 

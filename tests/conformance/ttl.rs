@@ -1,0 +1,34 @@
+//! Leases with a time to live (the lease table, Redis, Redlock): past its
+//! deadline a lease is lost at its holder's first look, even if its keeper
+//! could not run meanwhile (a long blocking call, a process stopped and
+//! continued), and a loss once seen is never taken back. A backend whose
+//! locks live as long as their server session (PostgreSQL's advisory
+//! locks) or its process (memory) has no deadline, and no such case.
+
+use super::*;
+
+pub(crate) async fn starved_past_its_deadline_is_lost_at_first_look(backend: &impl TtlBackend) {
+    let (a, b) = backend.lockers();
+    let k = key("ttl:starved");
+    let held = a.try_lock(k.clone()).await.unwrap().expect("free key");
+    assert!(!held.is_lost());
+    // A whole TTL: past the deadline of every backend, before its keeper
+    // (a task of this runtime) has run again.
+    common::starve_runtime(backend.ttl());
+    let reason = held.loss();
+    assert!(
+        held.is_lost() && reason.is_some(),
+        "not lost at the first look past the deadline: {reason:?}"
+    );
+    common::bounded("lost()", Duration::from_millis(100), held.lost()).await;
+    // The keeper runs again: whatever it finds, the loss stands.
+    for _ in 0..5 {
+        tokio::time::sleep(backend.ttl() / 20).await;
+        assert!(held.is_lost(), "a loss was taken back");
+    }
+    assert!(
+        held.release().await.is_err(),
+        "releasing a lost lease is an error"
+    );
+    free_soon(b.as_ref(), &k, LOSS_NOTICED_WITHIN, "after the loss").await;
+}

@@ -226,7 +226,13 @@ async fn a_starved_holder_sees_its_lease_lost_at_its_first_look(pool: PgPool) {
     let (a, b) = (locker(&pool, ttl), locker(&pool, ttl));
     let lease = a.try_lock("table:starved").await.unwrap().expect("free");
     assert!(!lease.is_lost());
+    let validity = lease.validity();
+    assert!(
+        validity > Duration::ZERO && validity <= deadline,
+        "{validity:?}"
+    );
     std::thread::sleep(deadline + Duration::from_millis(50));
+    assert_eq!(lease.validity(), Duration::ZERO);
     assert_eq!(
         lease.loss(),
         Some(LossReason::HeartbeatTimedOut(deadline)),

@@ -46,6 +46,7 @@ impl fmt::Debug for TableLease {
         f.debug_struct("TableLease")
             .field("key", &self.key)
             .field("fencing_token", &self.token)
+            .field("validity", &self.validity())
             .field("lost", &self.is_lost())
             .finish_non_exhaustive()
     }
@@ -152,6 +153,14 @@ impl TableLease {
     /// its deadline. No round trip.
     pub fn loss(&self) -> Option<LossReason> {
         self.loss.loss()
+    }
+
+    /// How long the lease is still known to be held: until two thirds of a
+    /// TTL after the send of the last renewal that succeeded (or of the
+    /// grant), by this process's clock; zero once lost. Work that must
+    /// finish while the lease holds should fit into this. No round trip.
+    pub fn validity(&self) -> Duration {
+        self.loss.validity().unwrap_or(Duration::ZERO)
     }
 
     /// How long the lease has been held, from its grant as this process saw

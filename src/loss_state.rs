@@ -13,6 +13,9 @@
 //! clock. Past that instant the guard reports the loss itself, so a holder
 //! whose keeper could not run (a starved runtime, a process stopped and
 //! continued) learns it at its first look, not at the keeper's next turn.
+//! Such a guard keeps the first reason it saw (the clock's, or the
+//! keeper's if that came first), so `loss()` and `lost()` keep agreeing
+//! when the keeper reports its own reason a moment later.
 
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep_until};
@@ -40,6 +43,8 @@ struct Expiry {
     /// What the guard reports once the clock passed `until` before the
     /// keeper said anything.
     reason: LossReason,
+    /// The first reason this guard reported, kept.
+    seen: std::sync::OnceLock<LossReason>,
 }
 
 /// The keeper's end of a lease's validity: it moves the instant forward
@@ -93,6 +98,7 @@ pub(crate) fn channel_with_validity(
     state.expiry = Some(Box::new(Expiry {
         until,
         reason: by_clock,
+        seen: std::sync::OnceLock::new(),
     }));
     (tx, Validity { tx: validity }, state)
 }
@@ -146,14 +152,16 @@ impl LossState {
     /// lease with a validity) run out by the clock. Cancel safe: it only
     /// watches channels and the clock.
     pub(crate) async fn lost(&self) -> LossReason {
-        match &self.expiry {
-            None => self.reported_loss().await,
+        let reason = match &self.expiry {
+            None => return self.reported_loss().await,
             Some(expiry) => tokio::select! {
                 biased;
                 reason = self.reported_loss() => reason,
-                reason = expiry.run_out() => self.loss().unwrap_or(reason),
+                reason = expiry.run_out() => reason,
             },
-        }
+        };
+        // The first reason seen, as `loss()` reports it from now on.
+        self.loss().unwrap_or(reason)
     }
 
     /// How long the lease is still known held: `None` for a lock without a
@@ -190,16 +198,29 @@ impl LossState {
         self.rx.borrow().clone()
     }
 
-    /// Why the lock was lost, if it was: the keeper's reason first (it says
-    /// more than the clock), then a keeper gone, then the clock.
+    /// Why the lock was lost, if it was: the keeper's reason, a keeper
+    /// gone, or the clock's reason; for a lease with a validity, whichever
+    /// this guard saw first, kept.
     pub(crate) fn loss(&self) -> Option<LossReason> {
+        let Some(expiry) = self.expiry.as_deref() else {
+            return self.keeper_loss();
+        };
+        if let Some(seen) = expiry.seen.get() {
+            return Some(seen.clone());
+        }
+        let reason = self.keeper_loss().or_else(|| expiry.ran_out())?;
+        Some(expiry.seen.get_or_init(|| reason).clone())
+    }
+
+    /// The keeper's reason, or the orphaned one if it went away silently.
+    fn keeper_loss(&self) -> Option<LossReason> {
         if let Some(reason) = self.rx.borrow().clone() {
             return Some(reason);
         }
-        if self.rx.has_changed().is_err() {
-            return Some(self.orphaned.clone());
-        }
-        self.expiry.as_deref().and_then(Expiry::ran_out)
+        self.rx
+            .has_changed()
+            .is_err()
+            .then(|| self.orphaned.clone())
     }
 
     /// The clock's reason, if the lease's validity has run out (whatever
@@ -262,10 +283,17 @@ mod tests {
         // Too late: refused, and the loss stands.
         assert!(!validity.extend(start + ms(400)));
         assert_eq!(state.loss(), Some(LossReason::Expired));
-        // The keeper's own reason, once reported, says more than the clock.
+        // The keeper's own reason, reported later, does not change what the
+        // guard said.
         tx.send_replace(Some(LossReason::HeartbeatTimedOut(ms(200))));
-        assert_eq!(state.loss(), Some(LossReason::HeartbeatTimedOut(ms(200))));
-        assert_eq!(state.lost().await, LossReason::HeartbeatTimedOut(ms(200)));
+        assert_eq!(state.loss(), Some(LossReason::Expired));
+        assert_eq!(state.lost().await, LossReason::Expired);
+        // Reported before the guard looked, the keeper's reason is the one.
+        let (tx, _validity, state) =
+            channel_with_validity(LossReason::KeeperStopped, start, LossReason::Expired);
+        tx.send_replace(Some(LossReason::NotHeld));
+        assert_eq!(state.lost().await, LossReason::NotHeld);
+        assert_eq!(state.loss(), Some(LossReason::NotHeld));
     }
 
     #[tokio::test(start_paused = true)]

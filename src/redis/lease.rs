@@ -97,7 +97,11 @@ impl RedisLease {
     /// an extension found the key gone or holding another token (on too
     /// many nodes, for Redlock: [`LossReason::Expired`]), failed
     /// ([`LossReason::ConnectionFailed`]), or got no reply before the
-    /// validity ran out ([`LossReason::HeartbeatTimedOut`]).
+    /// validity ran out ([`LossReason::HeartbeatTimedOut`]). It watches the
+    /// clock too: once the [`validity`](Self::validity) has run out it
+    /// completes with [`LossReason::Expired`], unless the watchdog reported
+    /// its reason first; whichever comes first is the one
+    /// [`loss`](Self::loss) keeps reporting.
     ///
     /// ```no_run
     /// # async fn demo(lease: distlock::redis::RedisLease) -> Result<(), distlock::Error> {
@@ -111,7 +115,7 @@ impl RedisLease {
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe: it only watches a channel.
+    /// Cancel safe: it only watches a channel and the clock.
     pub async fn lost(&self) -> LossReason {
         self.handle.lost().await
     }
@@ -125,14 +129,18 @@ impl RedisLease {
 
     /// Why the lease was lost, if it was: `None` while it is held,
     /// [`LossReason::Expired`] once the validity ran out by the clock even
-    /// before the watchdog noticed. No round trip.
+    /// before the watchdog noticed. The first reason seen is kept. No round
+    /// trip.
     pub fn loss(&self) -> Option<LossReason> {
         self.handle.loss()
     }
 
     /// Deletes the key where it still holds this lease's token.
     ///
-    /// Single instance: 1 round trip. Redlock: 1 round trip to every node,
+    /// A lease lost by the clock (its validity ran out, the watchdog not yet
+    /// run) fails at once with [`Error::LockLost`], no round trip: the key
+    /// is then deleted in the background where it still holds this lease's
+    /// token. Otherwise, single instance: 1 round trip. Redlock: 1 round trip to every node,
     /// concurrently, including nodes that did not grant it (a late `SET` may
     /// have landed there); it succeeds when a quorum deleted the key. Fails
     /// with [`Error::LockLost`] if the lease had been lost or the key had

@@ -123,6 +123,16 @@ impl Handle {
             hold_ms = self.acquired_at.elapsed().as_secs_f64() * 1e3,
             outcome = tracing::field::Empty,
         );
+        // Lost by the clock before the watchdog noticed: the key may be
+        // someone else's by now. The handle's drop lets the watchdog delete
+        // it where it still holds this lease's token.
+        if let Some(reason) = self.loss.ran_out().and_then(|_| self.loss()) {
+            span.record("outcome", "error");
+            return Err(Error::LockLost {
+                key: self.claim.key.clone(),
+                reason,
+            });
+        }
         let (reply, outcome) = oneshot::channel();
         let sent = self.release.take().map(|tx| tx.send(reply).is_ok());
         let result = match (sent, outcome.instrument(span.clone()).await) {

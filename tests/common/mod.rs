@@ -291,36 +291,58 @@ pub async fn terminate_and_await_loss(conn: &mut PgConnection, lock: &distlock::
     .await;
 }
 
-/// Runs `fut` with a hard upper bound so a hang fails the test instead of
-/// stalling the suite.
-/// Blocks every thread of the current runtime for `duration`, so that none
-/// of its tasks runs meanwhile (as in a long blocking call, or a process
-/// stopped and continued). To be called from the future the runtime was
-/// started with (a test's body): on a current-thread runtime that thread
-/// runs every task, and blocking it is enough; on a multi-thread runtime it
-/// runs none, and one task per worker blocks that worker, each spawned
-/// from outside the runtime so that any idle worker takes it, all of them
-/// held at a barrier until every worker is blocked.
-pub fn starve_runtime(duration: Duration) {
+/// Blocks every thread of the current runtime for at least `duration`, so
+/// that none of its tasks runs meanwhile (as in a long blocking call, or a
+/// process stopped and continued), and keeps the workers blocked until the
+/// returned [`Starved`] is dropped: the caller looks first. To be called
+/// from the future the runtime was started with (a test's body): on a
+/// current-thread runtime that thread runs every task, and blocking it is
+/// enough; on a multi-thread runtime it runs none, and one task per worker
+/// blocks that worker, each spawned from outside the runtime so that any
+/// idle worker takes it, all of them held at a barrier until every worker
+/// is blocked.
+pub fn starve_runtime(duration: Duration) -> Starved {
+    assert_ne!(
+        std::thread::current().name(),
+        Some("tokio-runtime-worker"),
+        "called from a worker: the barrier would wait for it forever"
+    );
     let runtime = tokio::runtime::Handle::current();
     let workers = match runtime.runtime_flavor() {
         tokio::runtime::RuntimeFlavor::CurrentThread => 0,
         _ => runtime.metrics().num_workers(),
     };
-    let barrier = std::sync::Arc::new(std::sync::Barrier::new(workers + 1));
+    let blocked = std::sync::Arc::new(std::sync::Barrier::new(workers + 1));
+    let released = std::sync::Arc::new(std::sync::Barrier::new(workers + 1));
     for _ in 0..workers {
-        let (runtime, barrier) = (runtime.clone(), std::sync::Arc::clone(&barrier));
+        let runtime = runtime.clone();
+        let (blocked, released) = (blocked.clone(), released.clone());
         std::thread::spawn(move || {
             runtime.spawn(async move {
-                barrier.wait();
-                std::thread::sleep(duration);
+                blocked.wait();
+                released.wait();
             })
         });
     }
-    barrier.wait();
+    blocked.wait();
     std::thread::sleep(duration);
+    Starved(Some(released))
 }
 
+/// The workers [`starve_runtime`] blocked, let go when dropped.
+#[must_use = "the runtime's workers stay blocked until this is dropped"]
+pub struct Starved(Option<std::sync::Arc<std::sync::Barrier>>);
+
+impl Drop for Starved {
+    fn drop(&mut self) {
+        if let Some(released) = self.0.take() {
+            released.wait();
+        }
+    }
+}
+
+/// Runs `fut` with a hard upper bound so a hang fails the test instead of
+/// stalling the suite.
 pub async fn bounded<F: Future>(what: &str, limit: Duration, fut: F) -> F::Output {
     match tokio::time::timeout(limit, fut).await {
         Ok(out) => out,

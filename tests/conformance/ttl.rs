@@ -14,12 +14,15 @@ pub(crate) async fn starved_past_its_deadline_is_lost_at_first_look(backend: &im
     assert!(!held.is_lost());
     // A whole TTL: past the deadline of every backend, before its keeper
     // (a task of this runtime) has run again.
-    common::starve_runtime(backend.ttl());
+    let starved = common::starve_runtime(backend.ttl());
     let reason = held.loss();
+    // Looked while no task of the runtime can have run since the grant.
+    drop(starved);
     assert!(
         held.is_lost() && reason.is_some(),
         "not lost at the first look past the deadline: {reason:?}"
     );
+    assert_eq!(held.loss(), reason, "the first reason is kept");
     common::bounded("lost()", Duration::from_millis(100), held.lost()).await;
     // The keeper runs again: whatever it finds, the loss stands.
     for _ in 0..5 {

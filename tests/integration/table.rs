@@ -269,12 +269,13 @@ async fn a_renewal_read_past_the_deadline_does_not_undo_a_loss(pool: PgPool) {
     let ttl = Duration::from_millis(2400);
     let deadline = ttl * 2 / 3;
     let locker = locker(&pool, ttl);
+    let blocker = RowBlocker::connect(&pool, "table:late").await;
     let lease = locker.try_lock("table:late").await.unwrap().expect("free");
     let granted = Instant::now();
     let ms = Duration::from_millis;
     // Renewal sent at ttl/4 (600 ms), given up at 1,100 ms; the row is
     // freed at 900 ms, while the runtime is starved (700 to 1,750 ms).
-    let blocker = row_locked_until(&pool, "table:late", granted + ttl / 4 + ms(300)).await;
+    let blocker = blocker.lock_until(granted + ttl / 4 + ms(300)).await;
     assert!(
         granted.elapsed() < ttl / 4,
         "the row was locked before the renewal"
@@ -289,38 +290,73 @@ async fn a_renewal_read_past_the_deadline_does_not_undo_a_loss(pool: PgPool) {
         assert!(lease.is_lost(), "a loss was taken back: {:?}", lease.loss());
     }
     blocker.join().expect("blocker");
-    assert!(matches!(lease.release().await, Err(Error::LockLost { .. })));
+    let renewed: bool = sqlx::query_scalar(
+        "SELECT renewed_at > acquired_at FROM distlock.leases WHERE key_text = 'table:late'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("the lease's row");
+    assert!(renewed, "the renewal ran on the server");
+    let released = lease.release().await;
+    assert!(
+        matches!(released, Err(Error::LockLost { .. })),
+        "the late renewal was counted: release answered {released:?}"
+    );
 }
 
-/// A thread of its own (with its own runtime, so it runs while the test's
-/// runtime is starved) that locks `key`'s lease row and commits at `until`.
-async fn row_locked_until(pool: &PgPool, key: &str, until: Instant) -> std::thread::JoinHandle<()> {
-    let options = pool.connect_options().as_ref().clone();
-    let key = key.to_owned();
-    let (locked_tx, locked) = tokio::sync::oneshot::channel();
-    let thread = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        runtime.block_on(async move {
-            use sqlx::Connection;
-            let mut conn = sqlx::PgConnection::connect_with(&options)
-                .await
-                .expect("connect");
-            let mut tx = conn.begin().await.expect("begin");
-            sqlx::query("SELECT 1 FROM distlock.leases WHERE key_text = $1 FOR UPDATE")
-                .bind(&key)
-                .fetch_one(&mut *tx)
-                .await
-                .expect("lock the row");
-            let _ = locked_tx.send(());
-            tokio::time::sleep(until.saturating_duration_since(Instant::now())).await;
-            tx.commit().await.expect("commit");
+/// A connection on a thread of its own (with its own runtime, so it runs
+/// while the test's runtime is starved), opened before the lease is taken,
+/// that locks a lease's row on request and commits at a given instant.
+struct RowBlocker {
+    thread: std::thread::JoinHandle<()>,
+    lock: std::sync::mpsc::Sender<Instant>,
+    locked: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl RowBlocker {
+    async fn connect(pool: &PgPool, key: &str) -> Self {
+        let options = pool.connect_options().as_ref().clone();
+        let key = key.to_owned();
+        let (lock, requests) = std::sync::mpsc::channel::<Instant>();
+        let (connected_tx, connected) = tokio::sync::oneshot::channel();
+        let (locked_tx, locked) = tokio::sync::oneshot::channel();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                use sqlx::Connection;
+                let mut conn = sqlx::PgConnection::connect_with(&options)
+                    .await
+                    .expect("connect");
+                let mut tx = conn.begin().await.expect("begin");
+                let _ = connected_tx.send(());
+                let until = requests.recv().expect("a lock request");
+                sqlx::query("SELECT 1 FROM distlock.leases WHERE key_text = $1 FOR UPDATE")
+                    .bind(&key)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .expect("lock the row");
+                let _ = locked_tx.send(());
+                tokio::time::sleep(until.saturating_duration_since(Instant::now())).await;
+                tx.commit().await.expect("commit");
+            });
         });
-    });
-    locked.await.expect("the row is locked");
-    thread
+        connected.await.expect("the blocker connected");
+        Self {
+            thread,
+            lock,
+            locked,
+        }
+    }
+
+    /// Locks the row now, until `until`; returns once it is locked.
+    async fn lock_until(self, until: Instant) -> std::thread::JoinHandle<()> {
+        self.lock.send(until).expect("the blocker is waiting");
+        self.locked.await.expect("the row is locked");
+        self.thread
+    }
 }
 
 // ---- through PgBouncer -------------------------------------------------------

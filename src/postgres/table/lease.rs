@@ -27,7 +27,9 @@ use crate::{Error, FencingToken, LockKey, LossReason};
 ///
 /// Dropping it without [`release`](Self::release) never blocks: the renewal
 /// stops and the row is deleted in the background (1 round trip); without a
-/// runtime, or if that fails, the row expires after one TTL.
+/// runtime, or if that fails, the row expires after one TTL. A lease already
+/// lost (reported, or past its deadline by the clock) is left to its
+/// renewal task, which deletes the row when the lease would have expired.
 #[must_use = "the lease is released as soon as it is dropped"]
 pub struct TableLease {
     key: LockKey,
@@ -101,7 +103,11 @@ impl TableLease {
     /// have expired, not at once, so that nobody takes the key sooner after
     /// the holder could see the loss than the documented third of a TTL.
     fn left_to_renewal(&self) -> Option<LossReason> {
-        self.loss.reported().or_else(|| self.loss.ran_out())
+        if self.loss.reported().is_none() && self.loss.ran_out().is_none() {
+            return None;
+        }
+        // The reason the guard reports (the first it saw).
+        self.loss.loss()
     }
 
     /// The lease's owner, for the leader record of an election.
@@ -150,7 +156,8 @@ impl TableLease {
     /// [`LossReason::HeartbeatTimedOut`] even if the task has not run since
     /// (a starved runtime, a process stopped and continued), so a holder
     /// that looks before each protected write never writes on a lease past
-    /// its deadline. No round trip.
+    /// its deadline. The first reason seen is kept (the renewal task's, if
+    /// it reported before anyone looked). No round trip.
     pub fn loss(&self) -> Option<LossReason> {
         self.loss.loss()
     }

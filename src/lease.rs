@@ -149,6 +149,16 @@ pub trait Lease: Debug + Send + Sync {
     /// it.
     fn held_for(&self) -> Duration;
 
+    /// How long a lease with a time to live is still known to be held, by
+    /// this process's clock (zero once lost): `Some` for the lease table
+    /// and Redis (and a semaphore permit over them), `None` (the default)
+    /// for a lease that holds as long as its server session or its process
+    /// does (PostgreSQL's advisory locks, memory). Work that must finish
+    /// while the lease holds should fit into it. No round trip.
+    fn validity(&self) -> Option<Duration> {
+        None
+    }
+
     /// Releases the lease (on PostgreSQL and Redis 1 round trip; see each
     /// guard's `release` for its errors and cancel safety).
     async fn release(self: Box<Self>) -> Result<(), Error>;
@@ -157,7 +167,10 @@ pub trait Lease: Debug + Send + Sync {
 /// `impl Lease for $guard` by calling the guard's inherent methods of the
 /// same names, so that the trait and the type cannot drift apart. A guard on
 /// several keys names the inherent method that gives its first key
-/// (`keys = first_key`); its `keys()` is then forwarded too.
+/// (`keys = first_key`); its `keys()` is then forwarded too. A guard with a
+/// time to live names its inherent `validity` (`validity = validity` for
+/// one that answers a `Duration`, `validity = optional` for one that
+/// answers an `Option`).
 macro_rules! lease_from_inherent {
     ($guard:ty) => {
         $crate::lease::lease_from_inherent!(@impl $guard, key);
@@ -166,11 +179,19 @@ macro_rules! lease_from_inherent {
         $crate::lease::lease_from_inherent!(@impl $guard, $first,
             fn keys(&self) -> &[$crate::LockKey] { <$guard>::keys(self) });
     };
-    (@impl $guard:ty, $key:ident $(, $keys:item)?) => {
+    ($guard:ty, validity = validity) => {
+        $crate::lease::lease_from_inherent!(@impl $guard, key,
+            fn validity(&self) -> Option<::std::time::Duration> { Some(<$guard>::validity(self)) });
+    };
+    ($guard:ty, validity = optional) => {
+        $crate::lease::lease_from_inherent!(@impl $guard, key,
+            fn validity(&self) -> Option<::std::time::Duration> { <$guard>::validity(self) });
+    };
+    (@impl $guard:ty, $key:ident $(, $extra:item)?) => {
         #[::async_trait::async_trait]
         impl $crate::Lease for $guard {
             fn key(&self) -> &$crate::LockKey { <$guard>::$key(self) }
-            $($keys)?
+            $($extra)?
             fn fencing_token(&self) -> Option<$crate::FencingToken> { <$guard>::fencing_token(self) }
             async fn lost(&self) -> $crate::LossReason { <$guard>::lost(self).await }
             fn is_lost(&self) -> bool { <$guard>::is_lost(self) }

@@ -126,6 +126,18 @@ impl SemaphorePermit {
         self.acquired_at.elapsed()
     }
 
+    /// How long the slot's lease is still known to be held, where it has a
+    /// time to live (the lease table, Redis): see
+    /// [`Lease::validity`](crate::Lease::validity). `None` on PostgreSQL's
+    /// advisory locks and in memory; `Some(ZERO)` once lost. No round trip.
+    pub fn validity(&self) -> Option<Duration> {
+        match &self.held {
+            Held::Postgres(..) => None,
+            Held::Any(lease) => lease.validity(),
+            Held::Given => Some(Duration::ZERO),
+        }
+    }
+
     /// Releases the permit: what releasing the slot's lock costs (on
     /// PostgreSQL 1 round trip, whose unlock statement also announces the
     /// freed slot to waiting processes with a `NOTIFY`, no durable write;
@@ -163,4 +175,4 @@ impl Drop for SemaphorePermit {
         }
     }
 }
-crate::lease::lease_from_inherent!(SemaphorePermit);
+crate::lease::lease_from_inherent!(SemaphorePermit, validity = optional);

@@ -160,4 +160,4 @@ impl RedisLease {
     }
 }
 
-crate::lease::lease_from_inherent!(RedisLease);
+crate::lease::lease_from_inherent!(RedisLease, validity = validity);

@@ -303,7 +303,7 @@ macro_rules! kind {
     (leader_pooled, $($rest:tt)*) => { cases!(leader_pooled, leader, $($rest)*;
         behind_a_pooler); };
     (ttl, $($rest:tt)*) => { cases!(ttl, ttl, $($rest)*;
-        starved_past_its_deadline_is_lost_at_first_look); };
+        starved_past_its_deadline_is_lost_at_first_look, permits_tell_their_validity); };
 }
 
 macro_rules! cases {

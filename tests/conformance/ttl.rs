@@ -12,6 +12,11 @@ pub(crate) async fn starved_past_its_deadline_is_lost_at_first_look(backend: &im
     let k = key("ttl:starved");
     let held = a.try_lock(k.clone()).await.unwrap().expect("free key");
     assert!(!held.is_lost());
+    let validity = held.validity().expect("a lease with a time to live");
+    assert!(
+        validity > Duration::ZERO && validity <= backend.ttl(),
+        "{validity:?}"
+    );
     // A whole TTL: past the deadline of every backend, before its keeper
     // (a task of this runtime) has run again.
     let starved = common::starve_runtime(backend.ttl());
@@ -23,6 +28,7 @@ pub(crate) async fn starved_past_its_deadline_is_lost_at_first_look(backend: &im
         "not lost at the first look past the deadline: {reason:?}"
     );
     assert_eq!(held.loss(), reason, "the first reason is kept");
+    assert_eq!(held.validity(), Some(Duration::ZERO));
     common::bounded("lost()", Duration::from_millis(100), held.lost()).await;
     // The keeper runs again: whatever it finds, the loss stands.
     for _ in 0..5 {
@@ -34,4 +40,20 @@ pub(crate) async fn starved_past_its_deadline_is_lost_at_first_look(backend: &im
         "releasing a lost lease is an error"
     );
     free_soon(b.as_ref(), &k, LOSS_NOTICED_WITHIN, "after the loss").await;
+}
+
+pub(crate) async fn permits_tell_their_validity(backend: &impl TtlBackend) {
+    let (semaphore, _) = backend.semaphores("ttl:permits", 1);
+    let permit = semaphore
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("a free permit");
+    let validity = permit.validity();
+    assert!(
+        validity.is_some_and(|left| left > Duration::ZERO && left <= backend.ttl()),
+        "{validity:?}"
+    );
+    assert!(Lease::validity(&permit).is_some(), "the trait says so too");
+    permit.release().await.unwrap();
 }

@@ -3,8 +3,9 @@
 //! `release`), inherent and through [`Lease`], and they tell the truth:
 //! `held_for` grows, `loss()` is `None` while held and `Some` once the
 //! backend took the lock away, agreeing with `is_lost()` and `lost()`,
-//! `fencing_token` is `Some` exactly where fencing is on, and `release`
-//! frees the key (or says the lease was lost).
+//! `fencing_token` is `Some` exactly where fencing is on, `validity` is
+//! `Some` exactly for leases with a time to live (and zero once lost), and
+//! `release` frees the key (or says the lease was lost).
 //!
 //! `a_guard_whose_loss_ignores_the_state_is_caught` and
 //! `a_guard_whose_clock_stands_still_is_caught` show the check can fail.
@@ -63,6 +64,9 @@ async fn tells_the_truth(
     if lease.is_lost() || lease.loss().is_some() {
         return Err(format!("lost while held: {:?}", lease.loss()));
     }
+    if lease.validity() == Some(Duration::ZERO) {
+        return Err("validity() is zero while held".into());
+    }
     if tokio::time::timeout(Duration::from_millis(50), lease.lost())
         .await
         .is_ok()
@@ -92,6 +96,9 @@ async fn tells_the_truth(
     }
     if !lease.is_lost() {
         return Err("is_lost() is false after lost() completed".into());
+    }
+    if lease.validity().is_some_and(|left| left > Duration::ZERO) {
+        return Err(format!("validity() is {:?} once lost", lease.validity()));
     }
     match lease.release().await {
         Err(Error::LockLost { .. }) => Ok(()),
@@ -155,6 +162,7 @@ async fn session_lock_case(pool: PgPool, locker: PgLocker, fenced: bool) {
         .unwrap()
         .expect("free");
     inherent_vocabulary!(lock, key);
+    assert!(Lease::validity(&lock).is_none(), "no time to live");
     tells_the_truth(Box::new(lock), &key, fenced, terminate_holders(&pool))
         .await
         .unwrap();
@@ -193,6 +201,7 @@ async fn multi_lock(pool: PgPool) {
     let lock = locker.try_lock_all(names).await.unwrap().expect("free");
     inherent_vocabulary!(lock, keys);
     assert_eq!(lock.keys(), given, "inherent keys(), in the order given");
+    assert!(Lease::validity(&lock).is_none(), "no time to live");
     tells_the_truth(Box::new(lock), &given, false, terminate_holders(&pool))
         .await
         .unwrap();
@@ -227,6 +236,7 @@ async fn table_lease(pool: PgPool) {
             .await
             .expect("delete the row");
     };
+    assert!(Lease::validity(&lease).is_some(), "a time to live");
     tells_the_truth(Box::new(lease), &key, true, cut)
         .await
         .unwrap();
@@ -265,6 +275,7 @@ mod redis {
         let cut = async {
             let _: i64 = server.run(&["DEL", "vocabulary:redis"]).await;
         };
+        assert!(Lease::validity(&lease).is_some(), "a time to live");
         tells_the_truth(Box::new(lease), &key, true, cut)
             .await
             .unwrap();
@@ -297,6 +308,7 @@ mod redis {
                 let _: i64 = server.run(&["DEL", "vocabulary:redlock"]).await;
             }
         };
+        assert!(Lease::validity(&lease).is_some(), "a time to live");
         tells_the_truth(Box::new(lease), &key, false, cut)
             .await
             .unwrap();
@@ -324,6 +336,7 @@ async fn memory_lease() {
     let cut = async {
         assert!(locker.lose("vocabulary:memory"), "someone held it");
     };
+    assert!(Lease::validity(&lease).is_none(), "no time to live");
     tells_the_truth(Box::new(lease), &key, true, cut)
         .await
         .unwrap();

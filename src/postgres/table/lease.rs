@@ -265,4 +265,4 @@ impl Drop for TableLease {
     }
 }
 
-crate::lease::lease_from_inherent!(TableLease);
+crate::lease::lease_from_inherent!(TableLease, validity = validity);

@@ -1,9 +1,10 @@
 //! Leases with a time to live (the lease table, Redis, Redlock): past its
 //! deadline a lease is lost at its holder's first look, even if its keeper
 //! could not run meanwhile (a long blocking call, a process stopped and
-//! continued), and a loss once seen is never taken back. A backend whose
-//! locks live as long as their server session (PostgreSQL's advisory
-//! locks) or its process (memory) has no deadline, and no such case.
+//! continued), and a loss once seen is never taken back; leases and
+//! semaphore permits tell their `validity()`. A backend whose locks live
+//! as long as their server session (PostgreSQL's advisory locks) or its
+//! process (memory) has no deadline, and no such case.
 
 use super::*;
 

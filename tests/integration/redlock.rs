@@ -366,11 +366,17 @@ async fn watchdog_survives_a_minority_and_loses_the_lease_without_quorum() -> an
     assert!(pttl > 0, "extended on the live nodes");
 
     servers[2].kill();
-    let reason = tokio::time::timeout(SHORT_TTL * 2, lease.lost()).await?;
+    // Without a quorum no extension lands, so the validity runs out: the
+    // watchdog reports its failed or unanswered extension, the lease's own
+    // clock reports `Expired`, and which is seen first depends on how the
+    // two tasks are scheduled (a loaded machine has shown both).
+    let reason = tokio::time::timeout(SHORT_TTL * 5, lease.lost()).await?;
     assert!(
         matches!(
             reason,
-            LossReason::ConnectionFailed(_) | LossReason::HeartbeatTimedOut(_)
+            LossReason::ConnectionFailed(_)
+                | LossReason::HeartbeatTimedOut(_)
+                | LossReason::Expired
         ),
         "{reason:?}"
     );

@@ -15,7 +15,11 @@
 //! continued) learns it at its first look, not at the keeper's next turn.
 //! Such a guard keeps the first reason it saw (the clock's, or the
 //! keeper's if that came first), so `loss()` and `lost()` keep agreeing
-//! when the keeper reports its own reason a moment later.
+//! when the keeper reports its own reason a moment later. A keeper whose
+//! renewals have been failing tells the validity why
+//! ([`Validity::failing`]): while it retries, the clock reports that
+//! reason (a refused connection, say) rather than its own, so the holder
+//! learns why the renewals failed even if the clock is read first.
 
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep_until};
@@ -36,12 +40,22 @@ pub(crate) struct LossState {
     expiry: Option<Box<Expiry>>,
 }
 
+/// Until when a lease is known held, and why its renewals are failing if
+/// they are.
+#[derive(Debug, Clone)]
+struct Window {
+    until: Instant,
+    /// The last failure of a renewal since the last one that succeeded.
+    failing: Option<LossReason>,
+}
+
 /// The guard's end of a lease's validity.
 #[derive(Debug, Clone)]
 struct Expiry {
-    until: watch::Receiver<Instant>,
-    /// What the guard reports once the clock passed `until` before the
-    /// keeper said anything.
+    window: watch::Receiver<Window>,
+    /// What the guard reports once the clock passed the window's end before
+    /// the keeper said anything, unless the keeper said why its renewals
+    /// fail.
     reason: LossReason,
     /// The first reason this guard reported, kept.
     seen: std::sync::OnceLock<LossReason>,
@@ -51,13 +65,13 @@ struct Expiry {
 /// after each renewal the server confirmed.
 #[derive(Debug)]
 pub(crate) struct Validity {
-    tx: watch::Sender<Instant>,
+    tx: watch::Sender<Window>,
 }
 
 impl Validity {
     /// Until when the lease is known held.
     pub(crate) fn until(&self) -> Instant {
-        *self.tx.borrow()
+        self.tx.borrow().until
     }
 
     /// Moves the validity to `until`; `false`, changing nothing, if it had
@@ -66,16 +80,34 @@ impl Validity {
     /// reported the loss by the clock, and a loss is never taken back. The
     /// check and the move happen under the channel's lock, which the guard
     /// holds while it reads the clock, so the two cannot interleave.
+    /// A renewal that succeeds also clears the failure noted before it.
     pub(crate) fn extend(&self, until: Instant) -> bool {
         let mut moved = false;
         self.tx.send_if_modified(|current| {
-            moved = Instant::now() < *current;
+            moved = Instant::now() < current.until;
             if moved {
-                *current = until;
+                *current = Window {
+                    until,
+                    failing: None,
+                };
             }
             moved
         });
         moved
+    }
+
+    /// Notes why a renewal failed while the keeper retries: should the
+    /// validity run out before the keeper reports the loss, the guard gives
+    /// this reason. Ignored once the validity has run out, so the reason a
+    /// guard reads by the clock does not change after the fact.
+    pub(crate) fn failing(&self, reason: LossReason) {
+        self.tx.send_if_modified(|current| {
+            let open = Instant::now() < current.until;
+            if open {
+                current.failing = Some(reason);
+            }
+            open
+        });
     }
 }
 
@@ -94,9 +126,12 @@ pub(crate) fn channel_with_validity(
     by_clock: LossReason,
 ) -> (LossSender, Validity, LossState) {
     let (tx, mut state) = channel(orphaned);
-    let (validity, until) = watch::channel(until);
-    state.expiry = Some(Box::new(Expiry {
+    let (validity, window) = watch::channel(Window {
         until,
+        failing: None,
+    });
+    state.expiry = Some(Box::new(Expiry {
+        window,
         reason: by_clock,
         seen: std::sync::OnceLock::new(),
     }));
@@ -104,30 +139,37 @@ pub(crate) fn channel_with_validity(
 }
 
 impl Expiry {
-    /// The clock's reason, if the validity has run out. The clock is read
+    /// The clock's reason, if the validity has run out: why the renewals
+    /// failed, if the keeper said, else the clock's own. The clock is read
     /// while the channel is borrowed (see [`Validity::extend`]).
     fn ran_out(&self) -> Option<LossReason> {
-        let until = self.until.borrow();
-        (Instant::now() >= *until).then(|| self.reason.clone())
+        let window = self.window.borrow();
+        (Instant::now() >= window.until).then(|| {
+            window
+                .failing
+                .clone()
+                .unwrap_or_else(|| self.reason.clone())
+        })
     }
 
     /// Until when the lease is known held.
     fn until(&self) -> Instant {
-        *self.until.borrow()
+        self.window.borrow().until
     }
 
     /// Completes once the validity has run out.
     async fn run_out(&self) -> LossReason {
-        let mut until = self.until.clone();
+        let mut window = self.window.clone();
         loop {
             if let Some(reason) = self.ran_out() {
                 return reason;
             }
-            let at = *until.borrow_and_update();
+            let at = window.borrow_and_update().until;
             tokio::select! {
                 () = sleep_until(at) => {}
-                // Extended (or the keeper gone, the instant final): look again.
-                changed = until.changed() => {
+                // Extended or a failure noted (or the keeper gone, the
+                // window final): look again.
+                changed = window.changed() => {
                     if changed.is_err() {
                         sleep_until(at).await;
                     }
@@ -294,6 +336,56 @@ mod tests {
         tx.send_replace(Some(LossReason::NotHeld));
         assert_eq!(state.lost().await, LossReason::NotHeld);
         assert_eq!(state.loss(), Some(LossReason::NotHeld));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_the_keeper_noted_is_the_clocks_reason() {
+        let ms = std::time::Duration::from_millis;
+        let start = Instant::now();
+        let refused = LossReason::ConnectionFailed("refused".into());
+        let (_tx, validity, state) = channel_with_validity(
+            LossReason::KeeperStopped,
+            start + ms(100),
+            LossReason::Expired,
+        );
+        // A failure, then a renewal that lands: the note is cleared.
+        validity.failing(refused.clone());
+        assert!(validity.extend(start + ms(200)));
+        tokio::time::sleep(ms(150)).await;
+        validity.failing(LossReason::NotHeld);
+        validity.failing(refused.clone());
+        assert_eq!(state.loss(), None, "a noted failure is not a loss");
+        // The keeper is still retrying as the validity runs out: the guard
+        // gives the last failure, waking at the window's end.
+        assert_eq!(state.lost().await, refused);
+        assert_eq!(Instant::now(), start + ms(200));
+        assert_eq!(state.loss(), Some(refused.clone()));
+        // Noted too late: ignored.
+        validity.failing(LossReason::NotHeld);
+        assert_eq!(state.loss(), Some(refused));
+        // Noted while `lost()` waits: it wakes at the window's end all the
+        // same, with the note.
+        let (_tx, validity, state) = channel_with_validity(
+            LossReason::KeeperStopped,
+            start + ms(260),
+            LossReason::Expired,
+        );
+        let waiting = tokio::spawn(async move { (state.lost().await, Instant::now()) });
+        tokio::time::sleep(ms(30)).await;
+        validity.failing(LossReason::NotHeld);
+        assert_eq!(
+            waiting.await.expect("lost()"),
+            (LossReason::NotHeld, start + ms(260))
+        );
+        // Cleared by the renewal: a later run-out is the clock's own.
+        let (_tx, validity, state) = channel_with_validity(
+            LossReason::KeeperStopped,
+            start + ms(300),
+            LossReason::Expired,
+        );
+        validity.failing(LossReason::NotHeld);
+        assert!(validity.extend(start + ms(400)));
+        assert_eq!(state.lost().await, LossReason::Expired);
     }
 
     #[tokio::test(start_paused = true)]

@@ -97,11 +97,14 @@ impl RedisLease {
     /// an extension found the key gone or holding another token (on too
     /// many nodes, for Redlock: [`LossReason::Expired`]), failed
     /// ([`LossReason::ConnectionFailed`]), or got no reply before the
-    /// validity ran out ([`LossReason::HeartbeatTimedOut`]). It watches the
-    /// clock too: once the [`validity`](Self::validity) has run out it
-    /// completes with [`LossReason::Expired`], unless the watchdog reported
-    /// its reason first; whichever comes first is the one
-    /// [`loss`](Self::loss) keeps reporting.
+    /// validity ran out ([`LossReason::HeartbeatTimedOut`]; for Redlock
+    /// also when every node that kept a quorum out was silent past its
+    /// command deadline). It watches the clock too: once the
+    /// [`validity`](Self::validity) has run out it completes with
+    /// [`LossReason::Expired`] (or, if the watchdog was retrying
+    /// extensions that failed, with the reason of that failure), unless the
+    /// watchdog reported its reason first; whichever comes first is the
+    /// one [`loss`](Self::loss) keeps reporting.
     ///
     /// ```no_run
     /// # async fn demo(lease: distlock::redis::RedisLease) -> Result<(), distlock::Error> {
@@ -129,7 +132,8 @@ impl RedisLease {
 
     /// Why the lease was lost, if it was: `None` while it is held,
     /// [`LossReason::Expired`] once the validity ran out by the clock even
-    /// before the watchdog noticed. The first reason seen is kept. No round
+    /// before the watchdog noticed (the failure it was retrying on, if it
+    /// was: Redlock without a quorum). The first reason seen is kept. No round
     /// trip.
     pub fn loss(&self) -> Option<LossReason> {
         self.handle.loss()

@@ -508,8 +508,17 @@ impl Tally {
         }
     }
 
+    /// Why the nodes that failed kept a quorum out: a node that failed
+    /// outright says more than a silent one, and when every one was silent
+    /// the extension got no answer in time, as a single server's would.
     fn loss(&self) -> LossReason {
-        match self.failed.first() {
+        let failed = self
+            .failed
+            .iter()
+            .find(|(_, failure)| !matches!(failure, Failure::TimedOut(_)))
+            .or_else(|| self.failed.first());
+        match failed {
+            Some((_, Failure::TimedOut(after))) => LossReason::HeartbeatTimedOut(*after),
             Some((node, failure)) => LossReason::ConnectionFailed(format!("{node}: {failure}")),
             None => LossReason::Expired,
         }

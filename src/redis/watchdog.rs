@@ -108,8 +108,9 @@ impl Handle {
         self.loss.is_lost()
     }
 
-    /// What the watchdog reported, or [`LossReason::Expired`] once the
-    /// validity ran out by the clock.
+    /// What the watchdog reported, or, once the validity ran out by the
+    /// clock, the failure the watchdog was retrying on or else
+    /// [`LossReason::Expired`].
     pub(crate) fn loss(&self) -> Option<LossReason> {
         self.loss.loss()
     }
@@ -199,6 +200,9 @@ impl<B: Backend> Watchdog<B> {
                 let retry_at = Instant::now() + self.claim.ttl / 10;
                 if retry_at < valid_until {
                     tracing::debug!(%reason, "distlock lease extension incomplete; retrying");
+                    // Should the validity run out before a retry lands, the
+                    // guard reports this, not a bare `Expired`.
+                    self.validity.failing(reason);
                     Ok(retry_at)
                 } else {
                     Err(reason)

@@ -83,6 +83,13 @@ impl RedisServer {
         }
     }
 
+    /// Kills the server (SIGKILL, like a crash) without waiting: its
+    /// connections are refused a moment later; the process is reaped on
+    /// drop.
+    pub fn crash(&self) {
+        self.signal(nix::sys::signal::Signal::SIGKILL);
+    }
+
     /// Stops the server's process (SIGSTOP): connections stay open and
     /// nothing answers, as on a stalled host, until [`resume`](Self::resume).
     pub fn pause(&self) {

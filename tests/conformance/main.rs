@@ -13,7 +13,7 @@
 //! | upgradeable read leases ([`distlock::UpgradeableLocker`]) | `upgradeable.rs` | PostgreSQL (default, fenced, multiplexed) |
 //! | [`distlock::Semaphore`] | `semaphore.rs` | all |
 //! | [`distlock::LeaderElection`] (terms, `leader()` and `observe()` where the backend records leaders: [`distlock::ElectionLocker`]) | `leader.rs` | all |
-//! | leases with a time to live: lost by the clock past their deadline, even with their keeper starved | `ttl.rs` | lease table, Redis, Redlock |
+//! | leases with a time to live: lost by the clock past their deadline, even with their keeper starved, with the reason its failing renewals gave | `ttl.rs` | lease table, Redis, Redlock |
 //!
 //! Besides its behaviour, each kind has its fault cases: dropped at every
 //! `.await` (`common::drop_after`; in the default run each of the first
@@ -81,6 +81,15 @@ trait TtlBackend: Backend {
     /// The lockers' TTL: a lease is lost, by the clock, at the latest this
     /// long after its last renewal.
     fn ttl(&self) -> Duration;
+
+    /// From now on every renewal of the first locker's leases fails at once
+    /// (its server gone, its pool closed), as opposed to getting no answer.
+    async fn refuse_renewals(&self);
+
+    /// Whether `reason` is what this backend's keeper gives for renewals
+    /// refused by [`refuse_renewals`](Self::refuse_renewals), as opposed to
+    /// the reason its clock gives on its own.
+    fn is_refused_renewal(&self, reason: &LossReason) -> bool;
 }
 
 /// A backend with shared leases.
@@ -303,7 +312,8 @@ macro_rules! kind {
     (leader_pooled, $($rest:tt)*) => { cases!(leader_pooled, leader, $($rest)*;
         behind_a_pooler); };
     (ttl, $($rest:tt)*) => { cases!(ttl, ttl, $($rest)*;
-        starved_past_its_deadline_is_lost_at_first_look, permits_tell_their_validity); };
+        starved_past_its_deadline_is_lost_at_first_look, permits_tell_their_validity,
+        a_failing_keepers_reason_outlives_its_deadline); };
 }
 
 macro_rules! cases {
@@ -585,6 +595,20 @@ impl TtlBackend for Table {
     fn ttl(&self) -> Duration {
         Self::TTL
     }
+
+    async fn refuse_renewals(&self) {
+        // The first locker's pool (in `Table::new`; the pooled variant's
+        // lockers have pools of their own and do not run the `ttl` kind):
+        // closed at once, what `close()` waits for afterwards is its
+        // connections coming back.
+        let closing = self.pool.close();
+        drop(closing);
+    }
+
+    fn is_refused_renewal(&self, reason: &LossReason) -> bool {
+        // The clock's own reason is `HeartbeatTimedOut`.
+        matches!(reason, LossReason::ConnectionFailed(_))
+    }
 }
 
 #[async_trait]
@@ -666,6 +690,19 @@ mod redis_backends {
         fn ttl(&self) -> Duration {
             TTL
         }
+
+        async fn refuse_renewals(&self) {
+            self.server.crash();
+        }
+
+        fn is_refused_renewal(&self, reason: &LossReason) -> bool {
+            // The clock's own reason is `Expired`; a reconnect that hangs
+            // past the node's deadline is `HeartbeatTimedOut`.
+            matches!(
+                reason,
+                LossReason::ConnectionFailed(_) | LossReason::HeartbeatTimedOut(_)
+            )
+        }
     }
 
     /// `Redlock` over three private `redis-server`s.
@@ -713,6 +750,21 @@ mod redis_backends {
     impl TtlBackend for Quorum {
         fn ttl(&self) -> Duration {
             TTL
+        }
+
+        async fn refuse_renewals(&self) {
+            // Two of three: no quorum, and the failing nodes might come
+            // back, so the watchdog retries while the validity lasts.
+            for server in &self.servers[..2] {
+                server.crash();
+            }
+        }
+
+        fn is_refused_renewal(&self, reason: &LossReason) -> bool {
+            matches!(
+                reason,
+                LossReason::ConnectionFailed(_) | LossReason::HeartbeatTimedOut(_)
+            )
         }
     }
 }

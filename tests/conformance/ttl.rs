@@ -1,7 +1,8 @@
 //! Leases with a time to live (the lease table, Redis, Redlock): past its
 //! deadline a lease is lost at its holder's first look, even if its keeper
 //! could not run meanwhile (a long blocking call, a process stopped and
-//! continued), and a loss once seen is never taken back; leases and
+//! continued), and a loss once seen is never taken back; a keeper whose
+//! renewals failed meanwhile gives the guard its reason; leases and
 //! semaphore permits tell their `validity()`. A backend whose locks live
 //! as long as their server session (PostgreSQL's advisory locks) or its
 //! process (memory) has no deadline, and no such case.
@@ -41,6 +42,39 @@ pub(crate) async fn starved_past_its_deadline_is_lost_at_first_look(backend: &im
         "releasing a lost lease is an error"
     );
     free_soon(b.as_ref(), &k, LOSS_NOTICED_WITHIN, "after the loss").await;
+}
+
+/// A keeper whose renewals fail (refused, not unanswered) retries until
+/// the deadline; a holder that first looks past it, its keeper starved
+/// since, learns why the renewals failed rather than only that the time
+/// ran out. (A single Redis server's watchdog gives up at the first
+/// refusal, so there the keeper reports before the deadline.)
+pub(crate) async fn a_failing_keepers_reason_outlives_its_deadline(backend: &impl TtlBackend) {
+    let (a, _) = backend.lockers();
+    let held = a
+        .try_lock(key("ttl:failing"))
+        .await
+        .unwrap()
+        .expect("free key");
+    let validity = held.validity().expect("a lease with a time to live");
+    backend.refuse_renewals().await;
+    // A quarter of a TTL before the deadline: the first renewal (a quarter
+    // or a third of a TTL in) has failed by then, and the keeper still
+    // retries (the lease table's until the deadline, Redlock's until its
+    // next retry would come too late, a tenth of a TTL before it). Then
+    // past the deadline with the keeper starved.
+    tokio::time::sleep(validity.saturating_sub(backend.ttl() / 4)).await;
+    let starved = common::starve_runtime(backend.ttl() / 4 + backend.ttl() / 5);
+    let reason = held.loss();
+    drop(starved);
+    let reason = reason.expect("lost past the deadline");
+    assert!(
+        backend.is_refused_renewal(&reason),
+        "the renewals' failure, not the clock's own reason: {reason:?}"
+    );
+    let told = common::bounded("lost()", Duration::from_millis(100), held.lost()).await;
+    assert_eq!(told, reason, "the first reason is kept");
+    assert!(held.release().await.is_err(), "released after its loss");
 }
 
 pub(crate) async fn permits_tell_their_validity(backend: &impl TtlBackend) {

@@ -367,9 +367,9 @@ async fn watchdog_survives_a_minority_and_loses_the_lease_without_quorum() -> an
 
     servers[2].kill();
     // Without a quorum no extension lands, so the validity runs out: the
-    // watchdog reports its failed or unanswered extension, the lease's own
-    // clock reports `Expired`, and which is seen first depends on how the
-    // two tasks are scheduled (a loaded machine has shown both).
+    // watchdog reports its failed or unanswered extension, or the lease's
+    // own clock does, with the failure the watchdog was retrying on, or
+    // `Expired` if on a loaded machine no retry ran before the deadline.
     let reason = tokio::time::timeout(SHORT_TTL * 5, lease.lost()).await?;
     assert!(
         matches!(
@@ -381,6 +381,32 @@ async fn watchdog_survives_a_minority_and_loses_the_lease_without_quorum() -> an
         "{reason:?}"
     );
     assert!(matches!(lease.release().await, Err(Error::LockLost { .. })));
+    Ok(())
+}
+
+/// Extensions that a majority leaves unanswered (paused: SIGSTOP) lose the
+/// lease as unanswered (`HeartbeatTimedOut`), whether the watchdog reports
+/// it or the lease's own clock with the failure the watchdog was retrying
+/// on: silence is not a failed connection. (`Expired`, the clock's own
+/// reason, only if on a loaded machine no retry ran before the deadline.)
+#[tokio::test]
+async fn silent_nodes_lose_the_lease_as_unanswered() -> anyhow::Result<()> {
+    let servers = servers(3).await;
+    let redlock = redlock_with(&servers, |b| b.ttl(SHORT_TTL)).await;
+    let lease = redlock.try_lock("jobs:silent").await?.expect("free lock");
+    servers[0].pause();
+    servers[1].pause();
+    let reason = tokio::time::timeout(SHORT_TTL * 5, lease.lost()).await;
+    servers[0].resume();
+    servers[1].resume();
+    let reason = reason?;
+    assert!(
+        matches!(
+            reason,
+            LossReason::HeartbeatTimedOut(_) | LossReason::Expired
+        ),
+        "{reason:?}"
+    );
     Ok(())
 }
 

@@ -154,7 +154,9 @@ impl TableLease {
     /// this process's clock as well as the renewal task's reports: two
     /// thirds of a TTL after the last renewal that succeeded was sent, it is
     /// [`LossReason::HeartbeatTimedOut`] even if the task has not run since
-    /// (a starved runtime, a process stopped and continued), so a holder
+    /// (a starved runtime, a process stopped and continued), or
+    /// [`LossReason::ConnectionFailed`] if the task's renewals had been
+    /// failing with an error (the task's own reason then), so a holder
     /// that looks before each protected write never writes on a lease past
     /// its deadline. The first reason seen is kept (the renewal task's, if
     /// it reported before anyone looked). No round trip.

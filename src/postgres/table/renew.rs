@@ -89,6 +89,10 @@ impl Renewal {
                     Ok(Err(err)) => {
                         tracing::debug!(key = %self.key, error = %err, "distlock lease renewal failed; retrying");
                         last_error = Some(err.to_string());
+                        // The guard's reason, should its clock see the
+                        // deadline pass before this task reports.
+                        self.validity
+                            .failing(LossReason::ConnectionFailed(err.to_string()));
                         sleep_until((Instant::now() + pause).min(deadline)).await;
                     }
                     // Its connection is closed (see `renew_once`); the next

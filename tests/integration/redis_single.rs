@@ -158,6 +158,37 @@ async fn another_owners_token_makes_lost_fire() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A lease lost by the clock (its runtime starved past the validity) is
+/// lost for `release()` too, at once, even though its key still holds its
+/// token on the server (its TTL lengthened behind its back here): the
+/// holder has been told the lease is lost, and a release answering `Ok`
+/// would say the opposite. Without the key lengthened, the watchdog's
+/// compare-and-delete would also find the key expired.
+#[tokio::test]
+async fn a_release_past_the_validity_is_lock_lost_though_the_key_remains() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker_with(&server, |b| b.ttl(SHORT_TTL)).await;
+    let lease = locker.try_lock("jobs:outlived").await?.expect("free lock");
+    let lengthened: i64 = server.run(&["PEXPIRE", "jobs:outlived", "60000"]).await;
+    assert_eq!(lengthened, 1);
+    // Past the validity before the watchdog's first extension could run;
+    // released before it runs (it would find the lease lost and delete the
+    // key itself).
+    drop(common::starve_runtime(SHORT_TTL));
+    let released = lease.release().await;
+    assert!(
+        matches!(
+            released,
+            Err(Error::LockLost {
+                reason: LossReason::Expired,
+                ..
+            })
+        ),
+        "{released:?}"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn server_death_makes_lost_fire() -> anyhow::Result<()> {
     let mut server = RedisServer::start().await;

@@ -88,11 +88,12 @@ impl Renewal {
                     Ok(Ok(false)) => return self.lose(LossReason::Expired, last_ok).await,
                     Ok(Err(err)) => {
                         tracing::debug!(key = %self.key, error = %err, "distlock lease renewal failed; retrying");
-                        last_error = Some(err.to_string());
+                        let err = err.to_string();
                         // The guard's reason, should its clock see the
                         // deadline pass before this task reports.
                         self.validity
-                            .failing(LossReason::ConnectionFailed(err.to_string()));
+                            .failing(LossReason::ConnectionFailed(err.clone()));
+                        last_error = Some(err);
                         sleep_until((Instant::now() + pause).min(deadline)).await;
                     }
                     // Its connection is closed (see `renew_once`); the next

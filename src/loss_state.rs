@@ -16,10 +16,14 @@
 //! Such a guard keeps the first reason it saw (the clock's, or the
 //! keeper's if that came first), so `loss()` and `lost()` keep agreeing
 //! when the keeper reports its own reason a moment later. A keeper whose
-//! renewals have been failing tells the validity why
-//! ([`Validity::failing`]): while it retries, the clock reports that
-//! reason (a refused connection, say) rather than its own, so the holder
-//! learns why the renewals failed even if the clock is read first.
+//! renewals have been failing, or whose renewal is still unanswered, tells
+//! the validity why ([`Validity::failing`]): while it retries, the clock
+//! reports that reason (a refused connection, say) rather than its own, so
+//! the holder learns why the renewals failed even if the clock is read
+//! first. A keeper that finds the lease lost settles its reason with the
+//! validity ([`Validity::lose`]): before the deadline its own reason ends
+//! the validity, after it the clock's reason is the keeper's too, so the
+//! reason a holder reads does not depend on which task ran first.
 
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep_until};
@@ -45,18 +49,27 @@ pub(crate) struct LossState {
 #[derive(Debug, Clone)]
 struct Window {
     until: Instant,
-    /// The last failure of a renewal since the last one that succeeded.
+    /// The last failure of a renewal since the last one that succeeded (a
+    /// renewal still unanswered counts).
     failing: Option<LossReason>,
+    /// What the guard reports once the clock passed `until` before the
+    /// keeper said anything, unless the keeper noted a failure.
+    by_clock: LossReason,
+}
+
+impl Window {
+    /// The clock's reason, once `until` has passed.
+    fn reason(&self) -> LossReason {
+        self.failing
+            .clone()
+            .unwrap_or_else(|| self.by_clock.clone())
+    }
 }
 
 /// The guard's end of a lease's validity.
 #[derive(Debug, Clone)]
 struct Expiry {
     window: watch::Receiver<Window>,
-    /// What the guard reports once the clock passed the window's end before
-    /// the keeper said anything, unless the keeper said why its renewals
-    /// fail.
-    reason: LossReason,
     /// The first reason this guard reported, kept.
     seen: std::sync::OnceLock<LossReason>,
 }
@@ -86,10 +99,8 @@ impl Validity {
         self.tx.send_if_modified(|current| {
             moved = Instant::now() < current.until;
             if moved {
-                *current = Window {
-                    until,
-                    failing: None,
-                };
+                current.until = until;
+                current.failing = None;
             }
             moved
         });
@@ -108,6 +119,26 @@ impl Validity {
             }
             open
         });
+    }
+
+    /// The reason a keeper that found the lease lost reports: `found` while
+    /// the validity lasts, and the validity ends there, on that reason;
+    /// once it has run out, the reason the guard's clock gives (the
+    /// failure noted last, or the clock's own). So the keeper's report and
+    /// the guard's look at the clock agree, whichever comes first: the
+    /// reason does not depend on which task the runtime ran first.
+    pub(crate) fn lose(&self, found: LossReason) -> LossReason {
+        let mut reason = found;
+        self.tx.send_modify(|current| {
+            let now = Instant::now();
+            if now < current.until {
+                current.until = now;
+                current.failing = Some(reason.clone());
+            } else {
+                reason = current.reason();
+            }
+        });
+        reason
     }
 }
 
@@ -129,10 +160,10 @@ pub(crate) fn channel_with_validity(
     let (validity, window) = watch::channel(Window {
         until,
         failing: None,
+        by_clock,
     });
     state.expiry = Some(Box::new(Expiry {
         window,
-        reason: by_clock,
         seen: std::sync::OnceLock::new(),
     }));
     (tx, Validity { tx: validity }, state)
@@ -144,12 +175,7 @@ impl Expiry {
     /// while the channel is borrowed (see [`Validity::extend`]).
     fn ran_out(&self) -> Option<LossReason> {
         let window = self.window.borrow();
-        (Instant::now() >= window.until).then(|| {
-            window
-                .failing
-                .clone()
-                .unwrap_or_else(|| self.reason.clone())
-        })
+        (Instant::now() >= window.until).then(|| window.reason())
     }
 
     /// Until when the lease is known held.
@@ -386,6 +412,50 @@ mod tests {
         validity.failing(LossReason::NotHeld);
         assert!(validity.extend(start + ms(400)));
         assert_eq!(state.lost().await, LossReason::Expired);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_keeper_and_the_clock_give_one_reason_whoever_is_first() {
+        let ms = std::time::Duration::from_millis;
+        let start = Instant::now();
+        let refused = LossReason::ConnectionFailed("refused".into());
+        let unanswered = LossReason::HeartbeatTimedOut(ms(100));
+        // The keeper finds the loss in time, and reports it only after the
+        // validity would have run out (a task preempted between the two):
+        // the guard, looking in between, reads the keeper's reason.
+        let (tx, validity, state) = channel_with_validity(
+            LossReason::KeeperStopped,
+            start + ms(100),
+            LossReason::Expired,
+        );
+        let found = validity.lose(LossReason::NotHeld);
+        assert_eq!(found, LossReason::NotHeld);
+        assert_eq!(state.validity(), Some(std::time::Duration::ZERO));
+        tokio::time::sleep(ms(150)).await;
+        assert_eq!(state.loss(), Some(LossReason::NotHeld));
+        tx.send_replace(Some(found));
+        assert_eq!(state.lost().await, LossReason::NotHeld);
+        // The keeper finds it only past the validity: it reports what the
+        // guard's clock gives, the failure noted last (an extension sent
+        // and unanswered), whichever of the two is read first.
+        let (_tx, validity, state) = channel_with_validity(
+            LossReason::KeeperStopped,
+            Instant::now() + ms(100),
+            LossReason::Expired,
+        );
+        validity.failing(refused.clone());
+        validity.failing(unanswered.clone());
+        tokio::time::sleep(ms(150)).await;
+        assert_eq!(validity.lose(refused.clone()), unanswered);
+        assert_eq!(state.loss(), Some(unanswered));
+        // Nothing noted: the clock's own reason.
+        let (_tx, validity, _state) = channel_with_validity(
+            LossReason::KeeperStopped,
+            Instant::now() + ms(100),
+            LossReason::Expired,
+        );
+        tokio::time::sleep(ms(150)).await;
+        assert_eq!(validity.lose(refused), LossReason::Expired);
     }
 
     #[tokio::test(start_paused = true)]

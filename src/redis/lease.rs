@@ -100,11 +100,13 @@ impl RedisLease {
     /// validity ran out ([`LossReason::HeartbeatTimedOut`]; for Redlock
     /// also when every node that kept a quorum out was silent past its
     /// command deadline). It watches the clock too: once the
-    /// [`validity`](Self::validity) has run out it completes with
-    /// [`LossReason::Expired`] (or, if the watchdog was retrying
-    /// extensions that failed, with the reason of that failure), unless the
-    /// watchdog reported its reason first; whichever comes first is the
-    /// one [`loss`](Self::loss) keeps reporting.
+    /// [`validity`](Self::validity) has run out it completes even if the
+    /// watchdog has not run since, with the reason the watchdog gives
+    /// (the failure of the extension it was retrying, or
+    /// [`LossReason::HeartbeatTimedOut`] for one still unanswered), or
+    /// [`LossReason::Expired`] if it had sent none. The watchdog and the
+    /// clock agree on the reason, whichever is read first, and
+    /// [`loss`](Self::loss) keeps reporting it.
     ///
     /// ```no_run
     /// # async fn demo(lease: distlock::redis::RedisLease) -> Result<(), distlock::Error> {
@@ -130,11 +132,10 @@ impl RedisLease {
         self.handle.is_lost()
     }
 
-    /// Why the lease was lost, if it was: `None` while it is held,
-    /// [`LossReason::Expired`] once the validity ran out by the clock even
-    /// before the watchdog noticed (the failure it was retrying on, if it
-    /// was: Redlock without a quorum). The first reason seen is kept. No round
-    /// trip.
+    /// Why the lease was lost, if it was: `None` while it is held; once
+    /// the validity ran out by the clock, even before the watchdog
+    /// noticed, the reason [`lost`](Self::lost) gives. The first reason
+    /// seen is kept. No round trip.
     pub fn loss(&self) -> Option<LossReason> {
         self.handle.loss()
     }

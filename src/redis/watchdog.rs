@@ -184,16 +184,22 @@ impl<B: Backend> Watchdog<B> {
     async fn extend(&mut self) -> Result<Instant, LossReason> {
         let started = Instant::now();
         let valid_until = self.validity.until();
+        let unanswered =
+            LossReason::HeartbeatTimedOut(valid_until.saturating_duration_since(started));
+        // Should the validity run out with this extension unanswered, the
+        // guard gives what this task then reports, not a bare `Expired`.
+        self.validity.failing(unanswered.clone());
         let outcome = timeout_at(valid_until, self.backend.extend(&self.claim)).await;
         match outcome {
             // `extend` refuses a reply read only after the validity ran out
             // (a starved runtime: the timeout looks at its future before
-            // its timer): the guard may have reported the loss already.
+            // its timer): the guard may have reported the loss already, as
+            // an extension unanswered in time.
             Ok(Extension::Extended) => {
                 if self.validity.extend(started + self.claim.window()) {
                     Ok(started + self.claim.ttl / 3)
                 } else {
-                    Err(LossReason::Expired)
+                    Err(unanswered)
                 }
             }
             Ok(Extension::Retry(reason)) => {
@@ -209,9 +215,7 @@ impl<B: Backend> Watchdog<B> {
                 }
             }
             Ok(Extension::Lost(reason)) => Err(reason),
-            Err(_) => Err(LossReason::HeartbeatTimedOut(
-                valid_until.saturating_duration_since(started),
-            )),
+            Err(_) => Err(unanswered),
         }
     }
 
@@ -219,6 +223,8 @@ impl<B: Backend> Watchdog<B> {
     /// wait for the TTL), then waits for the lease to be released or dropped
     /// so `release()` can report the loss.
     async fn lost(self, reason: LossReason) {
+        // Past the validity, the reason the guard's clock gives.
+        let reason = self.validity.lose(reason);
         tracing::warn!(key = %self.claim.key, %reason, "distlock lease lost");
         metrics::lost(B::NAME, &self.claim.key);
         self.loss.send_replace(Some(reason.clone()));

@@ -90,6 +90,14 @@ trait TtlBackend: Backend {
     /// refused by [`refuse_renewals`](Self::refuse_renewals), as opposed to
     /// the reason its clock gives on its own.
     fn is_refused_renewal(&self, reason: &LossReason) -> bool;
+
+    /// From now on every renewal of the first locker's leases gets no
+    /// answer (its server stopped, its row locked), until
+    /// [`answer_renewals`](Self::answer_renewals).
+    async fn stall_renewals(&self);
+
+    /// Ends [`stall_renewals`](Self::stall_renewals).
+    async fn answer_renewals(&self);
 }
 
 /// A backend with shared leases.
@@ -313,7 +321,8 @@ macro_rules! kind {
         behind_a_pooler); };
     (ttl, $($rest:tt)*) => { cases!(ttl, ttl, $($rest)*;
         starved_past_its_deadline_is_lost_at_first_look, permits_tell_their_validity,
-        a_failing_keepers_reason_outlives_its_deadline); };
+        a_failing_keepers_reason_outlives_its_deadline,
+        an_unanswered_renewal_is_the_reason_whoever_looks_first); };
 }
 
 macro_rules! cases {
@@ -537,6 +546,9 @@ struct Table {
     a: Arc<dyn Locker>,
     b: Arc<dyn Locker>,
     pool: PgPool,
+    /// While renewals are stalled: the transaction that holds the leases'
+    /// rows.
+    stall: tokio::sync::Mutex<Option<sqlx::Transaction<'static, sqlx::Postgres>>>,
 }
 
 impl Table {
@@ -565,6 +577,7 @@ impl Table {
             a: make(a),
             b: make(b),
             pool,
+            stall: tokio::sync::Mutex::new(None),
         }
     }
 }
@@ -608,6 +621,22 @@ impl TtlBackend for Table {
     fn is_refused_renewal(&self, reason: &LossReason) -> bool {
         // The clock's own reason is `HeartbeatTimedOut`.
         matches!(reason, LossReason::ConnectionFailed(_))
+    }
+
+    async fn stall_renewals(&self) {
+        // A renewal's `UPDATE` waits for the rows this transaction locks.
+        let mut tx = self.pool.begin().await.expect("begin");
+        sqlx::query("SELECT 1 FROM distlock.leases FOR UPDATE")
+            .execute(&mut *tx)
+            .await
+            .expect("lock the leases' rows");
+        *self.stall.lock().await = Some(tx);
+    }
+
+    async fn answer_renewals(&self) {
+        if let Some(tx) = self.stall.lock().await.take() {
+            tx.rollback().await.expect("rollback");
+        }
     }
 }
 
@@ -695,6 +724,14 @@ mod redis_backends {
             self.server.crash();
         }
 
+        async fn stall_renewals(&self) {
+            self.server.pause();
+        }
+
+        async fn answer_renewals(&self) {
+            self.server.resume();
+        }
+
         fn is_refused_renewal(&self, reason: &LossReason) -> bool {
             // The clock's own reason is `Expired`; a reconnect that hangs
             // past the node's deadline is `HeartbeatTimedOut`.
@@ -757,6 +794,19 @@ mod redis_backends {
             // back, so the watchdog retries while the validity lasts.
             for server in &self.servers[..2] {
                 server.crash();
+            }
+        }
+
+        async fn stall_renewals(&self) {
+            // Two of three: no quorum answers.
+            for server in &self.servers[..2] {
+                server.pause();
+            }
+        }
+
+        async fn answer_renewals(&self) {
+            for server in &self.servers[..2] {
+                server.resume();
             }
         }
 

@@ -368,8 +368,9 @@ async fn watchdog_survives_a_minority_and_loses_the_lease_without_quorum() -> an
     servers[2].kill();
     // Without a quorum no extension lands, so the validity runs out: the
     // watchdog reports its failed or unanswered extension, or the lease's
-    // own clock does, with the failure the watchdog was retrying on, or
-    // `Expired` if on a loaded machine no retry ran before the deadline.
+    // own clock does, with the same reason (the failure the watchdog was
+    // retrying on, or its extension still unanswered), or `Expired` if on
+    // a loaded machine the watchdog sent no extension before the deadline.
     let reason = tokio::time::timeout(SHORT_TTL * 5, lease.lost()).await?;
     assert!(
         matches!(
@@ -388,7 +389,8 @@ async fn watchdog_survives_a_minority_and_loses_the_lease_without_quorum() -> an
 /// lease as unanswered (`HeartbeatTimedOut`), whether the watchdog reports
 /// it or the lease's own clock with the failure the watchdog was retrying
 /// on: silence is not a failed connection. (`Expired`, the clock's own
-/// reason, only if on a loaded machine no retry ran before the deadline.)
+/// reason, only if on a loaded machine the watchdog sent no extension
+/// before the deadline.)
 #[tokio::test]
 async fn silent_nodes_lose_the_lease_as_unanswered() -> anyhow::Result<()> {
     let servers = servers(3).await;

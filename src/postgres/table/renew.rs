@@ -75,6 +75,8 @@ impl Renewal {
         let mut last_ok = sent;
         loop {
             let deadline = self.validity.until();
+            let unanswered =
+                LossReason::HeartbeatTimedOut(deadline.saturating_duration_since(last_ok));
             sleep_until(crate::deadline::after(last_ok, ttl / 4)).await;
             let mut last_error = None;
             let renewed = loop {
@@ -83,6 +85,9 @@ impl Renewal {
                     break Err(last_error);
                 }
                 let give_up = attempt_sent + attempt_budget(deadline - attempt_sent);
+                // Should the deadline pass with this attempt unanswered,
+                // the guard gives what this task then reports.
+                self.validity.failing(unanswered.clone());
                 match timeout_at(give_up, self.renew_once()).await {
                     Ok(Ok(true)) => break Ok(attempt_sent),
                     Ok(Ok(false)) => return self.lose(LossReason::Expired, last_ok).await,
@@ -108,19 +113,11 @@ impl Renewal {
                 // Confirmed, but read only past the deadline (a starved
                 // runtime): the guard may have reported the loss by the
                 // clock already. The row lives a TTL from `at`.
-                Ok(at) => {
-                    let waited = last_ok.elapsed();
-                    return self.lose(LossReason::HeartbeatTimedOut(waited), at).await;
-                }
+                Ok(at) => return self.lose(unanswered, at).await,
                 Err(Some(err)) => {
                     return self.lose(LossReason::ConnectionFailed(err), last_ok).await;
                 }
-                Err(None) => {
-                    let waited = last_ok.elapsed();
-                    return self
-                        .lose(LossReason::HeartbeatTimedOut(waited), last_ok)
-                        .await;
-                }
+                Err(None) => return self.lose(unanswered, last_ok).await,
             }
         }
     }
@@ -152,9 +149,13 @@ impl Renewal {
     /// within milliseconds of the report. A guard released or dropped
     /// after the report leaves this task to it.
     async fn lose(self, reason: LossReason, last_ok: Instant) {
+        // The row is gone or another's (the renewal found nothing of ours)
+        // only when this task says so itself.
+        let expired = reason == LossReason::Expired;
+        // Past the deadline, the reason the guard's clock gives.
+        let reason = self.validity.lose(reason);
         tracing::warn!(key = %self.key, %reason, "distlock lease lost");
         crate::metrics::lost("table", &self.key);
-        let expired = reason == LossReason::Expired;
         self.loss.send_replace(Some(reason));
         if !expired {
             sleep_until(crate::deadline::after(last_ok, self.inner.ttl)).await;

@@ -292,7 +292,8 @@ impl LossState {
     }
 
     /// The clock's reason, if the lease's validity has run out (whatever
-    /// the keeper said).
+    /// the keeper said; a keeper that found the lease lost ends the
+    /// validity with its reason, see [`Validity::lose`]).
     pub(crate) fn ran_out(&self) -> Option<LossReason> {
         self.expiry.as_deref().and_then(Expiry::ran_out)
     }

@@ -94,8 +94,9 @@ impl RedisLease {
     }
 
     /// Completes when the lease can no longer be trusted, with the reason:
-    /// an extension found the key gone or holding another token (on too
-    /// many nodes, for Redlock: [`LossReason::Expired`]), failed
+    /// an extension found, within the validity, the key gone or holding
+    /// another token (on too many nodes, for Redlock:
+    /// [`LossReason::Expired`]), failed
     /// ([`LossReason::ConnectionFailed`]), or got no reply before the
     /// validity ran out ([`LossReason::HeartbeatTimedOut`]; for Redlock
     /// also when every node that kept a quorum out was silent past its
@@ -142,10 +143,10 @@ impl RedisLease {
 
     /// Deletes the key where it still holds this lease's token.
     ///
-    /// A lease lost by the clock (its validity ran out, the watchdog not yet
-    /// run) fails at once with [`Error::LockLost`], no round trip: the key
-    /// is then deleted in the background where it still holds this lease's
-    /// token. Otherwise, single instance: 1 round trip. Redlock: 1 round trip to every node,
+    /// A lease already lost (by the clock, its validity run out even if the
+    /// watchdog has not run since, or as the watchdog found) fails at once
+    /// with [`Error::LockLost`], no round trip: the key is then deleted in
+    /// the background where it still holds this lease's token. Otherwise, single instance: 1 round trip. Redlock: 1 round trip to every node,
     /// concurrently, including nodes that did not grant it (a late `SET` may
     /// have landed there); it succeeds when a quorum deleted the key. Fails
     /// with [`Error::LockLost`] if the lease had been lost or the key had

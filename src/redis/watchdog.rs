@@ -109,8 +109,9 @@ impl Handle {
     }
 
     /// What the watchdog reported, or, once the validity ran out by the
-    /// clock, the failure the watchdog was retrying on or else
-    /// [`LossReason::Expired`].
+    /// clock, the reason the watchdog gives then: the failure of the
+    /// extension it was retrying, [`LossReason::HeartbeatTimedOut`] for one
+    /// still unanswered, or else [`LossReason::Expired`].
     pub(crate) fn loss(&self) -> Option<LossReason> {
         self.loss.loss()
     }
@@ -124,7 +125,8 @@ impl Handle {
             hold_ms = self.acquired_at.elapsed().as_secs_f64() * 1e3,
             outcome = tracing::field::Empty,
         );
-        // Lost by the clock before the watchdog noticed: the key may be
+        // Lost by the clock before the watchdog noticed, or lost as the
+        // watchdog found (its loss ends the validity): the key may be
         // someone else's by now. The handle's drop lets the watchdog delete
         // it where it still holds this lease's token.
         if let Some(reason) = self.loss.ran_out().and_then(|_| self.loss()) {
@@ -222,10 +224,11 @@ impl<B: Backend> Watchdog<B> {
     /// Publishes the loss, deletes whatever is still ours (so others need not
     /// wait for the TTL), then waits for the lease to be released or dropped
     /// so `release()` can report the loss.
-    async fn lost(self, reason: LossReason) {
-        // Past the validity, the reason the guard's clock gives.
-        let reason = self.validity.lose(reason);
-        tracing::warn!(key = %self.claim.key, %reason, "distlock lease lost");
+    async fn lost(self, found: LossReason) {
+        // Past the validity, the reason the guard's clock gives; what this
+        // task found is logged beside it.
+        let reason = self.validity.lose(found.clone());
+        tracing::warn!(key = %self.claim.key, %reason, %found, "distlock lease lost");
         metrics::lost(B::NAME, &self.claim.key);
         self.loss.send_replace(Some(reason.clone()));
         if let Err(err) = self.backend.release(&self.claim).await {

@@ -130,12 +130,13 @@ impl TableLease {
 
     /// Completes when the lease can no longer be trusted, with the reason:
     /// [`LossReason::Expired`] when a renewal found the row expired or
-    /// someone else's, [`LossReason::HeartbeatTimedOut`] or
-    /// [`LossReason::ConnectionFailed`] when no renewal succeeded within two
-    /// thirds of a TTL, [`LossReason::KeeperStopped`] when the renewal task
-    /// stopped (the runtime shut down). It watches the clock too: two
-    /// thirds of a TTL after the last renewal that succeeded was sent, it
-    /// completes even if the renewal task has not run since.
+    /// someone else's (within the deadline), [`LossReason::ConnectionFailed`]
+    /// or [`LossReason::HeartbeatTimedOut`] when no renewal succeeded within
+    /// two thirds of a TTL (the last renewal's error, or none: unanswered),
+    /// [`LossReason::KeeperStopped`] when the renewal task stopped (the
+    /// runtime shut down). It watches the clock too: two thirds of a TTL
+    /// after the last renewal that succeeded was sent, it completes even if
+    /// the renewal task has not run since, with the reason the task gives.
     ///
     /// # Cancel safety
     ///
@@ -155,8 +156,8 @@ impl TableLease {
     /// thirds of a TTL after the last renewal that succeeded was sent, it is
     /// [`LossReason::HeartbeatTimedOut`] even if the task has not run since
     /// (a starved runtime, a process stopped and continued), or
-    /// [`LossReason::ConnectionFailed`] if the task's renewals had been
-    /// failing with an error (the task's own reason then), so a holder
+    /// [`LossReason::ConnectionFailed`] if the task's last renewal failed
+    /// with an error (the task's own reason then), so a holder
     /// that looks before each protected write never writes on a lease past
     /// its deadline. The first reason seen is kept (the renewal task's, if
     /// it reported before anyone looked). No round trip.

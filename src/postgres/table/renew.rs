@@ -152,9 +152,11 @@ impl Renewal {
         // The row is gone or another's (the renewal found nothing of ours)
         // only when this task says so itself.
         let expired = reason == LossReason::Expired;
-        // Past the deadline, the reason the guard's clock gives.
+        // Past the deadline, the reason the guard's clock gives; what this
+        // task found is logged beside it.
+        let found = reason.clone();
         let reason = self.validity.lose(reason);
-        tracing::warn!(key = %self.key, %reason, "distlock lease lost");
+        tracing::warn!(key = %self.key, %reason, %found, "distlock lease lost");
         crate::metrics::lost("table", &self.key);
         self.loss.send_replace(Some(reason));
         if !expired {

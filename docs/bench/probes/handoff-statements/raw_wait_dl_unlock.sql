@@ -1,0 +1,2 @@
+SELECT pg_catalog.pg_advisory_lock(pg_catalog.hashtext(:nm)), pg_catalog.set_config('distlock.locks', '1', false);
+SELECT CASE WHEN coalesce(pg_catalog.current_setting('distlock.locks', true), '') OPERATOR(pg_catalog.=) '1' AND pg_catalog.pg_backend_pid() OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid() THEN CASE WHEN pg_catalog.pg_advisory_unlock(pg_catalog.hashtext(:nm)) THEN pg_catalog.set_config('distlock.locks', '0', false) IS NOT NULL ELSE false END END, pg_catalog.pg_backend_pid();

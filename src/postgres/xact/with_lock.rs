@@ -657,7 +657,11 @@ async fn rollback_conn_within(
     }
 }
 
-/// The error of a `begin` that failed (the value has no other use).
+/// The error of a `begin` that failed (the value has no other use). A
+/// function rather than a `match` in place: matching `Err(err)` there
+/// leaves the borrow checker dropping `began`, whose `Ok` type borrows the
+/// connection, at the end of the scope, after the connection is used
+/// again. The `Ok` arm is never taken (the caller checked `is_err`).
 fn began_error<T>(began: Result<T, Error>) -> Error {
     match began {
         Err(err) => err,

@@ -304,6 +304,51 @@ async fn a_renewal_read_past_the_deadline_does_not_undo_a_loss(pool: PgPool) {
     );
 }
 
+/// A renewal still in flight at the deadline is the reason the holder
+/// reads, not an earlier renewal's failure: the renewals first fail (the
+/// renewal function renamed away), then get no answer (the function back,
+/// the lease's row locked by another transaction) until past the
+/// deadline. Both the guard's clock and the renewal task then give
+/// `HeartbeatTimedOut`; without the note of the renewal in flight, the
+/// earlier failure (`ConnectionFailed`).
+#[sqlx::test(migrations = false)]
+async fn a_renewal_in_flight_at_the_deadline_outranks_an_earlier_failure(pool: PgPool) {
+    migrated(&pool).await;
+    let ttl = Duration::from_secs(3);
+    let locker = locker(&pool, ttl);
+    let lease = locker
+        .try_lock("table:in-flight")
+        .await
+        .unwrap()
+        .expect("free");
+    let granted = Instant::now();
+    sqlx::query("ALTER FUNCTION distlock.lease_renew RENAME TO lease_renew_away")
+        .execute(&pool)
+        .await
+        .expect("rename the renewal function away");
+    // The first renewal (a quarter of a TTL in) fails, and its retries.
+    tokio::time::sleep_until((granted + ttl / 3).into()).await;
+    // The row locked first, then the function back: every later renewal
+    // waits on the row.
+    let mut blocker = pool.begin().await.expect("begin");
+    sqlx::query("SELECT 1 FROM distlock.leases FOR UPDATE")
+        .execute(&mut *blocker)
+        .await
+        .expect("lock the lease's row");
+    sqlx::query("ALTER FUNCTION distlock.lease_renew_away RENAME TO lease_renew")
+        .execute(&pool)
+        .await
+        .expect("rename the renewal function back");
+    assert!(!lease.is_lost(), "{:?}", lease.loss());
+    let reason = bounded("lost()", ttl, lease.lost()).await;
+    blocker.rollback().await.expect("rollback");
+    assert!(
+        matches!(reason, LossReason::HeartbeatTimedOut(_)),
+        "the renewal in flight, not the earlier failure: {reason:?}"
+    );
+    assert!(lease.release().await.is_err(), "released after its loss");
+}
+
 /// A connection on a thread of its own (with its own runtime, so it runs
 /// while the test's runtime is starved), opened before the lease is taken,
 /// that locks a lease's row on request and commits at a given instant.

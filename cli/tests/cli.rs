@@ -1460,10 +1460,13 @@ impl StoppedRun {
     }
 
     /// Waits for the run to end: its output, and the bytes the command wrote
-    /// after it was stopped.
+    /// after it was stopped. Removes the run's scratch directory.
     async fn finish(self, what: &str) -> (Output, u64) {
         let out = finish(self.child, what).await;
         let since = std::fs::metadata(&self.out_file).expect("output").len() - self.written;
+        if let Some(dir) = self.out_file.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
         (out, since)
     }
 }

@@ -146,7 +146,8 @@ impl RedisLease {
     /// A lease already lost (by the clock, its validity run out even if the
     /// watchdog has not run since, or as the watchdog found) fails at once
     /// with [`Error::LockLost`], no round trip: the key is then deleted in
-    /// the background where it still holds this lease's token. Otherwise, single instance: 1 round trip. Redlock: 1 round trip to every node,
+    /// the background where it still holds this lease's token. Otherwise,
+    /// single instance: 1 round trip. Redlock: 1 round trip to every node,
     /// concurrently, including nodes that did not grant it (a late `SET` may
     /// have landed there); it succeeds when a quorum deleted the key. Fails
     /// with [`Error::LockLost`] if the lease had been lost or the key had

@@ -12,10 +12,12 @@ use distlock::redis::{RedisLocker, RedisLockerBuilder};
 use distlock::{Error, LockKey, Locker, LossReason};
 
 const SHORT_TTL: Duration = Duration::from_millis(300);
-/// For a test that expects the watchdog's own finding (`Expired`): long
-/// enough that the answer to its first extension (a third of a TTL in) is
-/// read within the validity on a loaded machine too. An answer read past it
-/// counts as unanswered (`HeartbeatTimedOut`), as the lease's clock says.
+/// For a test that expects `Expired`, the watchdog's own finding or the
+/// clock's before any extension was sent: long enough that the answer to
+/// the first extension (a third of a TTL in) is read within the validity,
+/// and that the test's steps end before that extension is sent, on a loaded
+/// machine too. An extension sent and unanswered at the deadline reads as
+/// `HeartbeatTimedOut`, as the lease's clock says.
 const LOSS_TTL: Duration = Duration::from_secs(1);
 
 async fn locker(server: &RedisServer) -> RedisLocker {

@@ -349,6 +349,57 @@ async fn a_renewal_in_flight_at_the_deadline_outranks_an_earlier_failure(pool: P
     assert!(lease.release().await.is_err(), "released after its loss");
 }
 
+/// A renewal the holder gave up on ends on the server too: it waits for the
+/// lease's row under a `lock_timeout` of its own attempt's budget, so it
+/// neither stays behind as a backend waiting on the row (one more for every
+/// attempt, each on a connection the holder closed) nor extends, once the
+/// row is freed, a lease its holder was told is lost. Another transaction
+/// holds the row from before the first renewal until past the loss.
+#[sqlx::test(migrations = false)]
+async fn a_renewal_given_up_ends_on_the_server_too(pool: PgPool) {
+    migrated(&pool).await;
+    let ttl = Duration::from_secs(3);
+    let locker = locker(&pool, ttl);
+    let lease = locker.try_lock("table:gone").await.unwrap().expect("free");
+    let mut blocker = pool.begin().await.expect("begin");
+    let granted_expiry: i64 = sqlx::query_scalar(
+        "SELECT (extract(epoch FROM expires_at) * 1000000)::int8 FROM distlock.leases FOR UPDATE",
+    )
+    .fetch_one(&mut *blocker)
+    .await
+    .expect("lock the lease's row");
+    let reason = bounded("lost()", ttl, lease.lost()).await;
+    assert!(
+        matches!(reason, LossReason::HeartbeatTimedOut(_)),
+        "{reason:?}"
+    );
+    // Every attempt was given up by the deadline, and ended on the server
+    // at its budget: none waits on the row any more.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiting: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_catalog.pg_stat_activity \
+         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("count waiting backends");
+    blocker.rollback().await.expect("rollback");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let expiry: Option<i64> = sqlx::query_scalar(
+        "SELECT (extract(epoch FROM expires_at) * 1000000)::int8 FROM distlock.leases",
+    )
+    .fetch_optional(&pool)
+    .await
+    .expect("the lease's row");
+    assert_eq!(waiting, 0, "renewals given up still wait on the server");
+    assert!(
+        expiry.is_none_or(|expiry| expiry <= granted_expiry),
+        "a renewal given up extended the lost lease by {} µs",
+        expiry.unwrap_or(0) - granted_expiry
+    );
+    assert!(lease.release().await.is_err(), "released after its loss");
+}
+
 /// A connection on a thread of its own (with its own runtime, so it runs
 /// while the test's runtime is starved), opened before the lease is taken,
 /// that locks a lease's row on request and commits at a given instant.

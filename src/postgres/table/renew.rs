@@ -25,6 +25,14 @@
 //! TTL, whenever it starts, ends with at least a twelfth of a TTL to spare
 //! (half a second for a 6 s TTL), and the halving guarantees an attempt in
 //! that time.
+//!
+//! An attempt given up here ends on the server too when what held it up was
+//! the lease's row, locked by another transaction: the statement waits for
+//! the row under a `lock_timeout` of the attempt's budget (see
+//! [`sql::renew`]). The server does not notice the closed connection of an
+//! abandoned statement while it waits, so otherwise each attempt would stay
+//! behind as a backend waiting on the row, and extend the lease once the row
+//! was freed, though its holder was told it is lost.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,6 +45,7 @@ use super::inner::Inner;
 use super::sql::{self, KeyExpr, Owner};
 use crate::loss_state::Validity;
 use crate::postgres::conn::held::HeldConn;
+use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, sqlstate};
 use crate::{Error, LockKey, LossReason};
 
 /// What a lease's task needs.
@@ -88,9 +97,14 @@ impl Renewal {
                 // Should the deadline pass with this attempt unanswered,
                 // the guard gives what this task then reports.
                 self.validity.failing(unanswered.clone());
-                match timeout_at(give_up, self.renew_once()).await {
-                    Ok(Ok(true)) => break Ok(attempt_sent),
-                    Ok(Ok(false)) => return self.lose(LossReason::Expired, last_ok).await,
+                match timeout_at(give_up, self.renew_once(give_up - attempt_sent)).await {
+                    Ok(Ok(Some(true))) => break Ok(attempt_sent),
+                    Ok(Ok(Some(false))) => return self.lose(LossReason::Expired, last_ok).await,
+                    // The row stayed locked for the attempt's budget: no
+                    // answer in time, as below, but the server said so.
+                    Ok(Ok(None)) => {
+                        tracing::debug!(key = %self.key, after = ?give_up - attempt_sent, "distlock lease renewal waited on a locked row; retrying");
+                    }
                     Ok(Err(err)) => {
                         tracing::debug!(key = %self.key, error = %err, "distlock lease renewal failed; retrying");
                         let err = err.to_string();
@@ -122,21 +136,34 @@ impl Renewal {
         }
     }
 
-    /// 1 round trip: `true` if the lease was ours, unexpired, and is
-    /// extended by a TTL from now (server time).
-    async fn renew_once(&self) -> Result<bool, Error> {
+    /// 1 round trip: `Some(true)` if the lease was ours, unexpired, and is
+    /// extended by a TTL from now (server time); `None` if its row stayed
+    /// locked by another transaction for `budget` (the statement's
+    /// `lock_timeout`, see [`sql::renew`]), so that a renewal given up here
+    /// at `budget` ends on the server too, instead of extending the lease
+    /// once the row is freed.
+    async fn renew_once(&self, budget: Duration) -> Result<Option<bool>, Error> {
         // Armed: a renewal abandoned at its timeout closes its connection
         // rather than hand a stalled one back to the pool.
         let mut conn = HeldConn::new(
             crate::postgres::conn::pooled::acquire(&self.inner.pool).await?,
             true,
         );
-        let sql = sql::renew(&self.expr, self.owner, self.inner.ttl);
+        let sql = sql::renew(&self.expr, self.owner, self.inner.ttl, budget);
         let row = sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_one(conn.conn())
-            .await?;
+            .await;
+        let row = match row {
+            Ok(row) => row,
+            // The server answered: the connection is sound.
+            Err(err) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                conn.into_pool();
+                return Ok(None);
+            }
+            Err(err) => return Err(err.into()),
+        };
         conn.into_pool();
-        Ok(row.try_get(0)?)
+        Ok(Some(row.try_get(0)?))
     }
 
     /// Publishes the loss, then, unless someone else's lease replaced ours,

@@ -14,8 +14,9 @@
 //! # Why this text is safe
 //!
 //! Only three kinds of value go into the text, none of which can hold a
-//! quote, a backslash or a semicolon: integers (Rust's own `Display`), the
-//! owner as a UUID rendered here from 128 random bits, and the key's name as
+//! quote, a backslash or a semicolon: integers (Rust's own `Display`, with
+//! a unit in a setting's value), the owner as a UUID rendered here from
+//! 128 random bits, and the key's name as
 //! hexadecimal digits that the server decodes (`convert_from(decode(..,
 //! 'hex'), 'UTF8')`). No input can change a statement's shape; the tests
 //! below pin that for hostile names. Every name is schema-qualified, so the
@@ -207,10 +208,21 @@ pub(super) fn acquire(key: &KeyExpr, owner: Owner, ttl: Duration) -> String {
 
 /// One column: whether the lease was the owner's and unexpired, and is
 /// extended now.
-pub(super) fn renew(key: &KeyExpr, owner: Owner, ttl: Duration) -> String {
+///
+/// It waits for the lease's row (locked by anyone's `FOR UPDATE`, say) at
+/// most `wait`, the attempt's own budget, under a statement-local
+/// `lock_timeout` set before the call (a `CASE` evaluates its condition
+/// first), and then fails with SQLSTATE 55P03. Without it, a renewal its
+/// holder gave up on (its connection closed) would go on waiting on the
+/// server, which does not notice a closed socket while a statement waits,
+/// and would extend, once the row is freed, a lease its holder was told
+/// is lost.
+pub(super) fn renew(key: &KeyExpr, owner: Owner, ttl: Duration, wait: Duration) -> String {
     format!(
-        "SELECT distlock.lease_renew({space}::pg_catalog.int2, {id}, {owner}, \
-         {ttl}::pg_catalog.int8) FROM (SELECT {name} AS k) AS n",
+        "SELECT CASE WHEN pg_catalog.set_config('lock_timeout', '{wait}', true) IS NULL \
+         THEN NULL ELSE distlock.lease_renew({space}::pg_catalog.int2, {id}, {owner}, \
+         {ttl}::pg_catalog.int8) END FROM (SELECT {name} AS k) AS n",
+        wait = crate::postgres::request::fragments::millis_setting(wait),
         space = key.space,
         id = key.id,
         owner = owner.literal(),
@@ -331,7 +343,12 @@ mod tests {
             };
             for sql in [
                 acquire(&expr, owner, Duration::from_secs(1)),
-                renew(&expr, owner, Duration::from_secs(1)),
+                renew(
+                    &expr,
+                    owner,
+                    Duration::from_secs(1),
+                    Duration::from_millis(1),
+                ),
                 release(&expr, owner),
                 release(&expr.with_id(-42), owner),
                 proclaim(&expr, owner, &proclamation, hostile),
@@ -345,12 +362,13 @@ mod tests {
                 assert!(!sql.contains('\\'), "{sql}");
                 assert!(!sql.contains('"'), "{sql}");
                 assert!(!sql.contains("$$"), "{sql}");
-                // Quotes come in pairs around hex digits, a UUID or 'hex'/'UTF8'.
+                // Quotes come in pairs around hex digits, a UUID, 'hex'/'UTF8'
+                // or a setting's name and value.
                 for (i, quoted) in sql.split('\'').enumerate().filter(|(i, _)| i % 2 == 1) {
                     assert!(
-                        quoted.chars().all(|c| c.is_ascii_hexdigit()
-                            || c == '-'
-                            || c.is_ascii_alphanumeric()),
+                        quoted
+                            .chars()
+                            .all(|c| c == '-' || c == '_' || c.is_ascii_alphanumeric()),
                         "quoted part {i} {quoted:?} in {sql}"
                     );
                 }

@@ -376,13 +376,7 @@ async fn a_renewal_given_up_ends_on_the_server_too(pool: PgPool) {
     // Every attempt was given up by the deadline, and ended on the server
     // at its budget: none waits on the row any more.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let waiting: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_catalog.pg_stat_activity \
-         WHERE datname = current_database() AND wait_event_type = 'Lock'",
-    )
-    .fetch_one(&pool)
-    .await
-    .expect("count waiting backends");
+    let waiting = waiting_on_locks(&pool).await;
     blocker.rollback().await.expect("rollback");
     tokio::time::sleep(Duration::from_millis(200)).await;
     let expiry: Option<i64> = sqlx::query_scalar(
@@ -398,6 +392,75 @@ async fn a_renewal_given_up_ends_on_the_server_too(pool: PgPool) {
         expiry.unwrap_or(0) - granted_expiry
     );
     assert!(lease.release().await.is_err(), "released after its loss");
+}
+
+/// A grant given up on ends on the server too: a try held up by an expired
+/// lease's row (locked by another transaction) fails with
+/// `CommandTimedOut`, and its statement waits for the row no longer than
+/// its task waits for the answer (a TTL from the send), so it neither stays
+/// behind as a backend waiting on the row nor grants, once the row is
+/// freed, a lease nobody holds (which would keep the key from everyone for
+/// a TTL).
+#[sqlx::test(migrations = false)]
+async fn a_grant_given_up_ends_on_the_server_too(pool: PgPool) {
+    migrated(&pool).await;
+    let ttl = Duration::from_millis(1500);
+    let locker = locker(&pool, ttl);
+    let key = "table:late-grant";
+    let expired = locker.try_lock(key).await.unwrap().expect("free");
+    sqlx::query("UPDATE distlock.leases SET expires_at = clock_timestamp() - interval '1 hour'")
+        .execute(&pool)
+        .await
+        .expect("expire the lease");
+    let reason = bounded("lost()", ttl, expired.lost()).await;
+    assert_eq!(reason, LossReason::Expired);
+    // A write, not a bare `FOR UPDATE`: the statement waiting on the row
+    // then evaluates it again once the row is freed, its clock included,
+    // as after any taker's write (after a bare row lock it would use the
+    // times it computed before its wait, and its grant would be expired).
+    let mut blocker = pool.begin().await.expect("begin");
+    sqlx::query("UPDATE distlock.leases SET key_text = key_text")
+        .execute(&mut *blocker)
+        .await
+        .expect("lock the expired lease's row");
+    let sent = Instant::now();
+    let tried = locker.try_lock(key).await;
+    assert!(
+        matches!(tried, Err(Error::CommandTimedOut { .. })),
+        "{tried:?}"
+    );
+    // The attempt's task gave up a TTL after the send, and its statement
+    // ended on the server then: none waits on the row any more.
+    tokio::time::sleep_until((sent + ttl + Duration::from_millis(300)).into()).await;
+    let waiting = waiting_on_locks(&pool).await;
+    blocker.commit().await.expect("commit");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let live: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM distlock.leases WHERE expires_at > clock_timestamp()",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("count live leases");
+    assert_eq!(waiting, 0, "a grant given up still waits on the server");
+    assert_eq!(live, 0, "a grant given up was made once the row was freed");
+    let taken = locker
+        .try_lock(key)
+        .await
+        .unwrap()
+        .expect("the key is free");
+    taken.release().await.unwrap();
+    assert!(expired.release().await.is_err(), "released after its loss");
+}
+
+/// How many backends of this test's database wait for a lock.
+async fn waiting_on_locks(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_catalog.pg_stat_activity \
+         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("count waiting backends")
 }
 
 /// A connection on a thread of its own (with its own runtime, so it runs

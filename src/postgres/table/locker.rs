@@ -340,8 +340,11 @@ impl TableLocker {
     /// hanging until TCP gives up. Nothing is held for the caller: the
     /// statement's task keeps its connection for a third of a TTL more and
     /// releases a grant that comes in by then; after that it closes the
-    /// connection (so stalled calls do not drain the pool), and a grant the
-    /// server makes later expires one TTL after it was made.
+    /// connection (so stalled calls do not drain the pool). A statement
+    /// held up by a row that another transaction locked waits for it no
+    /// longer than that (a statement-local `lock_timeout`), so it grants
+    /// nothing later; a grant that a stalled server makes later expires one
+    /// TTL after it was made.
     ///
     /// # Cancel safety
     ///
@@ -670,7 +673,10 @@ async fn acquire_statement(
     };
     // Armed until the answer is read: an error here (a broken connection
     // among them) may come after the server committed a grant.
-    let row = sqlx::raw_sql(AssertSqlSafe(sql::acquire(expr, owner, inner.ttl)))
+    // It waits for a locked row no longer than its task waits for the
+    // answer (a TTL from the send, `spawn_statement`).
+    let sql = sql::acquire(expr, owner, inner.ttl, inner.ttl);
+    let row = sqlx::raw_sql(AssertSqlSafe(sql))
         .fetch_one(conn.conn())
         .await?;
     conn.disarm();

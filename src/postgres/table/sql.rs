@@ -191,14 +191,19 @@ fn millis(ttl: Duration) -> u128 {
 
 /// Columns: `granted` (bool), `fencing_token` (int8, NULL if refused),
 /// `wait_ms` (int8, NULL if granted), `lock_id` (int8).
-pub(super) fn acquire(key: &KeyExpr, owner: Owner, ttl: Duration) -> String {
+///
+/// It waits for a row locked by another transaction (an expired lease's,
+/// which it would take over) at most `wait` ([`after_lock_timeout`]), the
+/// time its caller's task waits for the answer: a grant given up on is
+/// then never made later.
+pub(super) fn acquire(key: &KeyExpr, owner: Owner, ttl: Duration, wait: Duration) -> String {
     format!(
         "SELECT a.granted, a.fencing_token, a.wait_ms, i.lock_id \
          FROM (SELECT {name} AS k) AS n \
          CROSS JOIN LATERAL (SELECT {id} AS lock_id) AS i \
          CROSS JOIN LATERAL distlock.lease_acquire({space}::pg_catalog.int2, i.lock_id, n.k, \
          {owner}, {ttl}::pg_catalog.int8) AS a",
-        name = key.name,
+        name = after_lock_timeout(wait, &key.name),
         id = key.id,
         space = key.space,
         owner = owner.literal(),
@@ -210,24 +215,36 @@ pub(super) fn acquire(key: &KeyExpr, owner: Owner, ttl: Duration) -> String {
 /// extended now.
 ///
 /// It waits for the lease's row (locked by anyone's `FOR UPDATE`, say) at
-/// most `wait`, the attempt's own budget, under a statement-local
-/// `lock_timeout` set before the call (a `CASE` evaluates its condition
-/// first), and then fails with SQLSTATE 55P03. Without it, a renewal its
-/// holder gave up on (its connection closed) would go on waiting on the
-/// server, which does not notice a closed socket while a statement waits,
-/// and would extend, once the row is freed, a lease its holder was told
-/// is lost.
+/// most `wait` ([`after_lock_timeout`]), the attempt's own budget: a
+/// renewal its holder gave up on never extends, once the row is freed, a
+/// lease its holder was told is lost.
 pub(super) fn renew(key: &KeyExpr, owner: Owner, ttl: Duration, wait: Duration) -> String {
-    format!(
-        "SELECT CASE WHEN pg_catalog.set_config('lock_timeout', '{wait}', true) IS NULL \
-         THEN NULL ELSE distlock.lease_renew({space}::pg_catalog.int2, {id}, {owner}, \
-         {ttl}::pg_catalog.int8) END FROM (SELECT {name} AS k) AS n",
-        wait = crate::postgres::request::fragments::millis_setting(wait),
+    let call = format!(
+        "distlock.lease_renew({space}::pg_catalog.int2, {id}, {owner}, {ttl}::pg_catalog.int8)",
         space = key.space,
         id = key.id,
         owner = owner.literal(),
         ttl = millis(ttl),
+    );
+    format!(
+        "SELECT {call} FROM (SELECT {name} AS k) AS n",
+        call = after_lock_timeout(wait, &call),
         name = key.name,
+    )
+}
+
+/// `expr`, evaluated once the statement-local `lock_timeout` is `wait` (a
+/// `CASE` evaluates its condition first): the statement waits for a row
+/// locked by another transaction at most `wait`, then fails with SQLSTATE
+/// 55P03. The server does not notice a closed socket while a statement
+/// waits, so a statement its client gave up on (closing its connection)
+/// would otherwise stay behind as a backend waiting on the row, and write
+/// once the row is freed.
+fn after_lock_timeout(wait: Duration, expr: &str) -> String {
+    format!(
+        "CASE WHEN pg_catalog.set_config('lock_timeout', '{wait}', true) IS NULL \
+         THEN NULL ELSE {expr} END",
+        wait = crate::postgres::request::fragments::millis_setting(wait),
     )
 }
 
@@ -342,7 +359,12 @@ mod tests {
                 grace: Duration::from_secs(1),
             };
             for sql in [
-                acquire(&expr, owner, Duration::from_secs(1)),
+                acquire(
+                    &expr,
+                    owner,
+                    Duration::from_secs(1),
+                    Duration::from_millis(1),
+                ),
                 renew(
                     &expr,
                     owner,

@@ -350,7 +350,8 @@ async fn a_renewal_in_flight_at_the_deadline_outranks_an_earlier_failure(pool: P
 }
 
 /// A renewal the holder gave up on ends on the server too: it waits for the
-/// lease's row under a `lock_timeout` of its own attempt's budget, so it
+/// lease's row under a `lock_timeout` of what is left of its attempt's
+/// budget, so it
 /// neither stays behind as a backend waiting on the row (one more for every
 /// attempt, each on a connection the holder closed) nor extends, once the
 /// row is freed, a lease its holder was told is lost. Another transaction
@@ -376,7 +377,7 @@ async fn a_renewal_given_up_ends_on_the_server_too(pool: PgPool) {
     // Every attempt was given up by the deadline, and ended on the server
     // at its budget: none waits on the row any more.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let waiting = waiting_on_locks(&pool).await;
+    let waiting = waiting_on_locks(&pool, "lease_renew").await;
     blocker.rollback().await.expect("rollback");
     tokio::time::sleep(Duration::from_millis(200)).await;
     let expiry: Option<i64> = sqlx::query_scalar(
@@ -396,8 +397,9 @@ async fn a_renewal_given_up_ends_on_the_server_too(pool: PgPool) {
 
 /// A grant given up on ends on the server too: a try held up by an expired
 /// lease's row (locked by another transaction) fails with
-/// `CommandTimedOut`, and its statement waits for the row no longer than
-/// its task waits for the answer (a TTL from the send), so it neither stays
+/// `CommandTimedOut`, and its statement waits for the row only until about
+/// when its task gives up on the answer (a TTL from the send), so it
+/// neither stays
 /// behind as a backend waiting on the row nor grants, once the row is
 /// freed, a lease nobody holds (which would keep the key from everyone for
 /// a TTL).
@@ -432,7 +434,7 @@ async fn a_grant_given_up_ends_on_the_server_too(pool: PgPool) {
     // The attempt's task gave up a TTL after the send, and its statement
     // ended on the server then: none waits on the row any more.
     tokio::time::sleep_until((sent + ttl + Duration::from_millis(300)).into()).await;
-    let waiting = waiting_on_locks(&pool).await;
+    let waiting = waiting_on_locks(&pool, "lease_acquire").await;
     blocker.commit().await.expect("commit");
     tokio::time::sleep(Duration::from_millis(200)).await;
     let live: i64 = sqlx::query_scalar(
@@ -452,12 +454,15 @@ async fn a_grant_given_up_ends_on_the_server_too(pool: PgPool) {
     assert!(expired.release().await.is_err(), "released after its loss");
 }
 
-/// How many backends of this test's database wait for a lock.
-async fn waiting_on_locks(pool: &PgPool) -> i64 {
+/// How many backends of this test's database wait for a lock in a
+/// statement that calls `function` (not, say, a lost lease's delete).
+async fn waiting_on_locks(pool: &PgPool, function: &str) -> i64 {
     sqlx::query_scalar(
         "SELECT count(*) FROM pg_catalog.pg_stat_activity \
-         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+         WHERE datname = current_database() AND wait_event_type = 'Lock' \
+         AND strpos(query, $1) > 0",
     )
+    .bind(format!("distlock.{function}("))
     .fetch_one(pool)
     .await
     .expect("count waiting backends")

@@ -341,10 +341,10 @@ impl TableLocker {
     /// statement's task keeps its connection for a third of a TTL more and
     /// releases a grant that comes in by then; after that it closes the
     /// connection (so stalled calls do not drain the pool). A statement
-    /// held up by a row that another transaction locked waits for it no
-    /// longer than that (a statement-local `lock_timeout`), so it grants
-    /// nothing later; a grant that a stalled server makes later expires one
-    /// TTL after it was made.
+    /// held up by a row that another transaction locked waits for it about
+    /// that long at most (a statement-local `lock_timeout`, for each wait),
+    /// so such a wait does not make a grant later; a grant that a stalled
+    /// server makes later expires one TTL after it was made.
     ///
     /// # Cancel safety
     ///
@@ -536,7 +536,8 @@ impl TableLocker {
             async move {
                 let (inner, key, expr) = (&inner, &task_key, &task_expr);
                 let statement = move |mut conn: HeldConn| async move {
-                    let answer = acquire_statement(inner, (key, expr), Owner::random(), &mut conn);
+                    let owner = (Owner::random(), closed_at);
+                    let answer = acquire_statement(inner, (key, expr), owner, &mut conn);
                     let answer = answer.await;
                     (conn, answer)
                 };
@@ -659,10 +660,17 @@ enum Answer {
 /// that failed or granted a lease without a token is released in the
 /// background (harmless if nothing was granted). `conn` is disarmed once
 /// the answer is read.
+///
+/// Each of the statement's waits for a row that another transaction
+/// locked lasts at most until `closed_at`, when its task gives up on the
+/// answer (counted from now, so the server's wait, which starts later,
+/// ends a moment after): a grant given up on is not made later because
+/// of such a wait. `closed_at` is a TTL from the send, after the caller
+/// gives up, so the caller never gets the server's timeout.
 async fn acquire_statement(
     inner: &Arc<Inner>,
     (key, expr): (&LockKey, &KeyExpr),
-    owner: Owner,
+    (owner, closed_at): (Owner, tokio::time::Instant),
     conn: &mut HeldConn,
 ) -> Result<Answer, Error> {
     let grant = Grant {
@@ -673,9 +681,8 @@ async fn acquire_statement(
     };
     // Armed until the answer is read: an error here (a broken connection
     // among them) may come after the server committed a grant.
-    // It waits for a locked row no longer than its task waits for the
-    // answer (a TTL from the send, `spawn_statement`).
-    let sql = sql::acquire(expr, owner, inner.ttl, inner.ttl);
+    let wait = closed_at.saturating_duration_since(tokio::time::Instant::now());
+    let sql = sql::acquire(expr, owner, inner.ttl, wait);
     let row = sqlx::raw_sql(AssertSqlSafe(sql))
         .fetch_one(conn.conn())
         .await?;

@@ -26,13 +26,14 @@
 //! (half a second for a 6 s TTL), and the halving guarantees an attempt in
 //! that time.
 //!
-//! An attempt given up here ends on the server too when what held it up was
-//! the lease's row, locked by another transaction: the statement waits for
-//! the row under a `lock_timeout` of the attempt's budget (see
-//! [`sql::renew`]). The server does not notice the closed connection of an
-//! abandoned statement while it waits, so otherwise each attempt would stay
-//! behind as a backend waiting on the row, and extend the lease once the row
-//! was freed, though its holder was told it is lost.
+//! An attempt given up here ends on the server too (a moment later) when
+//! what held it up was the lease's row, locked by another transaction: the
+//! statement waits for the row under a `lock_timeout` of what is left of the
+//! attempt's budget (see [`sql::renew`]). The server does not notice the
+//! closed connection of an abandoned statement while it waits, so otherwise
+//! each attempt would stay behind as a backend waiting on the row, and
+//! extend the lease once the row was freed, though its holder was told it
+//! is lost.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -97,7 +98,7 @@ impl Renewal {
                 // Should the deadline pass with this attempt unanswered,
                 // the guard gives what this task then reports.
                 self.validity.failing(unanswered.clone());
-                match timeout_at(give_up, self.renew_once(give_up - attempt_sent)).await {
+                match timeout_at(give_up, self.renew_once(give_up)).await {
                     Ok(Ok(Some(true))) => break Ok(attempt_sent),
                     Ok(Ok(Some(false))) => return self.lose(LossReason::Expired, last_ok).await,
                     // The row stayed locked for the attempt's budget: no
@@ -138,18 +139,20 @@ impl Renewal {
 
     /// 1 round trip: `Some(true)` if the lease was ours, unexpired, and is
     /// extended by a TTL from now (server time); `None` if its row stayed
-    /// locked by another transaction for `budget` (the statement's
-    /// `lock_timeout`, see [`sql::renew`]), so that a renewal given up here
-    /// at `budget` ends on the server too, instead of extending the lease
-    /// once the row is freed.
-    async fn renew_once(&self, budget: Duration) -> Result<Option<bool>, Error> {
+    /// locked by another transaction until about `give_up` (the
+    /// statement's `lock_timeout`, what is left once the pool handed out the
+    /// connection; see [`sql::renew`]), so that a renewal given up here at
+    /// `give_up` ends on the server a moment later, instead of extending the
+    /// lease once the row is freed.
+    async fn renew_once(&self, give_up: Instant) -> Result<Option<bool>, Error> {
         // Armed: a renewal abandoned at its timeout closes its connection
         // rather than hand a stalled one back to the pool.
         let mut conn = HeldConn::new(
             crate::postgres::conn::pooled::acquire(&self.inner.pool).await?,
             true,
         );
-        let sql = sql::renew(&self.expr, self.owner, self.inner.ttl, budget);
+        let wait = give_up.saturating_duration_since(Instant::now());
+        let sql = sql::renew(&self.expr, self.owner, self.inner.ttl, wait);
         let row = sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_one(conn.conn())
             .await;

@@ -192,10 +192,11 @@ fn millis(ttl: Duration) -> u128 {
 /// Columns: `granted` (bool), `fencing_token` (int8, NULL if refused),
 /// `wait_ms` (int8, NULL if granted), `lock_id` (int8).
 ///
-/// It waits for a row locked by another transaction (an expired lease's,
-/// which it would take over) at most `wait` ([`after_lock_timeout`]), the
-/// time its caller's task waits for the answer: a grant given up on is
-/// then never made later.
+/// Each of its waits for a row locked by another transaction (an expired
+/// lease's, which it would take over) lasts at most `wait`
+/// ([`after_lock_timeout`]), what is left of the time its caller's task
+/// waits for the answer: such a wait does not make a grant given up on
+/// later.
 pub(super) fn acquire(key: &KeyExpr, owner: Owner, ttl: Duration, wait: Duration) -> String {
     format!(
         "SELECT a.granted, a.fencing_token, a.wait_ms, i.lock_id \
@@ -215,9 +216,9 @@ pub(super) fn acquire(key: &KeyExpr, owner: Owner, ttl: Duration, wait: Duration
 /// extended now.
 ///
 /// It waits for the lease's row (locked by anyone's `FOR UPDATE`, say) at
-/// most `wait` ([`after_lock_timeout`]), the attempt's own budget: a
-/// renewal its holder gave up on never extends, once the row is freed, a
-/// lease its holder was told is lost.
+/// most `wait` ([`after_lock_timeout`]), what is left of the attempt's
+/// budget: a renewal its holder gave up on does not extend, once the row
+/// is freed, a lease its holder was told is lost.
 pub(super) fn renew(key: &KeyExpr, owner: Owner, ttl: Duration, wait: Duration) -> String {
     let call = format!(
         "distlock.lease_renew({space}::pg_catalog.int2, {id}, {owner}, {ttl}::pg_catalog.int8)",
@@ -237,9 +238,12 @@ pub(super) fn renew(key: &KeyExpr, owner: Owner, ttl: Duration, wait: Duration) 
 /// `CASE` evaluates its condition first): the statement waits for a row
 /// locked by another transaction at most `wait`, then fails with SQLSTATE
 /// 55P03. The server does not notice a closed socket while a statement
-/// waits, so a statement its client gave up on (closing its connection)
+/// waits (unless `client_connection_check_interval` is set, 0 by
+/// default), so a statement its client gave up on (closing its connection)
 /// would otherwise stay behind as a backend waiting on the row, and write
-/// once the row is freed.
+/// once the row is freed. Each wait for a lock gets `wait` anew; the
+/// server starts counting when the wait starts, a moment after the client
+/// computed `wait`.
 fn after_lock_timeout(wait: Duration, expr: &str) -> String {
     format!(
         "CASE WHEN pg_catalog.set_config('lock_timeout', '{wait}', true) IS NULL \

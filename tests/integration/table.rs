@@ -351,11 +351,11 @@ async fn a_renewal_in_flight_at_the_deadline_outranks_an_earlier_failure(pool: P
 
 /// A renewal the holder gave up on ends on the server too: it waits for the
 /// lease's row under a `lock_timeout` of what is left of its attempt's
-/// budget, so it
-/// neither stays behind as a backend waiting on the row (one more for every
-/// attempt, each on a connection the holder closed) nor extends, once the
-/// row is freed, a lease its holder was told is lost. Another transaction
-/// holds the row from before the first renewal until past the loss.
+/// budget, so it neither stays behind as a backend waiting on the row (one
+/// more for every attempt, each on a connection the holder closed) nor
+/// extends, once the row is freed, a lease its holder was told is lost.
+/// Another transaction holds the row from before the first renewal until
+/// past the loss.
 #[sqlx::test(migrations = false)]
 async fn a_renewal_given_up_ends_on_the_server_too(pool: PgPool) {
     migrated(&pool).await;
@@ -375,7 +375,7 @@ async fn a_renewal_given_up_ends_on_the_server_too(pool: PgPool) {
         "{reason:?}"
     );
     // Every attempt was given up by the deadline, and ended on the server
-    // at its budget: none waits on the row any more.
+    // a moment after: none waits on the row any more.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let waiting = waiting_on_locks(&pool, "lease_renew").await;
     blocker.rollback().await.expect("rollback");
@@ -399,10 +399,9 @@ async fn a_renewal_given_up_ends_on_the_server_too(pool: PgPool) {
 /// lease's row (locked by another transaction) fails with
 /// `CommandTimedOut`, and its statement waits for the row only until about
 /// when its task gives up on the answer (a TTL from the send), so it
-/// neither stays
-/// behind as a backend waiting on the row nor grants, once the row is
-/// freed, a lease nobody holds (which would keep the key from everyone for
-/// a TTL).
+/// neither stays behind as a backend waiting on the row nor grants, once
+/// the row is freed, a lease nobody holds (which would keep the key from
+/// everyone for a TTL).
 #[sqlx::test(migrations = false)]
 async fn a_grant_given_up_ends_on_the_server_too(pool: PgPool) {
     migrated(&pool).await;

@@ -536,8 +536,8 @@ impl TableLocker {
             async move {
                 let (inner, key, expr) = (&inner, &task_key, &task_expr);
                 let statement = move |mut conn: HeldConn| async move {
-                    let owner = (Owner::random(), closed_at);
-                    let answer = acquire_statement(inner, (key, expr), owner, &mut conn);
+                    let owner = Owner::random();
+                    let answer = acquire_statement(inner, (key, expr), owner, closed_at, &mut conn);
                     let answer = answer.await;
                     (conn, answer)
                 };
@@ -670,7 +670,8 @@ enum Answer {
 async fn acquire_statement(
     inner: &Arc<Inner>,
     (key, expr): (&LockKey, &KeyExpr),
-    (owner, closed_at): (Owner, tokio::time::Instant),
+    owner: Owner,
+    closed_at: tokio::time::Instant,
     conn: &mut HeldConn,
 ) -> Result<Answer, Error> {
     let grant = Grant {

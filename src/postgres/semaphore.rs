@@ -67,7 +67,7 @@ use crate::postgres::request::fragments::{
 use crate::postgres::request::unlimited;
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
-use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, sqlstate};
+use crate::postgres::sqlstate::lock_not_available;
 use crate::postgres::timeout::{answered, answered_on_pool};
 use crate::{Error, FencingToken, LockKey};
 
@@ -295,7 +295,7 @@ impl PgSlots {
         let queue = self.queue_key();
         match crate::span::waiting(&queue, tokio::time::timeout_at(grace, statement)).await {
             Err(_) => Ok(None),
-            Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => Ok(None),
+            Ok(Err(err)) if lock_not_available(&err) => Ok(None),
             Ok(row) => {
                 let row = row.map_err(|err| session_locking_error(err, &self.named()))?;
                 self.outcome(&row).map(Some)

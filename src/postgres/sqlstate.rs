@@ -47,6 +47,12 @@ pub(crate) fn sqlstate(err: &sqlx::Error) -> Option<String> {
         .map(|code| code.into_owned())
 }
 
+/// Whether `err` is the server's `lock_timeout` expiring
+/// ([`LOCK_NOT_AVAILABLE`]): a wait for a lock that ran out of time.
+pub(crate) fn lock_not_available(err: &sqlx::Error) -> bool {
+    sqlstate(err).as_deref() == Some(LOCK_NOT_AVAILABLE)
+}
+
 /// SQLSTATE 55000, raised among others by WAL functions during recovery.
 pub(crate) const OBJECT_NOT_IN_PREREQUISITE_STATE: &str = "55000";
 

@@ -408,40 +408,10 @@ async fn a_grant_given_up_ends_on_the_server_too(pool: PgPool) {
     let ttl = Duration::from_millis(1500);
     let locker = locker(&pool, ttl);
     let key = "table:late-grant";
-    let expired = locker.try_lock(key).await.unwrap().expect("free");
-    sqlx::query("UPDATE distlock.leases SET expires_at = clock_timestamp() - interval '1 hour'")
-        .execute(&pool)
-        .await
-        .expect("expire the lease");
-    let reason = bounded("lost()", ttl, expired.lost()).await;
-    assert_eq!(reason, LossReason::Expired);
-    // A write, not a bare `FOR UPDATE`: the statement waiting on the row
-    // then evaluates it again once the row is freed, its clock included,
-    // as after any taker's write (after a bare row lock it would use the
-    // times it computed before its wait, and its grant would be expired).
-    let mut blocker = pool.begin().await.expect("begin");
-    sqlx::query("UPDATE distlock.leases SET key_text = key_text")
-        .execute(&mut *blocker)
-        .await
-        .expect("lock the expired lease's row");
-    let sent = Instant::now();
-    let tried = locker.try_lock(key).await;
-    assert!(
-        matches!(tried, Err(Error::CommandTimedOut { .. })),
-        "{tried:?}"
-    );
+    let (expired, blocker) = expired_and_blocked(&pool, &locker, key).await;
     // The attempt's task gave up a TTL after the send, and its statement
     // ended on the server then: none waits on the row any more.
-    tokio::time::sleep_until((sent + ttl + Duration::from_millis(300)).into()).await;
-    let waiting = waiting_on_locks(&pool, "lease_acquire").await;
-    blocker.commit().await.expect("commit");
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let live: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM distlock.leases WHERE expires_at > clock_timestamp()",
-    )
-    .fetch_one(&pool)
-    .await
-    .expect("count live leases");
+    let (waiting, live) = a_grant_given_up(&pool, &locker, key, blocker).await;
     assert_eq!(waiting, 0, "a grant given up still waits on the server");
     assert_eq!(live, 0, "a grant given up was made once the row was freed");
     let taken = locker
@@ -451,6 +421,133 @@ async fn a_grant_given_up_ends_on_the_server_too(pool: PgPool) {
         .expect("the key is free");
     taken.release().await.unwrap();
     assert!(expired.release().await.is_err(), "released after its loss");
+}
+
+/// A grant that reaches the server late still waits only until its task
+/// gives up: the try runs on a kept connection the server had ended, so
+/// its statement runs once more on a connection from a pool that takes
+/// 0.6 TTL to open one, and is sent then. Its wait for the expired lease's
+/// locked row ends with the rest of the task's TTL (0.4 TTL), not a whole
+/// TTL from its late send, so it is not left waiting and grants nothing
+/// once the row is freed.
+#[sqlx::test(migrations = false)]
+async fn a_grant_sent_late_waits_only_until_its_task_gives_up(pool: PgPool) {
+    migrated(&pool).await;
+    let ttl = Duration::from_millis(1500);
+    let slow = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let slow_pool = slow_to_connect(&pool, Arc::clone(&slow), ttl * 3 / 5).await;
+    let locker = TableLocker::builder(slow_pool)
+        .ttl(ttl)
+        .listen(false)
+        .keep_warm(2, Duration::from_secs(3600))
+        .build()
+        .expect("valid settings");
+    let key = "table:late-send";
+    let (_expired, blocker) = expired_and_blocked(&pool, &locker, key).await;
+    // The kept connection (and any idle one) is ended; new ones are slow.
+    slow.store(true, Ordering::SeqCst);
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = $1",
+    )
+    .bind(SLOW_APP)
+    .execute(&pool)
+    .await
+    .expect("end the slow pool's sessions");
+    let (waiting, live) = a_grant_given_up(&pool, &locker, key, blocker).await;
+    assert_eq!(
+        (waiting, live),
+        (0, 0),
+        "a grant sent late: (backends still waiting past its task, live leases \
+         granted once the row was freed)"
+    );
+}
+
+/// Takes `key` on `locker`, expires its lease, waits for its loss, and
+/// locks the row with a write in a transaction left open. A write, not a
+/// bare `FOR UPDATE`: a statement waiting on the row then evaluates it
+/// again once the row is freed, its clock included, as after any taker's
+/// write (after a bare row lock it would use the times it computed before
+/// its wait, and a late grant would already be expired).
+async fn expired_and_blocked(
+    pool: &PgPool,
+    locker: &TableLocker,
+    key: &str,
+) -> (
+    distlock::postgres::TableLease,
+    sqlx::Transaction<'static, sqlx::Postgres>,
+) {
+    let expired = locker.try_lock(key).await.unwrap().expect("free");
+    sqlx::query("UPDATE distlock.leases SET expires_at = clock_timestamp() - interval '1 hour'")
+        .execute(pool)
+        .await
+        .expect("expire the lease");
+    let reason = bounded("lost()", locker.ttl(), expired.lost()).await;
+    assert_eq!(reason, LossReason::Expired);
+    let mut blocker = pool.begin().await.expect("begin");
+    sqlx::query("UPDATE distlock.leases SET key_text = key_text")
+        .execute(&mut *blocker)
+        .await
+        .expect("lock the expired lease's row");
+    (expired, blocker)
+}
+
+/// Tries `key` on `locker` while `blocker` holds the row: the try gives up
+/// with `CommandTimedOut`. Returns the backends still waiting in
+/// `lease_acquire` a moment after the attempt's task gave up (a TTL from
+/// the send), and the live leases (a late grant's) a moment after
+/// `blocker` then commits.
+async fn a_grant_given_up(
+    pool: &PgPool,
+    locker: &TableLocker,
+    key: &str,
+    blocker: sqlx::Transaction<'static, sqlx::Postgres>,
+) -> (i64, i64) {
+    let sent = Instant::now();
+    let tried = locker.try_lock(key).await;
+    assert!(
+        matches!(tried, Err(Error::CommandTimedOut { .. })),
+        "{tried:?}"
+    );
+    let given_up = sent + locker.ttl();
+    tokio::time::sleep_until((given_up + Duration::from_millis(300)).into()).await;
+    let waiting = waiting_on_locks(pool, "lease_acquire").await;
+    blocker.commit().await.expect("commit");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let live: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM distlock.leases WHERE expires_at > clock_timestamp()",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("count live leases");
+    (waiting, live)
+}
+
+/// The `application_name` of [`slow_to_connect`]'s connections.
+const SLOW_APP: &str = "distlock-test-slow-pool";
+
+/// A pool on `pool`'s database whose new connections take `delay` more to
+/// open while `slow` is set.
+async fn slow_to_connect(
+    pool: &PgPool,
+    slow: Arc<std::sync::atomic::AtomicBool>,
+    delay: Duration,
+) -> PgPool {
+    let options = pool.connect_options().as_ref().clone();
+    PgPoolOptions::new()
+        .max_connections(4)
+        .after_connect(move |_conn, _meta| {
+            let slow = slow.load(Ordering::SeqCst);
+            Box::pin(async move {
+                if slow {
+                    tokio::time::sleep(delay).await;
+                }
+                Ok(())
+            })
+        })
+        .connect_with(options.application_name(SLOW_APP))
+        .await
+        .expect("slow pool")
 }
 
 /// How many backends of this test's database wait for a lock in a

@@ -9,7 +9,7 @@ use crate::postgres::conn::held::HeldConn;
 use crate::postgres::pooler::session_locking_error;
 use crate::postgres::request::{self, unlimited};
 use crate::postgres::session::guard::SessionLock;
-use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, sqlstate};
+use crate::postgres::sqlstate::lock_not_available;
 use crate::{Error, LockKey, span};
 
 impl Mux {
@@ -85,7 +85,7 @@ impl Mux {
                 // lock_timeout fires and still fail the statement, which then
                 // never reaches its unlock: the connection may hold the
                 // awaited lock, so it is closed, not pooled.
-                Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                Ok(Err(err)) if lock_not_available(&err) => {
                     drop(conn);
                     return Err(self.timeout_error(&key, started, None).await);
                 }

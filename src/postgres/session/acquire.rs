@@ -14,7 +14,7 @@ use crate::postgres::request::row::SessionRow;
 use crate::postgres::request::{Lock, Step, unlimited};
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
-use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, sqlstate};
+use crate::postgres::sqlstate::lock_not_available;
 use crate::postgres::timeout::answered;
 use crate::{Error, FencingToken, LockKey, span};
 
@@ -361,7 +361,7 @@ impl PgLocker {
 /// Whether `err` is PostgreSQL's `lock_timeout` expiring.
 fn is_lock_timeout(err: &Error) -> bool {
     match err {
-        Error::Database(err) => sqlstate(err).as_deref() == Some(LOCK_NOT_AVAILABLE),
+        Error::Database(err) => lock_not_available(err),
         _ => false,
     }
 }

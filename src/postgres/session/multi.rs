@@ -24,7 +24,7 @@ use crate::postgres::request::unlimited;
 use crate::postgres::session::guard::SessionLock;
 use crate::postgres::session::hold::Hold;
 use crate::postgres::session::multi_lock::MultiLock;
-use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, sqlstate};
+use crate::postgres::sqlstate::lock_not_available;
 use crate::postgres::timeout::answered;
 use crate::{Error, LockKey, span};
 
@@ -196,7 +196,7 @@ impl PgLocker {
             Ok(Ok(Err(pid))) => Err(shared_session(pid)),
             // Some keys are held: the connection is closed, not pooled, once
             // it has named the key that was not granted.
-            Ok(Err(err)) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+            Ok(Err(err)) if lock_not_available(&err) => {
                 // The block's end and the lookup share one heartbeat
                 // deadline, so the call keeps its bound.
                 let by = crate::deadline::after(

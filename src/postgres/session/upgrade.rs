@@ -21,7 +21,7 @@ use crate::postgres::request::row::SessionRow;
 use crate::postgres::request::{Lock, Step, unlimited};
 use crate::postgres::session::in_flight::Failure;
 use crate::postgres::session::upgradeable_lock::{Mode, UpgradeableLock};
-use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::postgres::sqlstate::{lock_not_available, locking_error};
 use crate::{Error, FencingToken, LockKey, LossReason};
 
 /// What an upgrade attempt found.
@@ -326,7 +326,7 @@ impl<'a> OnLock<'a> {
             return Err(Failure::Broken(pooler::loss_reason(&err)));
         }
         self.undo(request, in_block).await?;
-        if sqlstate(&err).as_deref() != Some(LOCK_NOT_AVAILABLE) {
+        if !lock_not_available(&err) {
             return Err(Failure::Kept(locking_error(err, self.key)));
         }
         if deadline.is_none() {

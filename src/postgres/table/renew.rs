@@ -46,7 +46,7 @@ use super::inner::Inner;
 use super::sql::{self, KeyExpr, Owner};
 use crate::loss_state::Validity;
 use crate::postgres::conn::held::HeldConn;
-use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, sqlstate};
+use crate::postgres::sqlstate::lock_not_available;
 use crate::{Error, LockKey, LossReason};
 
 /// What a lease's task needs.
@@ -159,7 +159,7 @@ impl Renewal {
         let row = match row {
             Ok(row) => row,
             // The server answered: the connection is sound.
-            Err(err) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+            Err(err) if lock_not_available(&err) => {
                 conn.into_pool();
                 return Ok(None);
             }

@@ -12,7 +12,7 @@ use crate::postgres::request::key::Bound;
 use crate::postgres::request::lock_request::Request;
 use crate::postgres::request::row::xact_taken;
 use crate::postgres::request::{Lock, sql, unlimited};
-use crate::postgres::sqlstate::{LOCK_NOT_AVAILABLE, locking_error, sqlstate};
+use crate::postgres::sqlstate::{lock_not_available, locking_error};
 use crate::{Error, LockKey, span};
 
 /// Takes the transaction-scoped advisory lock `key` inside the transaction
@@ -147,7 +147,7 @@ async fn wait_in_caller(
         Ok(Err(pid)) => Err(marker_seen(pid)),
         // The timeout aborted the caller's transaction, the one connection
         // there is: nothing can look for the holder.
-        Err(err) if sqlstate(&err).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+        Err(err) if lock_not_available(&err) => {
             Err(crate::postgres::timeout::timed_out(key, started))
         }
         Err(err) => Err(locking_error(err, key)),

@@ -18,7 +18,7 @@ use crate::postgres::request::prepared_try;
 use crate::postgres::request::row::xact_taken;
 use crate::postgres::request::{Lock, NotTaken};
 use crate::postgres::sqlstate::{
-    IN_FAILED_TRANSACTION, LOCK_NOT_AVAILABLE, UNDEFINED_OBJECT, locking_error, sqlstate,
+    IN_FAILED_TRANSACTION, UNDEFINED_OBJECT, lock_not_available, locking_error, sqlstate,
 };
 use crate::{Error, LockKey, span};
 
@@ -486,7 +486,7 @@ impl PgLocker {
         held: HeldConn,
         rolled_back: bool,
     ) -> Error {
-        if let (Some(_), Some(LOCK_NOT_AVAILABLE)) = (mode.timeout(), sqlstate(&err).as_deref()) {
+        if mode.timeout().is_some() && lock_not_available(&err) {
             return self
                 .timeout_error_as(
                     key,

@@ -463,6 +463,95 @@ async fn a_grant_sent_late_waits_only_until_its_task_gives_up(pool: PgPool) {
     );
 }
 
+/// A release given up on ends on the server too: held up by the lease's
+/// row (locked by another transaction), `release()` fails with
+/// `ReleaseTimedOut` at its deadline, and its statement's wait for the row
+/// ends then as well, so it does not stay behind as a backend waiting on
+/// the row (the row expires after a TTL).
+#[sqlx::test(migrations = false)]
+async fn a_release_given_up_ends_on_the_server_too(pool: PgPool) {
+    migrated(&pool).await;
+    let deadline = Duration::from_millis(400);
+    let locker = TableLocker::builder(pool.clone())
+        .ttl(Duration::from_secs(30))
+        .release_timeout(deadline)
+        .build()
+        .expect("valid settings");
+    let lease = locker.try_lock("table:late-release").await.unwrap();
+    let lease = lease.expect("free");
+    let blocker = rows_locked(&pool, "distlock.leases").await;
+    let released = lease.release().await;
+    assert!(
+        matches!(released, Err(Error::ReleaseTimedOut { after, .. }) if after == deadline),
+        "{released:?}"
+    );
+    let waiting = waiting_a_moment_later(&pool, "lease_release").await;
+    blocker.rollback().await.expect("rollback");
+    assert_eq!(waiting, 0, "a release given up still waits on the server");
+}
+
+/// The leader record's statements given up on end on the server too: held
+/// up by the record's row (locked by another transaction), a proclamation
+/// and a withdrawal each fail with `CommandTimedOut` at the renewal
+/// deadline, and their waits for the row end then as well.
+#[sqlx::test(migrations = false)]
+async fn a_leader_record_statement_given_up_ends_on_the_server_too(pool: PgPool) {
+    use distlock::{ElectionLocker, Proclamation};
+    migrated(&pool).await;
+    let locker = locker(&pool, Duration::from_millis(1500));
+    let key = LockKey::from("table:late-record");
+    let (lease, seat) = locker
+        .lock_seat(key.clone(), Duration::from_secs(5))
+        .await
+        .expect("the seat");
+    let proclamation = Proclamation {
+        identity: "a".to_owned(),
+        value: "v".to_owned(),
+        fencing_token: lease.fencing_token(),
+        grace: Duration::ZERO,
+    };
+    let term = locker.proclaim(&key, seat, &proclamation).await.unwrap();
+    let term = term.expect("the seat holds the lease").leader.term;
+    let blocker = rows_locked(&pool, "distlock.leaders").await;
+    let proclaimed = locker.proclaim(&key, seat, &proclamation).await;
+    assert!(
+        matches!(proclaimed, Err(Error::CommandTimedOut { .. })),
+        "{proclaimed:?}"
+    );
+    let proclaiming = waiting_a_moment_later(&pool, "leader_proclaim").await;
+    let withdrawn = locker.withdraw(&key, seat, Some(term)).await;
+    assert!(
+        matches!(withdrawn, Err(Error::CommandTimedOut { .. })),
+        "{withdrawn:?}"
+    );
+    let withdrawing = waiting_a_moment_later(&pool, "leader_withdraw").await;
+    blocker.rollback().await.expect("rollback");
+    assert_eq!(
+        (proclaiming, withdrawing),
+        (0, 0),
+        "(proclamations, withdrawals) given up still waiting on the server"
+    );
+    drop(lease);
+}
+
+/// A transaction, left open, that has locked every row of `table`.
+async fn rows_locked(pool: &PgPool, table: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut blocker = pool.begin().await.expect("begin");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {table} FOR UPDATE"
+    )))
+    .execute(&mut *blocker)
+    .await
+    .expect("lock the rows");
+    blocker
+}
+
+/// [`waiting_on_locks`] in `function` a moment after its caller gave up.
+async fn waiting_a_moment_later(pool: &PgPool, function: &str) -> i64 {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    waiting_on_locks(pool, function).await
+}
+
 /// Takes `key` on `locker`, expires its lease, waits for its loss, and
 /// locks the row with a write in a transaction left open. A write, not a
 /// bare `FOR UPDATE`: a statement waiting on the row then evaluates it

@@ -14,21 +14,37 @@ use super::TableLocker;
 use super::sql::{self, KeyExpr, Owner};
 use crate::capability::recorded_term;
 use crate::postgres::election::{leader_info, proclaimed};
+use crate::postgres::sqlstate::lock_not_available;
 use crate::postgres::timeout::answered_on_pool;
 use crate::{ElectionLocker, Error, LeaderInfo, Lease, LockKey, Proclaimed, Proclamation, Seat};
 
 impl TableLocker {
-    /// Runs one simple-query statement for `key`; its rows. Answered
-    /// within the renewal deadline or [`Error::CommandTimedOut`] (a
-    /// campaign holding the election's lease must not wait on a stalled
-    /// network until TCP gives up); only a connection that answered goes
-    /// back to the pool.
-    async fn simple(&self, key: &LockKey, sql: String) -> Result<Vec<PgRow>, Error> {
-        let within = (key, self.inner.renewal_deadline());
-        answered_on_pool(self.pool(), within, async |conn| {
+    /// Runs one simple-query statement for `key`, built by `sql` from how
+    /// long it may wait; its rows. Answered within the renewal deadline or
+    /// [`Error::CommandTimedOut`] (a campaign holding the election's lease
+    /// must not wait on a stalled network until TCP gives up); only a
+    /// connection that answered goes back to the pool. A statement that
+    /// waits for a locked row waits as long on the server (see
+    /// `sql::after_lock_timeout`), so it does not stay behind once given
+    /// up; the server's timeout, should it come first, is the same error.
+    async fn simple(
+        &self,
+        key: &LockKey,
+        sql: impl FnOnce(Duration) -> String,
+    ) -> Result<Vec<PgRow>, Error> {
+        let within = self.inner.renewal_deadline();
+        let sql = sql(within);
+        let rows = answered_on_pool(self.pool(), (key, within), async |conn| {
             Ok(sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(conn).await?)
         })
-        .await
+        .await;
+        match rows {
+            Err(Error::Database(err)) if lock_not_available(&err) => Err(Error::CommandTimedOut {
+                key: key.clone(),
+                after: within,
+            }),
+            rows => rows,
+        }
     }
 }
 
@@ -56,7 +72,8 @@ impl ElectionLocker for TableLocker {
         key.validate()?;
         proclamation.check()?;
         let owner = Owner::from_bits(seat.id());
-        let statement = sql::proclaim(&KeyExpr::new(key), owner, proclamation, &key.to_string());
+        let (expr, key_text) = (KeyExpr::new(key), key.to_string());
+        let statement = |wait| sql::proclaim(&expr, owner, proclamation, (&key_text, wait));
         let rows = self.simple(key, statement).await?;
         match rows.first() {
             Some(row) => proclaimed(row, proclamation),
@@ -70,14 +87,17 @@ impl ElectionLocker for TableLocker {
             return Ok(());
         };
         let owner = Owner::from_bits(seat.id());
-        self.simple(key, sql::withdraw(&KeyExpr::new(key), owner, number))
+        let expr = KeyExpr::new(key);
+        self.simple(key, |wait| sql::withdraw(&expr, owner, number, wait))
             .await?;
         Ok(())
     }
 
     async fn leader(&self, key: &LockKey) -> Result<Option<LeaderInfo>, Error> {
         key.validate()?;
-        let rows = self.simple(key, sql::leader_of(&KeyExpr::new(key))).await?;
+        let rows = self
+            .simple(key, |_| sql::leader_of(&KeyExpr::new(key)))
+            .await?;
         rows.first().map(leader_info).transpose()
     }
 

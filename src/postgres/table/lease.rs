@@ -214,11 +214,8 @@ impl TableLease {
             });
         }
         self.renewer.abort();
-        let budget = self.inner.release_timeout;
         let statement = release_statement(&self.inner, &self.key, &self.expr, self.owner);
-        let outcome = tokio::time::timeout(budget, statement)
-            .instrument(span.clone())
-            .await;
+        let outcome = statement.instrument(span.clone()).await;
         // A reason the renewal reported, not the renewal's end: it was
         // just aborted above.
         let lost = self.loss.reported();
@@ -227,19 +224,15 @@ impl TableLease {
                 key: self.key.clone(),
                 reason,
             }),
-            (Ok(Ok(true)), None) => {
+            (Ok(true), None) => {
                 crate::metrics::released("table", &self.key, self.acquired_at.elapsed());
                 Ok(())
             }
-            (Ok(Ok(false)), None) => Err(Error::LockLost {
+            (Ok(false), None) => Err(Error::LockLost {
                 key: self.key.clone(),
                 reason: LossReason::Expired,
             }),
-            (Ok(Err(err)), None) => Err(err),
-            (Err(_), None) => Err(Error::ReleaseTimedOut {
-                key: self.key.clone(),
-                after: budget,
-            }),
+            (Err(err), None) => Err(err),
         };
         let outcome = match &result {
             Ok(()) => "released",

@@ -674,7 +674,7 @@ async fn acquire_statement(
     closed_at: tokio::time::Instant,
     conn: &mut HeldConn,
 ) -> Result<Answer, Error> {
-    let grant = Grant {
+    let mut grant = Grant {
         inner: Some(Arc::clone(inner)),
         key: key.clone(),
         expr: expr.clone(),
@@ -682,16 +682,19 @@ async fn acquire_statement(
     };
     // Armed until the answer is read: an error here (a broken connection
     // among them) may come after the server committed a grant.
-    let wait = closed_at.saturating_duration_since(tokio::time::Instant::now());
-    let sql = sql::acquire(expr, owner, inner.ttl, wait);
-    let row = sqlx::raw_sql(AssertSqlSafe(sql))
-        .fetch_one(conn.conn())
-        .await?;
-    conn.disarm();
+    let acquire = |wait| sql::acquire(expr, owner, inner.ttl, wait);
+    let Some(row) = super::row_wait::answered_by(conn, closed_at, acquire).await? else {
+        // Held up by a locked row until the task gives up (which it does
+        // first, on its own clock): nothing was granted.
+        grant.disarm();
+        return Err(Error::CommandTimedOut {
+            key: key.clone(),
+            after: inner.ttl,
+        });
+    };
     let granted: bool = row.try_get("granted")?;
     let lock_id: i64 = row.try_get("lock_id")?;
     if !granted {
-        let mut grant = grant;
         grant.disarm();
         let wait_ms: Option<i64> = row.try_get("wait_ms")?;
         let wait_ms = u64::try_from(wait_ms.unwrap_or(1)).unwrap_or(1);

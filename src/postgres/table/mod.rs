@@ -23,6 +23,7 @@
 //! | `lease.rs` | [`TableLease`] and its `Lease` impl |
 //! | `release.rs` | deleting a lease's row, also in the background |
 //! | `renew.rs` | the renewal task and its loss deadline |
+//! | `row_wait.rs` | a statement whose waits for locked rows end when its client gives up |
 //! | `notify.rs` | the `LISTEN` connection that wakes waiters |
 //! | `election.rs` | the record of who leads a `LeaderElection` (`ElectionLocker`) |
 //! | `sql.rs` | the statements, as simple queries safe for poolers |
@@ -39,6 +40,7 @@ mod locker;
 mod notify;
 mod release;
 mod renew;
+mod row_wait;
 mod sql;
 
 pub use holders::LeaseHolder;

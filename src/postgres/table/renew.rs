@@ -38,7 +38,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::Row;
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep_until, timeout_at};
 
@@ -46,7 +46,6 @@ use super::inner::Inner;
 use super::sql::{self, KeyExpr, Owner};
 use crate::loss_state::Validity;
 use crate::postgres::conn::held::HeldConn;
-use crate::postgres::sqlstate::lock_not_available;
 use crate::{Error, LockKey, LossReason};
 
 /// What a lease's task needs.
@@ -151,22 +150,9 @@ impl Renewal {
             crate::postgres::conn::pooled::acquire(&self.inner.pool).await?,
             true,
         );
-        let wait = give_up.saturating_duration_since(Instant::now());
-        let sql = sql::renew(&self.expr, self.owner, self.inner.ttl, wait);
-        let row = sqlx::raw_sql(AssertSqlSafe(sql))
-            .fetch_one(conn.conn())
-            .await;
-        let row = match row {
-            Ok(row) => row,
-            // The server answered: the connection is sound.
-            Err(err) if lock_not_available(&err) => {
-                conn.into_pool();
-                return Ok(None);
-            }
-            Err(err) => return Err(err.into()),
-        };
-        conn.into_pool();
-        Ok(Some(row.try_get(0)?))
+        let renew = |wait| sql::renew(&self.expr, self.owner, self.inner.ttl, wait);
+        let row = super::row_wait::answered_by(&mut conn, give_up, renew).await?;
+        Ok(row.map(|row| row.try_get(0)).transpose()?)
     }
 
     /// Publishes the loss, then, unless someone else's lease replaced ours,
@@ -193,7 +179,7 @@ impl Renewal {
             sleep_until(crate::deadline::after(last_ok, self.inner.ttl)).await;
             let release =
                 super::release::release_statement(&self.inner, &self.key, &self.expr, self.owner);
-            let _ = tokio::time::timeout(self.inner.release_timeout, release).await;
+            let _ = release.await;
         }
     }
 }

@@ -227,9 +227,15 @@ pub(super) fn renew(key: &KeyExpr, owner: Owner, ttl: Duration, wait: Duration) 
         owner = owner.literal(),
         ttl = millis(ttl),
     );
+    call_waiting_at_most(key, &call, wait)
+}
+
+/// `SELECT call` for `key` (its name evaluated, as in every statement),
+/// `call` waiting for a locked row at most `wait` ([`after_lock_timeout`]).
+fn call_waiting_at_most(key: &KeyExpr, call: &str, wait: Duration) -> String {
     format!(
         "SELECT {call} FROM (SELECT {name} AS k) AS n",
-        call = after_lock_timeout(wait, &call),
+        call = after_lock_timeout(wait, call),
         name = key.name,
     )
 }
@@ -254,26 +260,34 @@ fn after_lock_timeout(wait: Duration, expr: &str) -> String {
 
 /// One column: whether the lease was the owner's and unexpired (it is gone
 /// either way).
-pub(super) fn release(key: &KeyExpr, owner: Owner) -> String {
-    format!(
-        "SELECT distlock.lease_release({space}::pg_catalog.int2, {id}, {owner}) \
-         FROM (SELECT {name} AS k) AS n",
+///
+/// It waits for the lease's row (locked by another transaction) at most
+/// `wait` ([`after_lock_timeout`]), what is left of the release deadline:
+/// a release given up on does not stay behind as a backend waiting on the
+/// row.
+pub(super) fn release(key: &KeyExpr, owner: Owner, wait: Duration) -> String {
+    let call = format!(
+        "distlock.lease_release({space}::pg_catalog.int2, {id}, {owner})",
         space = key.space,
         id = key.id,
         owner = owner.literal(),
-        name = key.name,
-    )
+    );
+    call_waiting_at_most(key, &call, wait)
 }
 
 /// Columns: `term` (int8), `since` (µs since the epoch, int8),
 /// `after_loss` (bool); all NULL if `owner` does not hold the lease. The
 /// leader record of a lease is `via` 2 (see the `leader_records`
 /// migration).
+///
+/// It waits for a row another transaction locked (the record's, the
+/// lease's) at most `wait` ([`after_lock_timeout`], evaluated with the
+/// function's arguments), as long as its caller waits.
 pub(super) fn proclaim(
     key: &KeyExpr,
     owner: Owner,
     proclamation: &crate::Proclamation,
-    key_text: &str,
+    (key_text, wait): (&str, Duration),
 ) -> String {
     let token = proclamation
         .fencing_token
@@ -287,7 +301,7 @@ pub(super) fn proclaim(
         name = key.name,
         space = key.space,
         id = key.id,
-        key_text = text(key_text),
+        key_text = after_lock_timeout(wait, &text(key_text)),
         owner = owner.literal(),
         identity = text(&proclamation.identity),
         value = text(&proclamation.value),
@@ -297,16 +311,19 @@ pub(super) fn proclaim(
 
 /// One column: whether the record named `owner` (and `term`) and is
 /// cleared now.
-pub(super) fn withdraw(key: &KeyExpr, owner: Owner, term: Option<i64>) -> String {
-    format!(
-        "SELECT distlock.leader_withdraw(2::pg_catalog.int2, {space}::pg_catalog.int2, {id}, \
-         NULL, {owner}, {term}) FROM (SELECT {name} AS k) AS n",
+///
+/// It waits for the record's row (locked by another transaction) at most
+/// `wait` ([`after_lock_timeout`]), as long as its caller waits.
+pub(super) fn withdraw(key: &KeyExpr, owner: Owner, term: Option<i64>, wait: Duration) -> String {
+    let call = format!(
+        "distlock.leader_withdraw(2::pg_catalog.int2, {space}::pg_catalog.int2, {id}, \
+         NULL, {owner}, {term})",
         space = key.space,
         id = key.id,
         owner = owner.literal(),
         term = term.map_or_else(|| "NULL".to_owned(), int8),
-        name = key.name,
-    )
+    );
+    call_waiting_at_most(key, &call, wait)
 }
 
 /// Columns: `identity`, `value` (text), `term`, `since` (µs since the
@@ -375,11 +392,16 @@ mod tests {
                     Duration::from_secs(1),
                     Duration::from_millis(1),
                 ),
-                release(&expr, owner),
-                release(&expr.with_id(-42), owner),
-                proclaim(&expr, owner, &proclamation, hostile),
-                withdraw(&expr, owner, Some(i64::MIN)),
-                withdraw(&expr, owner, None),
+                release(&expr, owner, Duration::from_millis(1)),
+                release(&expr.with_id(-42), owner, Duration::from_millis(1)),
+                proclaim(
+                    &expr,
+                    owner,
+                    &proclamation,
+                    (hostile, Duration::from_millis(1)),
+                ),
+                withdraw(&expr, owner, Some(i64::MIN), Duration::from_millis(1)),
+                withdraw(&expr, owner, None, Duration::from_millis(1)),
                 leader_of(&expr),
                 live_lease_of(&expr),
             ] {

@@ -330,6 +330,11 @@ impl Proclamation {
     }
 }
 
+/// How long a campaign waits for [`ElectionLocker::withdraw`] before it
+/// goes on without it (the record is not believed once the lock is gone);
+/// a backend's withdrawal that waits on the server waits no longer.
+pub(crate) const WITHDRAW_WITHIN: Duration = Duration::from_secs(5);
+
 /// The term filter of a withdrawal as a backend records terms (`bigint`):
 /// `Some(None)` for any term, `Some(Some(n))` for term `n`, and `None` for
 /// a term above `i64::MAX`, which no record carries (so nothing is to be

@@ -480,11 +480,13 @@ async fn a_release_given_up_ends_on_the_server_too(pool: PgPool) {
     let lease = locker.try_lock("table:late-release").await.unwrap();
     let lease = lease.expect("free");
     let blocker = rows_locked(&pool, "distlock.leases").await;
+    let started = Instant::now();
     let released = lease.release().await;
     assert!(
         matches!(released, Err(Error::ReleaseTimedOut { after, .. }) if after == deadline),
         "{released:?}"
     );
+    waited_at_least(started, deadline);
     let waiting = waiting_a_moment_later(&pool, "lease_release").await;
     blocker.rollback().await.expect("rollback");
     assert_eq!(waiting, 0, "a release given up still waits on the server");
@@ -513,17 +515,23 @@ async fn a_leader_record_statement_given_up_ends_on_the_server_too(pool: PgPool)
     let term = locker.proclaim(&key, seat, &proclamation).await.unwrap();
     let term = term.expect("the seat holds the lease").leader.term;
     let blocker = rows_locked(&pool, "distlock.leaders").await;
+    // The renewal deadline: two thirds of the TTL.
+    let deadline = Duration::from_millis(1000);
+    let started = Instant::now();
     let proclaimed = locker.proclaim(&key, seat, &proclamation).await;
     assert!(
         matches!(proclaimed, Err(Error::CommandTimedOut { .. })),
         "{proclaimed:?}"
     );
+    waited_at_least(started, deadline);
     let proclaiming = waiting_a_moment_later(&pool, "leader_proclaim").await;
+    let started = Instant::now();
     let withdrawn = locker.withdraw(&key, seat, Some(term)).await;
     assert!(
         matches!(withdrawn, Err(Error::CommandTimedOut { .. })),
         "{withdrawn:?}"
     );
+    waited_at_least(started, deadline);
     let withdrawing = waiting_a_moment_later(&pool, "leader_withdraw").await;
     blocker.rollback().await.expect("rollback");
     assert_eq!(
@@ -532,6 +540,16 @@ async fn a_leader_record_statement_given_up_ends_on_the_server_too(pool: PgPool)
         "(proclamations, withdrawals) given up still waiting on the server"
     );
     drop(lease);
+}
+
+/// A call that gave up on a locked row did wait for it until about its
+/// `deadline` (not, say, a `lock_timeout` of a millisecond).
+fn waited_at_least(started: Instant, deadline: Duration) {
+    let waited = started.elapsed();
+    assert!(
+        waited + Duration::from_millis(50) >= deadline,
+        "gave up after {waited:?}, before its deadline of {deadline:?}"
+    );
 }
 
 /// A transaction, left open, that has locked every row of `table`.

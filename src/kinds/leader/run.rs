@@ -9,6 +9,7 @@ use tokio_util::sync::DropGuard;
 
 use super::permanent::permanent;
 use super::{Election, Term};
+use crate::capability::WITHDRAW_WITHIN;
 use crate::{ElectionLocker, Error, Lease, LossReason, Proclamation, Seat};
 
 /// Where a stop request wants the outcome of the release.
@@ -16,10 +17,6 @@ pub(super) type Reply = oneshot::Sender<Result<(), Error>>;
 /// Completes with a stop request, or with `Err` once every handle is gone
 /// (which is a stop too).
 type Stop = oneshot::Receiver<Reply>;
-
-/// How long a withdrawal of the leader record may take before the task
-/// goes on without it (the record is not believed once the lock is gone).
-const WITHDRAW_WITHIN: Duration = Duration::from_secs(5);
 
 /// The campaign task's state.
 pub(super) struct Run {

@@ -12,7 +12,7 @@ use sqlx::postgres::PgRow;
 
 use super::TableLocker;
 use super::sql::{self, KeyExpr, Owner};
-use crate::capability::recorded_term;
+use crate::capability::{WITHDRAW_WITHIN, recorded_term};
 use crate::postgres::election::{leader_info, proclaimed};
 use crate::postgres::sqlstate::lock_not_available;
 use crate::postgres::timeout::answered_on_pool;
@@ -20,19 +20,20 @@ use crate::{ElectionLocker, Error, LeaderInfo, Lease, LockKey, Proclaimed, Procl
 
 impl TableLocker {
     /// Runs one simple-query statement for `key`, built by `sql` from how
-    /// long it may wait; its rows. Answered within the renewal deadline or
-    /// [`Error::CommandTimedOut`] (a campaign holding the election's lease
-    /// must not wait on a stalled network until TCP gives up); only a
-    /// connection that answered goes back to the pool. A statement that
-    /// waits for a locked row waits as long on the server (see
-    /// `sql::after_lock_timeout`), so it does not stay behind once given
-    /// up; the server's timeout, should it come first, is the same error.
+    /// long it may wait; its rows. Answered within `within` (at most the
+    /// renewal deadline) or [`Error::CommandTimedOut`] (a campaign holding
+    /// the election's lease must not wait on a stalled network until TCP
+    /// gives up); only a connection that answered goes back to the pool.
+    /// A statement that waits for a locked row waits as long on the server
+    /// (see `sql::after_lock_timeout`), so it does not stay behind once
+    /// given up; the server's timeout, should it come first, is the same
+    /// error.
     async fn simple(
         &self,
-        key: &LockKey,
+        (key, within): (&LockKey, Duration),
         sql: impl FnOnce(Duration) -> String,
     ) -> Result<Vec<PgRow>, Error> {
-        let within = self.inner.renewal_deadline();
+        let within = within.min(self.inner.renewal_deadline());
         let sql = sql(within);
         let rows = answered_on_pool(self.pool(), (key, within), async |conn| {
             Ok(sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(conn).await?)
@@ -49,8 +50,9 @@ impl TableLocker {
 }
 
 /// Each call is 1 round trip, one short transaction, answered within the
-/// renewal deadline (two thirds of the TTL) or [`Error::CommandTimedOut`];
-/// a seat is the lease's owner.
+/// renewal deadline (two thirds of the TTL; a withdrawal within 5 s at
+/// most, as long as a campaign waits for it) or
+/// [`Error::CommandTimedOut`]; a seat is the lease's owner.
 #[async_trait]
 impl ElectionLocker for TableLocker {
     async fn lock_seat(
@@ -74,7 +76,7 @@ impl ElectionLocker for TableLocker {
         let owner = Owner::from_bits(seat.id());
         let (expr, key_text) = (KeyExpr::new(key), key.to_string());
         let statement = |wait| sql::proclaim(&expr, owner, proclamation, (&key_text, wait));
-        let rows = self.simple(key, statement).await?;
+        let rows = self.simple((key, Duration::MAX), statement).await?;
         match rows.first() {
             Some(row) => proclaimed(row, proclamation),
             None => Ok(None),
@@ -88,16 +90,16 @@ impl ElectionLocker for TableLocker {
         };
         let owner = Owner::from_bits(seat.id());
         let expr = KeyExpr::new(key);
-        self.simple(key, |wait| sql::withdraw(&expr, owner, number, wait))
+        let within = (key, WITHDRAW_WITHIN);
+        self.simple(within, |wait| sql::withdraw(&expr, owner, number, wait))
             .await?;
         Ok(())
     }
 
     async fn leader(&self, key: &LockKey) -> Result<Option<LeaderInfo>, Error> {
         key.validate()?;
-        let rows = self
-            .simple(key, |_| sql::leader_of(&KeyExpr::new(key)))
-            .await?;
+        let statement = |_| sql::leader_of(&KeyExpr::new(key));
+        let rows = self.simple((key, Duration::MAX), statement).await?;
         rows.first().map(leader_info).transpose()
     }
 

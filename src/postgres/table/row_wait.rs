@@ -15,8 +15,12 @@ use crate::postgres::sqlstate::lock_not_available;
 /// once the connection is in hand (the statement's `lock_timeout`, see
 /// `sql::after_lock_timeout`); its one row, or `None` if a row another
 /// transaction locked held it up that long. 1 round trip. `conn` is
-/// disarmed once the server answered, whatever it answered: the
-/// connection is sound.
+/// disarmed on a row or on that timeout (the server answered: the
+/// connection is sound); any other error leaves it armed, so it is closed.
+///
+/// The client's own timer at `give_up`, started before the send, usually
+/// fires first; the server's timeout is the fallback that ends the
+/// statement there too.
 ///
 /// The server does not notice a closed socket while a statement waits: a
 /// statement given up on at `give_up` would stay behind as a backend

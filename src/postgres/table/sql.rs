@@ -280,9 +280,10 @@ pub(super) fn release(key: &KeyExpr, owner: Owner, wait: Duration) -> String {
 /// leader record of a lease is `via` 2 (see the `leader_records`
 /// migration).
 ///
-/// It waits for a row another transaction locked (the record's, the
-/// lease's) at most `wait` ([`after_lock_timeout`], evaluated with the
-/// function's arguments), as long as its caller waits.
+/// Each of its waits for the record's row (an insert of it still in
+/// progress, or the row locked by another transaction) lasts at most
+/// `wait` ([`after_lock_timeout`], evaluated with the function's
+/// arguments), what its caller waits for the answer.
 pub(super) fn proclaim(
     key: &KeyExpr,
     owner: Owner,
@@ -313,7 +314,7 @@ pub(super) fn proclaim(
 /// cleared now.
 ///
 /// It waits for the record's row (locked by another transaction) at most
-/// `wait` ([`after_lock_timeout`]), as long as its caller waits.
+/// `wait` ([`after_lock_timeout`]), what its caller waits for the answer.
 pub(super) fn withdraw(key: &KeyExpr, owner: Owner, term: Option<i64>, wait: Duration) -> String {
     let call = format!(
         "distlock.leader_withdraw(2::pg_catalog.int2, {space}::pg_catalog.int2, {id}, \

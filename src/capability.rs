@@ -227,8 +227,10 @@ pub trait ElectionLocker: Locker {
     /// [`Error::InvalidArgument`], recording nothing.
     ///
     /// On [`PgLocker`]: 1 round trip, one durable row write; no answer
-    /// within the heartbeat deadline (a stalled network) is
-    /// [`Error::CommandTimedOut`], its pooled connection closed.
+    /// within the heartbeat deadline (a stalled network, or the record's
+    /// row locked by another transaction, which the server then stops
+    /// waiting for too) is [`Error::CommandTimedOut`], its pooled
+    /// connection closed.
     ///
     /// # Cancel safety
     ///
@@ -248,7 +250,8 @@ pub trait ElectionLocker: Locker {
     /// nothing is cleared.
     ///
     /// On [`PgLocker`]: 1 round trip, a durable row write when it clears;
-    /// within the heartbeat deadline, as [`proclaim`](Self::proclaim).
+    /// within the heartbeat deadline (5 s at most, what a campaign waits
+    /// for it), as [`proclaim`](Self::proclaim).
     ///
     /// # Cancel safety
     ///

@@ -12,24 +12,27 @@ use async_trait::async_trait;
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Postgres, Row};
 
-use crate::capability::recorded_term;
+use crate::capability::{WITHDRAW_WITHIN, recorded_term};
+use crate::postgres::request::fragments::millis_setting;
 use crate::postgres::request::key::Bound;
-use crate::postgres::request::sql::ELECTION_KEY;
+use crate::postgres::request::sql::{ELECTION_KEY, ELECTION_KEY_WRITING};
+use crate::postgres::sqlstate::lock_not_available;
 use crate::postgres::timeout::answered_on_pool;
 use crate::{
     ElectionLocker, Error, FencingToken, LeaderInfo, Lease, LockKey, PgLocker, Proclaimed,
     Proclamation, Seat,
 };
 
-// Via 1: records of session advisory locks.
+// Via 1: records of session advisory locks. The statements that write
+// the record follow `ELECTION_KEY_WRITING` (`$4` the `lock_timeout`).
 
 const PROCLAIM: &str = "SELECT p.term, \
      (extract(epoch FROM p.since) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, p.after_loss \
-     FROM e, distlock.leader_proclaim(1::pg_catalog.int2, e.space, e.lock_id, $4, $5, NULL, \
-     $6, $7, $8, $9) AS p";
+     FROM e, distlock.leader_proclaim(1::pg_catalog.int2, e.space, e.lock_id, $5, $6, NULL, \
+     $7, $8, $9, $10) AS p";
 
 const WITHDRAW: &str =
-    "SELECT distlock.leader_withdraw(1::pg_catalog.int2, e.space, e.lock_id, $4, NULL, $5) FROM e";
+    "SELECT distlock.leader_withdraw(1::pg_catalog.int2, e.space, e.lock_id, $5, NULL, $6) FROM e";
 
 const LEADER: &str = "SELECT l.identity, l.value, l.term, \
      (extract(epoch FROM l.since) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8, l.fencing_token \
@@ -43,6 +46,19 @@ fn keyed<'q>(
 ) -> Result<sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>, Error> {
     let text: String = [ELECTION_KEY, sql].concat();
     Ok(Bound::from(key.args()?).bind(sqlx::query(sqlx::AssertSqlSafe(text))))
+}
+
+/// `sql` after [`ELECTION_KEY_WRITING`], with the key's three parameters
+/// and then the `lock_timeout` of `wait` bound: the statement waits for
+/// the record's row (locked by another transaction) at most `wait`.
+fn keyed_writing<'q>(
+    sql: &'static str,
+    key: &'q LockKey,
+    wait: Duration,
+) -> Result<sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>, Error> {
+    let text: String = [ELECTION_KEY_WRITING, sql].concat();
+    let query = Bound::from(key.args()?).bind(sqlx::query(sqlx::AssertSqlSafe(text)));
+    Ok(query.bind(millis_setting(wait)))
 }
 
 /// The backend pid a seat names.
@@ -105,17 +121,25 @@ pub(super) fn leader_info(row: &PgRow) -> Result<LeaderInfo, Error> {
 }
 
 impl PgLocker {
-    /// A record's one statement on a pooled connection, answered within the
-    /// heartbeat deadline or [`Error::CommandTimedOut`], its connection
-    /// closed: a campaign holding the election's lock must not wait on a
-    /// stalled network until TCP gives up, nor an observer's abandoned
-    /// reads keep pool slots.
+    /// A record's one statement on a pooled connection, answered within
+    /// `within` or [`Error::CommandTimedOut`], its connection closed: a
+    /// campaign holding the election's lock must not wait on a stalled
+    /// network until TCP gives up, nor an observer's abandoned reads keep
+    /// pool slots. A statement that writes the record waits for its row
+    /// as long on the server ([`keyed_writing`]); the server's timeout,
+    /// should it come first, is the same error.
     async fn answered_record<T>(
         &self,
-        key: &LockKey,
+        (key, within): (&LockKey, Duration),
         statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, Error>,
     ) -> Result<T, Error> {
-        answered_on_pool(self.pool(), (key, self.heartbeat_timeout()), statement).await
+        match answered_on_pool(self.pool(), (key, within), statement).await {
+            Err(Error::Database(err)) if lock_not_available(&err) => Err(Error::CommandTimedOut {
+                key: key.clone(),
+                after: within,
+            }),
+            answer => answer,
+        }
     }
 }
 
@@ -141,7 +165,8 @@ impl ElectionLocker for PgLocker {
         proclamation: &Proclamation,
     ) -> Result<Option<Proclaimed>, Error> {
         proclamation.check()?;
-        let query = keyed(PROCLAIM, key)?
+        let within = self.heartbeat_timeout();
+        let query = keyed_writing(PROCLAIM, key, within)?
             .bind(key.to_string())
             .bind(pid(seat)?)
             .bind(proclamation.identity.as_str())
@@ -149,7 +174,9 @@ impl ElectionLocker for PgLocker {
             .bind(proclamation.fencing_token.map(FencingToken::value))
             .bind(i64::try_from(proclamation.grace.as_millis()).unwrap_or(i64::MAX));
         let row: PgRow = self
-            .answered_record(key, async |conn| Ok(query.fetch_one(conn).await?))
+            .answered_record((key, within), async |conn| {
+                Ok(query.fetch_one(conn).await?)
+            })
             .await?;
         proclaimed(&row, proclamation)
     }
@@ -158,8 +185,11 @@ impl ElectionLocker for PgLocker {
         let Some(number) = recorded_term(number) else {
             return Ok(());
         };
-        let query = keyed(WITHDRAW, key)?.bind(pid(seat)?).bind(number);
-        self.answered_record(key, async |conn| Ok(query.execute(conn).await?))
+        let within = self.heartbeat_timeout().min(WITHDRAW_WITHIN);
+        let query = keyed_writing(WITHDRAW, key, within)?
+            .bind(pid(seat)?)
+            .bind(number);
+        self.answered_record((key, within), async |conn| Ok(query.execute(conn).await?))
             .await?;
         Ok(())
     }
@@ -167,7 +197,9 @@ impl ElectionLocker for PgLocker {
     async fn leader(&self, key: &LockKey) -> Result<Option<LeaderInfo>, Error> {
         let query = keyed(LEADER, key)?;
         let row = self
-            .answered_record(key, async |conn| Ok(query.fetch_optional(conn).await?))
+            .answered_record((key, self.heartbeat_timeout()), async |conn| {
+                Ok(query.fetch_optional(conn).await?)
+            })
             .await?;
         row.as_ref().map(leader_info).transpose()
     }

@@ -15,6 +15,7 @@ pub mod pgbouncer;
 pub mod proxy;
 pub mod redis;
 pub mod roles;
+pub mod row_waits;
 pub mod txpool;
 
 use std::future::Future;

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use common::*;
 use distlock::memory::MemoryLocker;
-use distlock::{Error, LeaderElection, Lease, LockKey, Locker, PgLocker};
+use distlock::{
+    ElectionLocker, Error, LeaderElection, Lease, LockKey, Locker, PgLocker, Proclamation,
+};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -627,4 +629,76 @@ async fn a_campaign_without_the_grants_ends_with_permission_denied(pool: PgPool)
         .await
         .expect("drop the schema");
     let _ = drop_role(&pool, &app).await;
+}
+
+/// The leader record's statements given up on end on the server too: held
+/// up by the record's row (locked by another transaction), a proclamation
+/// and a withdrawal on `records` each fail with `CommandTimedOut` at
+/// `deadline` (the backend's), having waited that long, and their waits
+/// for the row end then as well: none stays behind as a backend waiting on
+/// the row (which it would, the server not noticing a closed socket while
+/// a statement waits).
+async fn record_statements_given_up(
+    pool: &PgPool,
+    records: &dyn ElectionLocker,
+    deadline: Duration,
+) {
+    use common::row_waits::{rows_locked, waited_at_least, waiting_a_moment_later};
+    let key = LockKey::from("leader:late-record");
+    let (lease, seat) = records
+        .lock_seat(key.clone(), Duration::from_secs(5))
+        .await
+        .expect("the seat");
+    let proclamation = Proclamation {
+        identity: "a".to_owned(),
+        value: "v".to_owned(),
+        fencing_token: lease.fencing_token(),
+        grace: Duration::ZERO,
+    };
+    let term = records.proclaim(&key, seat, &proclamation).await.unwrap();
+    let term = term.expect("the seat holds the lock").leader.term;
+    let blocker = rows_locked(pool, "distlock.leaders").await;
+    let started = std::time::Instant::now();
+    let proclaimed = records.proclaim(&key, seat, &proclamation).await;
+    assert!(
+        matches!(proclaimed, Err(Error::CommandTimedOut { .. })),
+        "{proclaimed:?}"
+    );
+    waited_at_least(started, deadline);
+    let proclaiming = waiting_a_moment_later(pool, "leader_proclaim").await;
+    let started = std::time::Instant::now();
+    let withdrawn = records.withdraw(&key, seat, Some(term)).await;
+    assert!(
+        matches!(withdrawn, Err(Error::CommandTimedOut { .. })),
+        "{withdrawn:?}"
+    );
+    waited_at_least(started, deadline);
+    let withdrawing = waiting_a_moment_later(pool, "leader_withdraw").await;
+    blocker.rollback().await.expect("rollback");
+    assert_eq!(
+        (proclaiming, withdrawing),
+        (0, 0),
+        "(proclamations, withdrawals) given up still waiting on the server"
+    );
+    lease.release().await.expect("release");
+}
+
+/// [`record_statements_given_up`] on `PgLocker`: the heartbeat deadline.
+#[sqlx::test(migrations = false)]
+async fn record_statements_given_up_end_on_the_server_too_on_postgres(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let locker = PgLocker::new(pool.clone());
+    record_statements_given_up(&pool, &locker, locker.heartbeat_timeout()).await;
+}
+
+/// [`record_statements_given_up`] on the lease table: the renewal
+/// deadline, two thirds of the TTL.
+#[sqlx::test(migrations = false)]
+async fn record_statements_given_up_end_on_the_server_too_on_the_lease_table(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let locker = distlock::postgres::TableLocker::builder(pool.clone())
+        .ttl(Duration::from_millis(1500))
+        .build()
+        .expect("valid settings");
+    record_statements_given_up(&pool, &locker, Duration::from_millis(1000)).await;
 }

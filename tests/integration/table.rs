@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::pgbouncer::PgBouncer;
 use common::proxy::Proxy;
+use common::row_waits::{rows_locked, waited_at_least, waiting_a_moment_later, waiting_on_locks};
 use common::{bounded, init_tracing};
 use distlock::postgres::TableLocker;
 use distlock::{Error, JobOutcome, LockKey, LossReason, SingletonJob};
@@ -492,84 +493,6 @@ async fn a_release_given_up_ends_on_the_server_too(pool: PgPool) {
     assert_eq!(waiting, 0, "a release given up still waits on the server");
 }
 
-/// The leader record's statements given up on end on the server too: held
-/// up by the record's row (locked by another transaction), a proclamation
-/// and a withdrawal each fail with `CommandTimedOut` at the renewal
-/// deadline, and their waits for the row end then as well.
-#[sqlx::test(migrations = false)]
-async fn a_leader_record_statement_given_up_ends_on_the_server_too(pool: PgPool) {
-    use distlock::{ElectionLocker, Proclamation};
-    migrated(&pool).await;
-    let locker = locker(&pool, Duration::from_millis(1500));
-    let key = LockKey::from("table:late-record");
-    let (lease, seat) = locker
-        .lock_seat(key.clone(), Duration::from_secs(5))
-        .await
-        .expect("the seat");
-    let proclamation = Proclamation {
-        identity: "a".to_owned(),
-        value: "v".to_owned(),
-        fencing_token: lease.fencing_token(),
-        grace: Duration::ZERO,
-    };
-    let term = locker.proclaim(&key, seat, &proclamation).await.unwrap();
-    let term = term.expect("the seat holds the lease").leader.term;
-    let blocker = rows_locked(&pool, "distlock.leaders").await;
-    // The renewal deadline: two thirds of the TTL.
-    let deadline = Duration::from_millis(1000);
-    let started = Instant::now();
-    let proclaimed = locker.proclaim(&key, seat, &proclamation).await;
-    assert!(
-        matches!(proclaimed, Err(Error::CommandTimedOut { .. })),
-        "{proclaimed:?}"
-    );
-    waited_at_least(started, deadline);
-    let proclaiming = waiting_a_moment_later(&pool, "leader_proclaim").await;
-    let started = Instant::now();
-    let withdrawn = locker.withdraw(&key, seat, Some(term)).await;
-    assert!(
-        matches!(withdrawn, Err(Error::CommandTimedOut { .. })),
-        "{withdrawn:?}"
-    );
-    waited_at_least(started, deadline);
-    let withdrawing = waiting_a_moment_later(&pool, "leader_withdraw").await;
-    blocker.rollback().await.expect("rollback");
-    assert_eq!(
-        (proclaiming, withdrawing),
-        (0, 0),
-        "(proclamations, withdrawals) given up still waiting on the server"
-    );
-    drop(lease);
-}
-
-/// A call that gave up on a locked row did wait for it until about its
-/// `deadline` (not, say, a `lock_timeout` of a millisecond).
-fn waited_at_least(started: Instant, deadline: Duration) {
-    let waited = started.elapsed();
-    assert!(
-        waited + Duration::from_millis(50) >= deadline,
-        "gave up after {waited:?}, before its deadline of {deadline:?}"
-    );
-}
-
-/// A transaction, left open, that has locked every row of `table`.
-async fn rows_locked(pool: &PgPool, table: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
-    let mut blocker = pool.begin().await.expect("begin");
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT 1 FROM {table} FOR UPDATE"
-    )))
-    .execute(&mut *blocker)
-    .await
-    .expect("lock the rows");
-    blocker
-}
-
-/// [`waiting_on_locks`] in `function` a moment after its caller gave up.
-async fn waiting_a_moment_later(pool: &PgPool, function: &str) -> i64 {
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    waiting_on_locks(pool, function).await
-}
-
 /// Takes `key` on `locker`, expires its lease, waits for its loss, and
 /// locks the row with a write in a transaction left open. A write, not a
 /// bare `FOR UPDATE`: a statement waiting on the row then evaluates it
@@ -655,20 +578,6 @@ async fn slow_to_connect(
         .connect_with(options.application_name(SLOW_APP))
         .await
         .expect("slow pool")
-}
-
-/// How many backends of this test's database wait for a lock in a
-/// statement that calls `function` (not, say, a lost lease's delete).
-async fn waiting_on_locks(pool: &PgPool, function: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM pg_catalog.pg_stat_activity \
-         WHERE datname = current_database() AND wait_event_type = 'Lock' \
-         AND strpos(query, $1) > 0",
-    )
-    .bind(format!("distlock.{function}("))
-    .fetch_one(pool)
-    .await
-    .expect("count waiting backends")
 }
 
 /// A connection on a thread of its own (with its own runtime, so it runs

@@ -81,16 +81,42 @@ macro_rules! under_lock_timeout {
 /// The CTEs `k` ([`resolved`]) and `e`: the key as `distlock.leaders`
 /// keys an election, `(space int2, lock_id int8)`, `lock_id` the one
 /// `bigint` of space 1 or the two `int4`s of space 2 as one `bigint` (as
-/// `pg_locks` shows them in `classid`/`objid`). Followed by the statement
-/// that reads `e`.
-pub(crate) const ELECTION_KEY: &str = concat!(
-    "WITH ",
-    resolved!(),
-    ", e AS (SELECT k.space::pg_catalog.int2 AS space, \
-       CASE WHEN k.space OPERATOR(pg_catalog.=) 2 \
+/// `pg_locks` shows them in `classid`/`objid`), computed by `$lock_id`.
+/// Followed by the statement that reads `e`.
+macro_rules! election_key {
+    ($lock_id:expr) => {
+        concat!(
+            "WITH ",
+            resolved!(),
+            ", e AS (SELECT k.space::pg_catalog.int2 AS space, ",
+            $lock_id,
+            " AS lock_id FROM k) "
+        )
+    };
+}
+
+/// `e.lock_id` of [`election_key`].
+macro_rules! election_lock_id {
+    () => {
+        "CASE WHEN k.space OPERATOR(pg_catalog.=) 2 \
          THEN (k.a OPERATOR(pg_catalog.<<) 32) OPERATOR(pg_catalog.|) (k.b OPERATOR(pg_catalog.&) 4294967295) \
-         ELSE k.a END AS lock_id FROM k) "
-);
+         ELSE k.a END"
+    };
+}
+
+/// The CTEs of [`election_key`], for a statement that only reads the
+/// record.
+pub(crate) const ELECTION_KEY: &str = election_key!(election_lock_id!());
+
+/// The CTEs of [`election_key`] for a statement that writes the record:
+/// `e.lock_id` comes out under the statement-local `lock_timeout` (`$4`,
+/// see [`under_lock_timeout`]), and the record's function takes it as an
+/// argument, so each of its waits for the record's row (locked by another
+/// transaction) lasts at most that. The server does not notice a closed
+/// socket while a statement waits: a write given up on would otherwise
+/// stay behind as a backend waiting on the row.
+pub(crate) const ELECTION_KEY_WRITING: &str =
+    election_key!(under_lock_timeout!(election_lock_id!()));
 
 /// The CTEs `given` (each key resolved as [`resolved`] does, with `i` its
 /// 1-based place in the caller's list), `k` (the distinct server locks) and

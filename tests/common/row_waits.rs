@@ -1,0 +1,49 @@
+//! Backends waiting on a row lock: how a test holds rows locked, counts
+//! the backends still waiting in a statement after their client gave up,
+//! and checks that the client did wait until its deadline.
+
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+
+/// A call that gave up on a locked row did wait for it until about its
+/// `deadline` (not, say, a `lock_timeout` of a millisecond).
+pub fn waited_at_least(started: Instant, deadline: Duration) {
+    let waited = started.elapsed();
+    assert!(
+        waited + Duration::from_millis(50) >= deadline,
+        "gave up after {waited:?}, before its deadline of {deadline:?}"
+    );
+}
+
+/// A transaction, left open, that has locked every row of `table`.
+pub async fn rows_locked(pool: &PgPool, table: &str) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut blocker = pool.begin().await.expect("begin");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {table} FOR UPDATE"
+    )))
+    .execute(&mut *blocker)
+    .await
+    .expect("lock the rows");
+    blocker
+}
+
+/// [`waiting_on_locks`] in `function` a moment after its caller gave up.
+pub async fn waiting_a_moment_later(pool: &PgPool, function: &str) -> i64 {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    waiting_on_locks(pool, function).await
+}
+
+/// How many backends of this test's database wait for a lock in a
+/// statement that calls `function` (a distlock SQL function: not, say, a lost lease's delete).
+pub async fn waiting_on_locks(pool: &PgPool, function: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_catalog.pg_stat_activity \
+         WHERE datname = current_database() AND wait_event_type = 'Lock' \
+         AND strpos(query, $1) > 0",
+    )
+    .bind(format!("distlock.{function}("))
+    .fetch_one(pool)
+    .await
+    .expect("count waiting backends")
+}

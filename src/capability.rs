@@ -230,7 +230,8 @@ pub trait ElectionLocker: Locker {
     /// within the heartbeat deadline (a stalled network, or the record's
     /// row locked by another transaction, which the server then stops
     /// waiting for too) is [`Error::CommandTimedOut`], its pooled
-    /// connection closed.
+    /// connection closed (unless the server's own timeout answered
+    /// first).
     ///
     /// # Cancel safety
     ///

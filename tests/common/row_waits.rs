@@ -28,14 +28,25 @@ pub async fn rows_locked(pool: &PgPool, table: &str) -> sqlx::Transaction<'stati
     blocker
 }
 
-/// [`waiting_on_locks`] in `function` a moment after its caller gave up.
+/// [`waiting_on_locks`] in `function` once its caller gave up: polled
+/// for up to a second, until none waits (the server's wait started a
+/// moment after the client's timer, and ends that much later). A
+/// statement that waits on regardless stays counted while the row is
+/// locked.
 pub async fn waiting_a_moment_later(pool: &PgPool, function: &str) -> i64 {
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    waiting_on_locks(pool, function).await
+    let until = Instant::now() + Duration::from_secs(1);
+    loop {
+        let waiting = waiting_on_locks(pool, function).await;
+        if waiting == 0 || Instant::now() >= until {
+            return waiting;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// How many backends of this test's database wait for a lock in a
-/// statement that calls `function` (a distlock SQL function: not, say, a lost lease's delete).
+/// statement that calls `function`, a distlock SQL function (not, say, a
+/// lost lease's delete).
 pub async fn waiting_on_locks(pool: &PgPool, function: &str) -> i64 {
     sqlx::query_scalar(
         "SELECT count(*) FROM pg_catalog.pg_stat_activity \

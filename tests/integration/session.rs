@@ -359,8 +359,11 @@ async fn cancelled_lock_waiter_leaves_pg_locks_promptly(pool: PgPool) {
 
 #[sqlx::test(migrations = false)]
 async fn cancelling_try_lock_lock_release_at_random_points_leaks_no_lock(pool: PgPool) {
+    // Heartbeats often, so that cancellations meet them; with a long
+    // deadline (also try_lock's), so that a busy machine loses nothing.
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_millis(50))
+        .heartbeat_timeout(Duration::from_secs(5))
         .build()
         .expect("valid settings");
     let mut obs = observer_for(&pool).await;
@@ -437,7 +440,9 @@ async fn cancelling_try_lock_lock_release_at_random_points_leaks_no_lock(pool: P
     // `timeout(Duration::ZERO, ..)`: its timer fires at the time driver's
     // next tick, and a fast unlock beats it every time. A cut release lets
     // the lock go in the background, so the next round waits for it.
-    for _ in 0..20 {
+    // On a busy machine the server may answer before the first poll reads
+    // the socket: try many times (it usually takes three).
+    for _ in 0..200 {
         if stats[5] >= 3 {
             break;
         }
@@ -931,8 +936,12 @@ fn locker_for_runtimes(connect: &PgConnectOptions) -> PgLocker {
     let pool = PgPoolOptions::new()
         .max_connections(4)
         .connect_lazy_with(connect.clone());
+    // A short heartbeat, so the locks' keepers run several times while
+    // held; a long deadline, because it is also the deadline of `try_lock`'s
+    // statement, which a busy machine can miss by more than 100 ms.
     PgLocker::builder(pool)
         .heartbeat(Duration::from_millis(100))
+        .heartbeat_timeout(Duration::from_secs(5))
         .keep_warm(0, Duration::ZERO)
         .build()
         .expect("valid settings")

@@ -38,6 +38,13 @@ pub fn init_tracing() {
 /// Application name of observer connections.
 pub const OBSERVER_APP: &str = "distlock-test-observer";
 
+/// A heartbeat deadline for tests that want frequent heartbeats but test no
+/// stall: the deadline is also that of a session try's statement, and a
+/// busy machine (the suite's tests in parallel on 2 cores) has missed 100 ms
+/// (`CommandTimedOut { after: 100ms }` from a plain `try_lock`). A server
+/// that ends a session is still noticed at once, by its goodbye.
+pub const PATIENT: Duration = Duration::from_secs(5);
+
 /// A separate, direct connection to the same database, for watching and
 /// provoking locks from "another process".
 pub async fn observer(opts: &PgConnectOptions) -> PgConnection {

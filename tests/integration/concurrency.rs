@@ -46,6 +46,7 @@ async fn workload(connect_opts: PgConnectOptions) -> Arc<Counters> {
         .expect("pool");
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_millis(100))
+        .heartbeat_timeout(PATIENT)
         .build()
         .expect("valid settings");
     let c = Arc::new(Counters::default());

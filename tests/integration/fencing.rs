@@ -413,6 +413,7 @@ async fn overtaken_holder_is_fenced_off(pool: PgPool) {
     let locker = PgLocker::builder(pool.clone())
         .fencing(true)
         .heartbeat(Duration::from_millis(100))
+        .heartbeat_timeout(common::PATIENT)
         .build()
         .expect("valid settings");
     distlock::migrate(&pool).await.unwrap();

@@ -17,11 +17,13 @@ use distlock::{
 use sqlx::PgPool;
 use tokio::sync::oneshot;
 
-/// A locker with a fast heartbeat, so loss is noticed within ~100 ms.
+/// A locker with a fast heartbeat; a terminated session is noticed at once,
+/// by the server's goodbye.
 fn locker(pool: &PgPool) -> Arc<dyn Locker> {
     Arc::new(
         PgLocker::builder(pool.clone())
             .heartbeat(Duration::from_millis(100))
+            .heartbeat_timeout(PATIENT)
             .build()
             .expect("valid settings"),
     )

@@ -24,6 +24,7 @@ async fn two_pg_lockers(pool: &PgPool) -> (Arc<dyn Locker>, Arc<dyn Locker>) {
             PgLocker::builder(pool)
                 .fencing(true)
                 .heartbeat(Duration::from_millis(100))
+                .heartbeat_timeout(PATIENT)
                 .build()
                 .expect("valid settings"),
         )
@@ -92,6 +93,7 @@ async fn a_freed_permit_reaches_a_waiter_within_milliseconds(pool: PgPool) {
         PgLocker::builder(pool)
             .fencing(true)
             .heartbeat(Duration::from_millis(100))
+            .heartbeat_timeout(PATIENT)
             .build()
             .expect("valid settings")
     };

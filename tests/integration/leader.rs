@@ -83,6 +83,7 @@ async fn two_pg_lockers(pool: &PgPool) -> (Arc<dyn Locker>, Arc<dyn Locker>) {
             PgLocker::builder(pool)
                 .fencing(true)
                 .heartbeat(Duration::from_millis(100))
+                .heartbeat_timeout(PATIENT)
                 .build()
                 .expect("valid settings"),
         )

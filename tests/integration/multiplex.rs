@@ -224,6 +224,7 @@ async fn terminating_a_shared_connection_loses_all_its_locks_at_once(pool: PgPoo
     let locker = PgLocker::builder(pool.clone())
         .multiplex(2)
         .heartbeat(Duration::from_millis(100))
+        .heartbeat_timeout(PATIENT)
         .build()
         .expect("valid settings");
     let mut obs = observer_for(&pool).await;

@@ -317,6 +317,7 @@ async fn a_hostile_search_path_does_not_replace_the_operators_of_any_kind(pool: 
     let locker = PgLocker::builder(evil.clone())
         .fencing(true)
         .heartbeat(Duration::from_millis(100))
+        .heartbeat_timeout(PATIENT)
         .build()
         .expect("valid settings");
 

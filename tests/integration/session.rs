@@ -359,11 +359,10 @@ async fn cancelled_lock_waiter_leaves_pg_locks_promptly(pool: PgPool) {
 
 #[sqlx::test(migrations = false)]
 async fn cancelling_try_lock_lock_release_at_random_points_leaks_no_lock(pool: PgPool) {
-    // Heartbeats often, so that cancellations meet them; with a long
-    // deadline (also try_lock's), so that a busy machine loses nothing.
+    // Heartbeats often, so that cancellations meet them.
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_millis(50))
-        .heartbeat_timeout(Duration::from_secs(5))
+        .heartbeat_timeout(PATIENT)
         .build()
         .expect("valid settings");
     let mut obs = observer_for(&pool).await;
@@ -920,6 +919,7 @@ async fn a_lock_taken_while_the_timer_idles_gets_its_keeper(pool: PgPool) {
     let mut obs = observer_for(&pool).await;
     let locker = PgLocker::builder(pool)
         .heartbeat(Duration::from_millis(100))
+        .heartbeat_timeout(PATIENT)
         .build()
         .expect("valid settings");
     let quick = locker.try_lock("session:idle1").await.unwrap().unwrap();
@@ -933,15 +933,19 @@ async fn a_lock_taken_while_the_timer_idles_gets_its_keeper(pool: PgPool) {
 /// A locker of `connect`'s database with a 100 ms heartbeat and no warm
 /// connections, so that no connection of one runtime is used on another.
 fn locker_for_runtimes(connect: &PgConnectOptions) -> PgLocker {
+    // A sqlx connection belongs to the runtime that opened it: once that
+    // runtime is gone, its socket fails every statement ("A Tokio 1.x
+    // context was found, but it is being shutdown"). So no connection goes
+    // back to the pool, where a lock on the next runtime could take one
+    // opened on the first (seen on a busy machine: a `try_lock` failing so,
+    // or a lock lost at once by its keeper).
     let pool = PgPoolOptions::new()
         .max_connections(4)
+        .after_release(|_, _| Box::pin(async { Ok(false) }))
         .connect_lazy_with(connect.clone());
-    // A short heartbeat, so the locks' keepers run several times while
-    // held; a long deadline, because it is also the deadline of `try_lock`'s
-    // statement, which a busy machine can miss by more than 100 ms.
     PgLocker::builder(pool)
         .heartbeat(Duration::from_millis(100))
-        .heartbeat_timeout(Duration::from_secs(5))
+        .heartbeat_timeout(PATIENT)
         .keep_warm(0, Duration::ZERO)
         .build()
         .expect("valid settings")
@@ -1254,6 +1258,7 @@ async fn a_guard_dropped_before_its_first_heartbeat_is_released_at_once(pool: Pg
     // backend is noticed.
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_millis(100))
+        .heartbeat_timeout(PATIENT)
         .build()
         .expect("valid settings");
     let held = locker.try_lock("session:watched").await.unwrap().unwrap();

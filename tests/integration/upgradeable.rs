@@ -22,6 +22,7 @@ const WAIT: Duration = Duration::from_secs(10);
 fn locker(pool: &PgPool) -> PgLocker {
     PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_millis(200))
+        .heartbeat_timeout(PATIENT)
         .build()
         .expect("valid settings")
 }

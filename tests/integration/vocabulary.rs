@@ -17,7 +17,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::{bounded, init_tracing};
+use common::{PATIENT, bounded, init_tracing};
 use distlock::memory::MemoryLocker;
 use distlock::{Error, FencingToken, Lease, LockKey, LossReason, PgLocker, PgLockerBuilder};
 use sqlx::PgPool;
@@ -135,9 +135,10 @@ fn pg_locker(
     configure: impl FnOnce(PgLockerBuilder) -> PgLockerBuilder,
 ) -> PgLocker {
     init_tracing();
-    configure(PgLocker::builder(pool.clone()).heartbeat(Duration::from_millis(200)))
-        .build()
-        .expect("valid settings")
+    let builder = PgLocker::builder(pool.clone())
+        .heartbeat(Duration::from_millis(200))
+        .heartbeat_timeout(PATIENT);
+    configure(builder).build().expect("valid settings")
 }
 
 /// Terminates every other session of the test's database that holds an

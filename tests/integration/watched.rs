@@ -84,6 +84,7 @@ async fn a_watched_guard_dropped_is_released_at_once(pool: PgPool) {
 async fn an_idle_watched_lock_stays_held_through_its_heartbeats(pool: PgPool) {
     let locker = PgLocker::builder(pool.clone())
         .heartbeat(Duration::from_millis(40))
+        .heartbeat_timeout(PATIENT)
         .build()
         .expect("valid settings");
     let mut obs = observer_for(&pool).await;

@@ -171,6 +171,15 @@ impl PgLockerBuilder {
     /// lost (default: the heartbeat interval). A holder that cannot reach the
     /// database must stop trusting its lock.
     ///
+    /// It is also how long a try's statement (`try_lock` and its kin,
+    /// `with_advisory_lock`) may wait for its answer before the call fails
+    /// with [`Error::CommandTimedOut`](crate::Error::CommandTimedOut), and
+    /// how long a waiting call goes on past its `timeout`. So a short
+    /// heartbeat without a longer deadline makes tries fail on a busy
+    /// machine too: a 100 ms heartbeat with a 1 s deadline keeps loss
+    /// detection quick for a server that ends the session (its goodbye is
+    /// read at once) and gives a try a second.
+    ///
     /// Range: at least [`MIN_HEARTBEAT`](crate::postgres::MIN_HEARTBEAT) (10 ms), and
     /// `heartbeat + heartbeat_timeout` at most
     /// [`MAX_DETECTION`](crate::postgres::MAX_DETECTION) (20 s); [`build`](Self::build)

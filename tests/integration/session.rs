@@ -440,7 +440,7 @@ async fn cancelling_try_lock_lock_release_at_random_points_leaks_no_lock(pool: P
     // next tick, and a fast unlock beats it every time. A cut release lets
     // the lock go in the background, so the next round waits for it.
     // On a busy machine the server may answer before the first poll reads
-    // the socket: try many times (it usually takes three).
+    // the socket: try many times (three tries usually cut three).
     for _ in 0..200 {
         if stats[5] >= 3 {
             break;
@@ -930,15 +930,16 @@ async fn a_lock_taken_while_the_timer_idles_gets_its_keeper(pool: PgPool) {
     terminate_and_await_loss(&mut obs, &lock).await;
 }
 
-/// A locker of `connect`'s database with a 100 ms heartbeat and no warm
-/// connections, so that no connection of one runtime is used on another.
+/// A locker of `connect`'s database with a 100 ms heartbeat, no warm
+/// connections and a pool that keeps none, so that no connection of one
+/// runtime is used on another.
 fn locker_for_runtimes(connect: &PgConnectOptions) -> PgLocker {
     // A sqlx connection belongs to the runtime that opened it: once that
     // runtime is gone, its socket fails every statement ("A Tokio 1.x
-    // context was found, but it is being shutdown"). So no connection goes
-    // back to the pool, where a lock on the next runtime could take one
-    // opened on the first (seen on a busy machine: a `try_lock` failing so,
-    // or a lock lost at once by its keeper).
+    // context was found, but it is being shutdown"). A connection back in
+    // the pool could be taken by a lock on the next runtime (seen on a busy
+    // machine: a `try_lock` failing so, or a lock lost at once by its
+    // keeper), so every connection is closed when given back.
     let pool = PgPoolOptions::new()
         .max_connections(4)
         .after_release(|_, _| Box::pin(async { Ok(false) }))

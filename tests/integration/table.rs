@@ -493,6 +493,73 @@ async fn a_release_given_up_ends_on_the_server_too(pool: PgPool) {
     assert_eq!(waiting, 0, "a release given up still waits on the server");
 }
 
+/// A release whose wait for a locked row the *server* gives up first (its
+/// statement-local `lock_timeout`, SQLSTATE 55P03) is reported as the
+/// client's own give-up would be, `ReleaseTimedOut`, not as a database
+/// error, and its connection, which the server answered, is kept rather
+/// than closed. The client's timer usually fires first; here the runtime
+/// is starved (a long blocking call) while the release waits, so that the
+/// server's answer is there before the timer is looked at.
+#[sqlx::test(migrations = false)]
+async fn a_release_the_server_gives_up_first_is_release_timed_out(pool: PgPool) {
+    migrated(&pool).await;
+    let deadline = Duration::from_millis(400);
+    let locker = TableLocker::builder(pool.clone())
+        .ttl(Duration::from_secs(30))
+        .release_timeout(deadline)
+        .build()
+        .expect("valid settings");
+    let lease = locker.try_lock("table:server-gives-up").await.unwrap();
+    let lease = lease.expect("free");
+    let blocker = rows_locked(&pool, "distlock.leases").await;
+    let release = tokio::spawn(lease.release());
+    let pid = bounded(
+        "the release waits on the row",
+        Duration::from_secs(5),
+        async {
+            loop {
+                let pid: Option<i32> = sqlx::query_scalar(
+                    "SELECT pid FROM pg_catalog.pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock' \
+                 AND strpos(query, 'distlock.lease_release(') > 0",
+                )
+                .fetch_optional(&pool)
+                .await
+                .expect("find the waiting release");
+                match pid {
+                    Some(pid) => return pid,
+                    None => tokio::time::sleep(Duration::from_millis(10)).await,
+                }
+            }
+        },
+    )
+    .await;
+    // The server's lock_timeout (what was left of the deadline) passes
+    // while no task of this runtime runs.
+    drop(common::starve_runtime(
+        deadline + Duration::from_millis(300),
+    ));
+    let released = bounded("release()", Duration::from_secs(5), release)
+        .await
+        .expect("the release task");
+    assert!(
+        matches!(released, Err(Error::ReleaseTimedOut { after, .. }) if after == deadline),
+        "{released:?}"
+    );
+    let alive: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity WHERE pid = $1)",
+    )
+    .bind(pid)
+    .fetch_one(&pool)
+    .await
+    .expect("look the release's backend up");
+    blocker.rollback().await.expect("rollback");
+    assert!(
+        alive,
+        "the release's connection was closed though the server answered"
+    );
+}
+
 /// Takes `key` on `locker`, expires its lease, waits for its loss, and
 /// locks the row with a write in a transaction left open. A write, not a
 /// bare `FOR UPDATE`: a statement waiting on the row then evaluates it

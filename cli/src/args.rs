@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::EXIT_CODES_HELP;
+use crate::{EXIT_CODES_HELP, Failure};
 
 /// Cluster-wide locks on PostgreSQL advisory locks.
 #[derive(Debug, Parser)]
@@ -42,10 +42,14 @@ pub(crate) struct ConnArgs {
 
     /// Use Redis instead of PostgreSQL: once for a single instance (with a
     /// watchdog-extended lease), several times for Redlock over independent
-    /// nodes (e.g. five). Takes precedence over the database URL. From the
-    /// environment (which, unlike the command line, other users cannot read
-    /// in /proc), several URLs are separated by spaces; a password is never
-    /// printed.
+    /// nodes (e.g. five). From the environment (which, unlike the command
+    /// line, other users cannot read in /proc), several URLs are separated
+    /// by spaces; a password is never printed. Which backend: a URL on the
+    /// command line beats one from the environment (--database-url beats
+    /// DISTLOCK_REDIS_URL); from the same place, Redis beats the database,
+    /// except that both on the command line is a usage error (64).
+    /// `holders` is PostgreSQL only: it ignores DISTLOCK_REDIS_URL and
+    /// refuses --redis-url.
     // hide_env_values: `--help` would otherwise print the URLs, passwords included.
     #[arg(
         long = "redis-url",
@@ -66,13 +70,113 @@ pub(crate) struct ConnArgs {
     /// `holders`: list the table's live leases instead of advisory locks.
     /// DISTLOCK_LEASE_TABLE takes 1, true, yes, on, y, t (or 0, false, no,
     /// off, n, f), in any case; anything else is a usage error (64).
+    // No `conflicts_with = "redis_urls"`: clap counts a value from the
+    // environment as given, an "off" one too, so DISTLOCK_LEASE_TABLE=0
+    // would refuse every Redis run; `chosen` checks what was asked for.
     #[arg(
         long,
         env = "DISTLOCK_LEASE_TABLE",
-        value_parser = clap::builder::BoolishValueParser::new(),
-        conflicts_with = "redis_urls"
+        value_parser = clap::builder::BoolishValueParser::new()
     )]
     pub(crate) lease_table: bool,
+
+    /// Which of the URLs came from the command line (filled in by [`parse`]).
+    #[arg(skip)]
+    pub(crate) on_command_line: OnCommandLine,
+}
+
+/// Which connection URLs were given on the command line rather than taken
+/// from the environment.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct OnCommandLine {
+    pub(crate) database_url: bool,
+    pub(crate) redis_urls: bool,
+}
+
+/// The backend the connection arguments name.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Chosen<'a> {
+    /// PostgreSQL at this URL.
+    Postgres(&'a str),
+    /// One Redis instance, or Redlock over several.
+    Redis(&'a [String]),
+}
+
+impl ConnArgs {
+    /// The backend to use: a URL on the command line beats one from the
+    /// environment, so that a `DISTLOCK_REDIS_URL` exported for other jobs
+    /// cannot turn `--database-url`'s lock into a Redis lease that other
+    /// hosts (without the variable) do not see; from the same place Redis
+    /// beats the database (the environment's documented order), and both
+    /// on the command line name two backends, a usage error. So is
+    /// `--lease-table` (a PostgreSQL mode) with Redis.
+    pub(crate) fn chosen(&self) -> Result<Chosen<'_>, Failure> {
+        let given = self.on_command_line;
+        let chosen = match (self.redis_urls.is_empty(), self.database_url.as_deref()) {
+            (false, Some(_)) if given.redis_urls && given.database_url => {
+                return Err(Failure::usage(
+                    "--redis-url and --database-url name two backends: pass one",
+                ));
+            }
+            (false, Some(url)) if given.database_url => Chosen::Postgres(url),
+            (false, _) => Chosen::Redis(&self.redis_urls),
+            (true, Some(url)) => Chosen::Postgres(url),
+            (true, None) => {
+                return Err(Failure::usage(
+                    "no database: pass --database-url or set DATABASE_URL",
+                ));
+            }
+        };
+        if self.lease_table && matches!(chosen, Chosen::Redis(_)) {
+            return Err(Failure::usage(
+                "--lease-table (or DISTLOCK_LEASE_TABLE) is a PostgreSQL mode: \
+                 it cannot be used with Redis",
+            ));
+        }
+        Ok(chosen)
+    }
+
+    /// The same arguments without the Redis URLs of the environment, for a
+    /// PostgreSQL-only command; Redis URLs on its command line are a usage
+    /// error.
+    pub(crate) fn postgres_only(&self, command: &str) -> Result<Self, Failure> {
+        if self.on_command_line.redis_urls {
+            return Err(Failure::usage(format!(
+                "`{command}` is PostgreSQL only: drop --redis-url"
+            )));
+        }
+        Ok(Self {
+            database_url: self.database_url.clone(),
+            redis_urls: Vec::new(),
+            lease_table: self.lease_table,
+            on_command_line: self.on_command_line,
+        })
+    }
+}
+
+/// Parses `args` (the program's name first), noting which connection URLs
+/// came from the command line.
+pub(crate) fn parse<I, T>(args: I) -> Result<Cli, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    use clap::parser::ValueSource;
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = Cli::command().try_get_matches_from(args)?;
+    let mut cli = Cli::from_arg_matches(&matches)?;
+    if let Some((_, sub)) = matches.subcommand() {
+        let given = |id: &str| sub.value_source(id) == Some(ValueSource::CommandLine);
+        let conn = match &mut cli.command {
+            Command::Run(args) => &mut args.conn,
+            Command::Holders(args) => &mut args.conn,
+        };
+        conn.on_command_line = OnCommandLine {
+            database_url: given("database_url"),
+            redis_urls: given("redis_urls"),
+        };
+    }
+    Ok(cli)
 }
 
 #[derive(Debug, Args)]
@@ -82,7 +186,9 @@ pub(crate) struct RunArgs {
 
     /// Wait up to this long for the lock (e.g. 30s, 500ms, 2m) instead of
     /// exiting with 75 at once when it is held elsewhere. Durations longer
-    /// than 100 years (here and below) count as 100 years.
+    /// than 100 years (here and below) count as 100 years. On PostgreSQL a
+    /// wait lasts at most about 24.8 days (the server's longest
+    /// lock_timeout), then exits 124 as at its deadline.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub(crate) wait: Option<Duration>,
 
@@ -187,6 +293,67 @@ mod tests {
         assert_eq!(run.wait, Some(Duration::from_secs(5)));
         assert_eq!(run.command, ["sh", "-c", "echo hi"]);
         assert!(Cli::try_parse_from(["distlock", "run", "nightly"]).is_err());
+    }
+
+    fn conn(database: Option<&str>, redis: &[&str], given: (bool, bool)) -> ConnArgs {
+        ConnArgs {
+            database_url: database.map(str::to_owned),
+            redis_urls: redis.iter().map(|url| (*url).to_owned()).collect(),
+            lease_table: false,
+            on_command_line: OnCommandLine {
+                database_url: given.0,
+                redis_urls: given.1,
+            },
+        }
+    }
+
+    #[test]
+    fn a_url_on_the_command_line_beats_the_environment() {
+        let db = Some("postgres://db");
+        let redis = ["redis://r"];
+        let pick = |args: ConnArgs| match args.chosen() {
+            Ok(Chosen::Postgres(_)) => "postgres",
+            Ok(Chosen::Redis(_)) => "redis",
+            Err(_) => "refused",
+        };
+        assert_eq!(pick(conn(db, &redis, (false, false))), "redis");
+        assert_eq!(pick(conn(db, &redis, (true, false))), "postgres");
+        assert_eq!(pick(conn(db, &redis, (false, true))), "redis");
+        assert_eq!(pick(conn(db, &redis, (true, true))), "refused");
+        assert_eq!(pick(conn(db, &[], (false, false))), "postgres");
+        assert_eq!(pick(conn(None, &redis, (false, false))), "redis");
+        assert_eq!(pick(conn(None, &[], (false, false))), "refused");
+        let mut table = conn(db, &redis, (false, false));
+        table.lease_table = true;
+        assert_eq!(pick(table), "refused");
+        let mut table = conn(db, &redis, (true, false));
+        table.lease_table = true;
+        assert_eq!(pick(table), "postgres");
+    }
+
+    #[test]
+    fn parse_notes_which_urls_came_from_the_command_line() {
+        let cli = parse([
+            "distlock",
+            "run",
+            "--database-url",
+            "postgres://db",
+            "k",
+            "--",
+            "true",
+        ])
+        .expect("parses");
+        let Command::Run(run) = cli.command else {
+            panic!("expected run");
+        };
+        assert!(run.conn.on_command_line.database_url);
+        assert!(!run.conn.on_command_line.redis_urls);
+        let cli = parse(["distlock", "holders", "--redis-url", "redis://r"]).expect("parses");
+        let Command::Holders(holders) = cli.command else {
+            panic!("expected holders");
+        };
+        assert!(holders.conn.on_command_line.redis_urls);
+        assert!(holders.conn.postgres_only("holders").is_err());
     }
 
     #[test]

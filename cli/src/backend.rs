@@ -19,7 +19,7 @@ use redis::{ConnectionAddr, IntoConnectionInfo};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::Failure;
-use crate::args::ConnArgs;
+use crate::args::{Chosen, ConnArgs};
 use crate::redact::{redact_url, user_info_cut_short, user_info_needs_encoding};
 
 /// The lock backend chosen by the arguments.
@@ -44,20 +44,18 @@ pub(crate) async fn connect(
     heartbeat: Duration,
     fencing: bool,
 ) -> Result<Backend, Failure> {
-    if !conn.redis_urls.is_empty() {
-        if fencing && conn.redis_urls.len() > 1 {
-            return Err(Failure::usage(
-                "--fencing: Redlock (several --redis-url) issues no fencing tokens; \
-                 use PostgreSQL or a single Redis instance",
-            ));
+    let url = match conn.chosen()? {
+        Chosen::Redis(urls) => {
+            if fencing && urls.len() > 1 {
+                return Err(Failure::usage(
+                    "--fencing: Redlock (several --redis-url) issues no fencing tokens; \
+                     use PostgreSQL or a single Redis instance",
+                ));
+            }
+            check_redis_urls(urls).await?;
+            return connect_redis(urls).await;
         }
-        check_redis_urls(&conn.redis_urls).await?;
-        return connect_redis(&conn.redis_urls).await;
-    }
-    let Some(url) = conn.database_url.as_deref() else {
-        return Err(Failure::usage(
-            "no database: pass --database-url or set DATABASE_URL",
-        ));
+        Chosen::Postgres(url) => url,
     };
     let target = redact_url(url);
     // Refused before it is parsed: where what precedes the delimiter reads

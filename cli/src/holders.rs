@@ -23,13 +23,10 @@ pub(crate) async fn holders(args: HoldersArgs) -> Result<u8, Failure> {
             .map_err(|err| Failure::usage(err.to_string()))?;
     }
     refuse_tree(&args)?;
-    let backend = backend::connect(
-        &args.conn,
-        "distlock holders",
-        Duration::from_secs(1),
-        false,
-    )
-    .await?;
+    // Before connecting: a usage error is one whether or not a server answers.
+    let conn = args.conn.postgres_only("holders")?;
+    let backend =
+        backend::connect(&conn, "distlock holders", Duration::from_secs(1), false).await?;
     if let Some(table) = &backend.table {
         return lease_holders(&args, table).await;
     }

@@ -53,9 +53,7 @@ mod run;
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use clap::Parser;
-
-use args::{Cli, Command};
+use args::Command;
 use redact::{ScrubbingStderr, Secrets};
 
 /// Bad arguments: an unknown option, an invalid key, duration or URL.
@@ -126,7 +124,7 @@ impl Failure {
 fn main() -> ExitCode {
     // Collected before anything can fail, so even argument errors are scrubbed.
     let secrets = secrets_in_use();
-    let cli = match Cli::try_parse() {
+    let cli = match args::parse(std::env::args_os()) {
         Ok(cli) => cli,
         Err(err) => {
             let text = secrets.scrub(&err.render().to_string());

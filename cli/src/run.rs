@@ -15,7 +15,7 @@ use tokio::process::{Child, Command};
 use tokio::signal::unix::{Signal as SignalStream, SignalKind, signal};
 use tokio::time::Sleep;
 
-use crate::args::RunArgs;
+use crate::args::{Chosen, RunArgs};
 use crate::backend::{self, Backend};
 use crate::inherit;
 use crate::process::{self, Group, Terminal};
@@ -47,7 +47,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     let key = LockKey::from(args.key.as_str());
     key.validate()
         .map_err(|err| Failure::usage(err.to_string()))?;
-    if args.heartbeat.is_some() && !args.conn.redis_urls.is_empty() {
+    if args.heartbeat.is_some() && matches!(args.conn.chosen()?, Chosen::Redis(_)) {
         // Silently ignoring it would promise a loss detection Redis does not do.
         return Err(Failure::usage(
             "--heartbeat is for PostgreSQL; a Redis lease is extended by its watchdog \

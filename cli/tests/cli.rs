@@ -2196,6 +2196,113 @@ async fn lease_table_takes_only_documented_booleans(pool: PgPool) {
     }
 }
 
+/// An "off" DISTLOCK_LEASE_TABLE is no lease table: a Redis run goes on
+/// (clap counted the variable as given, off or on, and refused every
+/// Redis run with it set); an "on" one, or the flag, with Redis is a usage
+/// error.
+#[tokio::test]
+async fn lease_table_off_in_the_environment_leaves_redis_runs_alone() {
+    let server = common::redis::RedisServer::start().await;
+    let url = server.url();
+    let args = ["run", "--redis-url", url.as_str(), "lt-off", "--", "true"];
+    for off in ["0", "false", "no", "off"] {
+        let out = redis_run(&args, &[("DISTLOCK_LEASE_TABLE", off)]).await;
+        assert_eq!(out.status.code(), Some(0), "{off:?}: {}", text(&out));
+    }
+    let out = redis_run(&args, &[("DISTLOCK_LEASE_TABLE", "1")]).await;
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{all}");
+    assert!(all.contains("lease-table"), "{all}");
+    let flagged = [
+        "run",
+        "--lease-table",
+        "--redis-url",
+        url.as_str(),
+        "lt",
+        "--",
+        "true",
+    ];
+    let out = redis_run(&flagged, &[]).await;
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{}", text(&out));
+}
+
+/// A `DISTLOCK_REDIS_URL` left in the environment does not turn an
+/// explicit `--database-url` into a Redis lease (which hosts without the
+/// variable would not see): the PostgreSQL lock, held here by another
+/// session, is busy. Both URLs on the command line are a usage error.
+#[sqlx::test]
+async fn database_url_on_the_command_line_beats_redis_from_the_environment(pool: PgPool) {
+    let server = common::redis::RedisServer::start().await;
+    let url = url_of(&pool);
+    let _holder = held_elsewhere(&pool, "explicit-db").await;
+    let args = [
+        "run",
+        "--database-url",
+        url.as_str(),
+        "explicit-db",
+        "--",
+        "true",
+    ];
+    let out = redis_run(&args, &[("DISTLOCK_REDIS_URL", server.url().as_str())]).await;
+    assert_eq!(out.status.code(), Some(EXIT_BUSY), "{}", text(&out));
+    // From the environment both, Redis first (as documented): the Redis
+    // key is free.
+    let mut cmd = distlock(&url, &["run", "explicit-db", "--", "true"]);
+    cmd.env("DISTLOCK_REDIS_URL", server.url());
+    let out = finish(cmd.spawn().expect("spawn"), "both from the environment").await;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let redis = server.url();
+    let both = [
+        "run",
+        "--database-url",
+        url.as_str(),
+        "--redis-url",
+        redis.as_str(),
+        "explicit-db",
+        "--",
+        "true",
+    ];
+    let out = redis_run(&both, &[]).await;
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{all}");
+    assert!(all.contains("two backends"), "{all}");
+}
+
+/// A pooled connection holding the session lock `key`, as another
+/// process would.
+async fn held_elsewhere(pool: &PgPool, key: &str) -> sqlx::pool::PoolConnection<sqlx::Postgres> {
+    let mut holder = pool.acquire().await.expect("acquire");
+    sqlx::query("SELECT pg_advisory_lock(hashtext($1))")
+        .bind(key)
+        .execute(&mut *holder)
+        .await
+        .expect("hold the key");
+    holder
+}
+
+/// `holders` is PostgreSQL only: with `DISTLOCK_REDIS_URL` in the
+/// environment beside a database URL it lists the database's holders
+/// (it connected to Redis, then refused); `--redis-url` on its command
+/// line is a usage error before anything is connected (an unreachable
+/// Redis made it 69).
+#[sqlx::test]
+async fn holders_ignores_redis_from_the_environment(pool: PgPool) {
+    let url = url_of(&pool);
+    let _holder = held_elsewhere(&pool, "held-for-holders").await;
+    let mut cmd = distlock(&url, &["holders", "held-for-holders", "--json"]);
+    cmd.env("DISTLOCK_REDIS_URL", "redis://127.0.0.1:1");
+    let out = finish(cmd.spawn().expect("spawn"), "holders").await;
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{all}");
+    assert!(all.contains("held-for-holders"), "{all}");
+    let mut cmd = distlock(&url, &["holders", "--redis-url", "redis://127.0.0.1:1"]);
+    cmd.env_remove("DISTLOCK_REDIS_URL");
+    let out = finish(cmd.spawn().expect("spawn"), "holders --redis-url").await;
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(EXIT_USAGE), "{all}");
+    assert!(all.contains("PostgreSQL only"), "{all}");
+}
+
 #[tokio::test]
 async fn heartbeat_with_redis_is_refused() {
     let server = common::redis::RedisServer::start().await;

@@ -33,7 +33,7 @@ pub enum JobOutcome<T, E> {
     Skipped,
     /// The lock was free, but the run record shows the job already started in
     /// the current window (see
-    /// [`SingletonJob::once_per_window`](crate::SingletonJobBuilder::once_per_window)).
+    /// [`SingletonJobBuilder::once_per_window`](crate::SingletonJobBuilder::once_per_window)).
     AlreadyRanInWindow {
         /// Start of the window, aligned to the Unix epoch.
         window_start: SystemTime,

@@ -292,10 +292,11 @@ impl Semaphore {
     /// reply within the command deadline, a Redis server restarting or
     /// loading its data) counts as a busy one until the deadline, as the
     /// backend's own `lock` does; a permanent error ends the wait at once.
-    /// On PostgreSQL the call returns at most 50 ms after the deadline, or
-    /// after 250 ms if that is later (a timeout shorter than the pool's
-    /// round trips for a connection still gets one, and its try, as every
-    /// waiting lock call does): a server answer slower than that (a slow or
+    /// On PostgreSQL the call returns at most 50 ms after the later of its
+    /// deadline and the end of its first 250 ms (so a short timeout can
+    /// take up to 300 ms: one shorter than the pool's round trips for a
+    /// connection still gets one, and its try, as every waiting lock call
+    /// does): a server answer slower than that (a slow or
     /// stalled network) is not waited for, its connection is closed
     /// instead, as is that of a background try of the slots (below) that
     /// gets no answer within the heartbeat deadline.

@@ -105,11 +105,11 @@ impl ElectionLocker for TableLocker {
 
     fn loss_notice_bound(&self) -> Duration {
         // A holder that cannot renew reports its loss a third of a TTL
-        // before its lease expires. Where it then deletes its own row (a
-        // renewal that failed or timed out, see `renew.rs`), the key is
-        // free at once: the deposed leader's term ends when its task next
-        // runs, a few round trips (the delete, the successor's grant and
-        // proclamation) before a successor can lead; no grace is added.
+        // before its lease expires, and deletes its own row only when the
+        // lease would have expired anyway (`Renewal::lose` in `renew.rs`):
+        // a successor's grant comes at least a third of a TTL after the
+        // report, by which time the deposed leader's term has ended (when
+        // its task next ran); no grace is added.
         Duration::ZERO
     }
 }

@@ -299,6 +299,22 @@ pub async fn terminate_and_await_loss(conn: &mut PgConnection, lock: &distlock::
     .await;
 }
 
+/// A pool of `connect`'s database for a locker shared between runtimes,
+/// which keeps no connection given back, so that no connection of one
+/// runtime is used on another. A sqlx connection belongs to the runtime
+/// that opened it: once that runtime is gone, its socket fails every
+/// statement ("A Tokio 1.x context was found, but it is being shutdown").
+/// A connection back in the pool could be taken by a lock on the next
+/// runtime (seen on a busy machine: a `try_lock` failing so, or a lock
+/// lost at once by its keeper), so every connection is closed when given
+/// back.
+pub fn pool_for_runtimes(connect: &PgConnectOptions) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .after_release(|_, _| Box::pin(async { Ok(false) }))
+        .connect_lazy_with(connect.clone())
+}
+
 /// Blocks every thread of the current runtime for at least `duration`, so
 /// that none of its tasks runs meanwhile (as in a long blocking call, or a
 /// process stopped and continued), and keeps the workers blocked until the

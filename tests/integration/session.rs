@@ -934,17 +934,7 @@ async fn a_lock_taken_while_the_timer_idles_gets_its_keeper(pool: PgPool) {
 /// connections and a pool that keeps none, so that no connection of one
 /// runtime is used on another.
 fn locker_for_runtimes(connect: &PgConnectOptions) -> PgLocker {
-    // A sqlx connection belongs to the runtime that opened it: once that
-    // runtime is gone, its socket fails every statement ("A Tokio 1.x
-    // context was found, but it is being shutdown"). A connection back in
-    // the pool could be taken by a lock on the next runtime (seen on a busy
-    // machine: a `try_lock` failing so, or a lock lost at once by its
-    // keeper), so every connection is closed when given back.
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .after_release(|_, _| Box::pin(async { Ok(false) }))
-        .connect_lazy_with(connect.clone());
-    PgLocker::builder(pool)
+    PgLocker::builder(common::pool_for_runtimes(connect))
         .heartbeat(Duration::from_millis(100))
         .heartbeat_timeout(PATIENT)
         .keep_warm(0, Duration::ZERO)
@@ -1011,6 +1001,40 @@ async fn a_lock_is_kept_on_its_own_runtime_while_the_first_sits_idle(
     let lock = locker.try_lock("session:busy-rt").await.unwrap().unwrap();
     terminate_and_await_loss(&mut obs, &lock).await;
     idle.shutdown_background();
+}
+
+/// A locker's kept connections are returned by a sweeper task, spawned
+/// on the runtime where the first one was kept. When that runtime shuts
+/// down, the sweeper is gone with it; connections kept on another runtime
+/// must still go back to the pool after their idle time (they stayed out
+/// of it, the sweeper believed running).
+#[sqlx::test(migrations = false)]
+async fn kept_connections_expire_after_the_first_runtime_shut_down(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = common::pool_for_runtimes(&connect);
+    let idle = Duration::from_millis(200);
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat_timeout(PATIENT)
+        .keep_warm(2, idle)
+        .build()
+        .expect("valid settings");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    lock_once_on(rt, &locker, "session:sweep-rt1", false);
+    let lock = locker.try_lock("session:sweep-rt2").await.unwrap().unwrap();
+    lock.release().await.unwrap();
+    // Kept, then given back (and so closed) once idle for `idle`.
+    let until = Instant::now() + idle * 10;
+    while pool.size() > 0 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        pool.size(),
+        0,
+        "connections still kept out of the pool {:?} after their idle time",
+        idle * 10
+    );
 }
 
 // ---- Reader-writer session locks -------------------------------------------

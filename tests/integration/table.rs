@@ -493,6 +493,55 @@ async fn a_release_given_up_ends_on_the_server_too(pool: PgPool) {
     assert_eq!(waiting, 0, "a release given up still waits on the server");
 }
 
+/// A locker's listening connection (which wakes its waiters when a key is
+/// released) is a task spawned on the runtime of its first wait. When that
+/// runtime shuts down, the task is gone; a wait on another runtime must
+/// still be woken by the release, not by its poll interval (10 s here: it
+/// slept that long, the listener believed listening).
+#[sqlx::test(migrations = false)]
+async fn a_wait_is_woken_after_the_first_runtime_shut_down(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = common::pool_for_runtimes(&connect);
+    migrated(&pool).await;
+    let locker = TableLocker::builder(pool)
+        .ttl(Duration::from_secs(30))
+        .poll_interval(Duration::from_secs(10))
+        .keep_warm(0, Duration::ZERO)
+        .build()
+        .expect("valid settings");
+    let key = "table:listener-rt";
+    let first = locker.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let held = first.try_lock(key).await.unwrap().expect("free");
+            let waited = first.lock(key, Duration::from_secs(1)).await;
+            assert!(matches!(waited, Err(Error::Timeout { .. })), "{waited:?}");
+            held.release().await.unwrap();
+        });
+    })
+    .join()
+    .unwrap();
+    let held = locker.try_lock(key).await.unwrap().expect("free");
+    let waiter = locker.clone();
+    let waiting = tokio::spawn(async move { waiter.lock(key, Duration::from_secs(20)).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let released = Instant::now();
+    held.release().await.unwrap();
+    let granted = bounded("the wait", Duration::from_secs(25), waiting)
+        .await
+        .unwrap()
+        .expect("granted");
+    let after = released.elapsed();
+    granted.release().await.unwrap();
+    assert!(
+        after < Duration::from_secs(3),
+        "granted {after:?} after the release"
+    );
+}
+
 /// A release whose wait for a locked row the *server* gives up first (its
 /// statement-local `lock_timeout`, SQLSTATE 55P03) is reported as the
 /// client's own give-up would be, `ReleaseTimedOut`, not as a database

@@ -105,7 +105,11 @@ impl Warm {
                 return;
             };
             state.sweeping = true;
-            runtime.spawn(sweep(Arc::downgrade(self), self.pool.clone()));
+            let sweeper = Sweeper {
+                warm: Arc::downgrade(self),
+                finished: false,
+            };
+            runtime.spawn(sweeper.run(self.pool.clone()));
         }
         state.conns.push((conn, Instant::now()));
     }
@@ -164,7 +168,38 @@ impl Home for Warm {
 /// connections then go back as it drops). Returned connections are dropped
 /// outside the mutex: their return to the pool (an `UNLISTEN *`, see
 /// [`WatchedConn`], then sqlx's ping) runs in a task they spawn.
-async fn sweep(warm: Weak<Warm>, pool: PgPool) {
+struct Sweeper {
+    warm: Weak<Warm>,
+    /// Set where the sweeper marks itself gone, under the mutex.
+    finished: bool,
+}
+
+impl Sweeper {
+    /// Sweeps until nothing is kept, the locker is gone or `pool` closes.
+    async fn run(mut self, pool: PgPool) {
+        sweep(&self.warm, pool).await;
+        self.finished = true;
+    }
+}
+
+impl Drop for Sweeper {
+    /// Dropped unfinished, by the runtime it ran on shutting down (a
+    /// locker may serve several runtimes): marked gone, so that the next
+    /// connection kept starts another sweeper on its own runtime. Without
+    /// it the kept connections never expired, and stayed out of the pool
+    /// until it closed.
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        if let Some(warm) = self.warm.upgrade() {
+            warm.lock().sweeping = false;
+        }
+    }
+}
+
+/// The sweeper's loop, until it marks itself gone (see [`Sweeper`]).
+async fn sweep(warm: &Weak<Warm>, pool: PgPool) {
     let closed = pool.close_event();
     tokio::pin!(closed);
     loop {

@@ -3,6 +3,7 @@
 //! wait, whose notifications fan out to every waiting `lock()`.
 
 use std::fmt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -29,7 +30,8 @@ enum Wake {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
-    /// Not listening yet, never failed.
+    /// Not listening yet: no task runs (none was started, or the last
+    /// ended, see [`Ended`]), or one is connecting and has never failed.
     Starting,
     Listening,
     /// The connection failed; retrying with backoff.
@@ -41,7 +43,8 @@ pub(super) struct Listener {
     options: PgConnectOptions,
     wakes: broadcast::Sender<Wake>,
     state: watch::Sender<State>,
-    started: AtomicBool,
+    /// Whether a listening task runs (it clears this as it ends).
+    started: Arc<AtomicBool>,
     stop: CancellationToken,
     /// Stops the listening task when the locker goes away.
     _stop_on_drop: DropGuard,
@@ -63,33 +66,63 @@ impl Listener {
             options,
             wakes: broadcast::channel(1024).0,
             state: watch::channel(State::Starting).0,
-            started: AtomicBool::new(false),
+            started: Arc::new(AtomicBool::new(false)),
             _stop_on_drop: stop.clone().drop_guard(),
             stop,
         }
     }
 
     /// A waiter's subscription, taken before its first attempt. The first
-    /// one starts the listening task and waits (until `deadline`, at most
-    /// [`LISTEN_SETUP`]) for it to listen, so a release right after the
-    /// attempt is heard.
+    /// one starts the listening task (as does the first after that task
+    /// ended with the runtime it ran on). Each waits, while the listener
+    /// has not come up yet (until `deadline`, at most [`LISTEN_SETUP`]), for
+    /// it to listen, so a release right after its attempt is heard.
     pub(super) async fn subscribe(&self, deadline: Instant) -> Wakes {
         let wakes = Wakes {
             rx: self.wakes.subscribe(),
             state: self.state.subscribe(),
         };
         if !self.started.swap(true, Ordering::SeqCst) {
-            tokio::spawn(run(
+            let ended = Ended {
+                started: Arc::clone(&self.started),
+                state: self.state.clone(),
+                wakes: self.wakes.clone(),
+            };
+            let run = run(
                 self.options.clone(),
                 self.wakes.clone(),
                 self.state.clone(),
                 self.stop.clone(),
-            ));
+            );
+            tokio::spawn(async move {
+                let _ended = ended;
+                run.await;
+            });
         }
         let mut state = self.state.subscribe();
         let setup = crate::deadline::from_now(LISTEN_SETUP).min(deadline);
         let _ = tokio::time::timeout_at(setup, state.wait_for(|s| *s != State::Starting)).await;
         wakes
+    }
+}
+
+/// Dropped as the listening task ends, also when the runtime it runs on
+/// shuts down and drops it (the locker may serve several runtimes): its
+/// waiters stop counting on notifications and look again, and the next
+/// subscription starts another task, on its own runtime. Without it the
+/// state stayed `Listening` with no one listening, and every waiter slept
+/// its whole poll interval.
+struct Ended {
+    started: Arc<AtomicBool>,
+    state: watch::Sender<State>,
+    wakes: broadcast::Sender<Wake>,
+}
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        self.state.send_replace(State::Starting);
+        let _ = self.wakes.send(Wake::All);
+        self.started.store(false, Ordering::SeqCst);
     }
 }
 

@@ -376,7 +376,10 @@ impl TableLocker {
     /// Each attempt costs 1 round trip: one at once, then one each time a
     /// release of this key is announced (`NOTIFY`), the holder's lease
     /// expires, or the poll interval passes, and one at the deadline. The
-    /// first wait of a locker opens its listening connection.
+    /// first wait of a locker opens its listening connection; every wait
+    /// that starts while that connection is not listening yet gives it up
+    /// to 2 s (never past its deadline) before its first attempt, so that a
+    /// release right after that attempt is heard.
     ///
     /// An attempt's answer is awaited for the renewal deadline (two thirds
     /// of the [TTL](TableLockerBuilder::ttl)) from its send, as for

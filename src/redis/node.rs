@@ -2,7 +2,7 @@
 //! commands under a deadline.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -17,7 +17,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// A server and the multiplexed connection to it. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Node {
-    conn: ConnectionManager,
+    conn: Arc<Mutex<Manager>>,
     /// For connections of other kinds (the release signals' subscriber).
     client: Client,
     label: Arc<str>,
@@ -34,11 +34,19 @@ impl Node {
     pub(crate) async fn connect(client: Client) -> Result<Self, Error> {
         let label = label(&client);
         let conn = ConnectionManager::new_with_config(client.clone(), config()).await?;
-        Ok(Self {
+        Ok(Self::with(conn, client, label))
+    }
+
+    fn with(conn: ConnectionManager, client: Client, label: Arc<str>) -> Self {
+        let manager = Manager {
+            generation: 0,
             conn,
+        };
+        Self {
+            conn: Arc::new(Mutex::new(manager)),
             client,
             label,
-        })
+        }
     }
 
     /// Connects on first use, so that a server that is down now can still
@@ -46,11 +54,7 @@ impl Node {
     pub(crate) fn lazy(client: Client) -> Result<Self, Error> {
         let label = label(&client);
         let conn = ConnectionManager::new_lazy_with_config(client.clone(), config())?;
-        Ok(Self {
-            conn,
-            client,
-            label,
-        })
+        Ok(Self::with(conn, client, label))
     }
 
     /// `host:port/db`, without credentials.
@@ -90,13 +94,57 @@ impl Node {
     }
 
     async fn send<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, RedisError> {
-        let mut conn = self.conn.clone();
-        cmd.query_async(&mut conn).await
+        let (generation, mut conn) = {
+            let manager = self.manager();
+            (manager.generation, manager.conn.clone())
+        };
+        let reply = cmd.query_async(&mut conn).await;
+        if let Err(err) = &reply
+            && !err.is_io_error()
+        {
+            self.start_over(generation);
+        }
+        reply
+    }
+
+    fn manager(&self) -> std::sync::MutexGuard<'_, Manager> {
+        self.conn.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Replaces the manager of `generation` (unless another command did
+    /// already) with one that connects at the next command. A manager
+    /// starts a new connection only after an I/O error or a dropped
+    /// connection; a reconnect whose set-up the server refused (`AUTH`
+    /// after a password change, `-ERR max number of clients reached`, a
+    /// `SELECT` during a long script) stays its answer to every later
+    /// command, and the node would be out for good. Any other error may be
+    /// such a refusal, so after any other error the node starts over: at
+    /// worst one connection more, on a path that failed anyway.
+    fn start_over(&self, generation: u64) {
+        let fresh = match ConnectionManager::new_lazy_with_config(self.client.clone(), config()) {
+            Ok(fresh) => fresh,
+            Err(err) => {
+                tracing::debug!(node = %self.label, %err, "distlock: could not set up a new Redis connection");
+                return;
+            }
+        };
+        let mut manager = self.manager();
+        if manager.generation == generation {
+            manager.generation += 1;
+            manager.conn = fresh;
+        }
     }
 }
 
+/// The node's connection manager, and how many times it was replaced.
+struct Manager {
+    generation: u64,
+    conn: ConnectionManager,
+}
+
 /// No retries inside the manager: every caller has its own deadline, and a
-/// failed command already makes the manager reconnect in the background.
+/// failed command already makes the manager reconnect in the background
+/// (or the node start over, see [`Node::start_over`]).
 /// No response timeout either: redis-rs's default (500 ms) would cut every
 /// command short of a longer deadline the user set (the single instance's
 /// default is 2 s), and report it as an I/O error instead of

@@ -1025,3 +1025,58 @@ async fn a_failed_release_whose_caller_went_away_is_logged() -> anyhow::Result<(
     );
     Ok(())
 }
+
+/// A reconnect whose set-up the server refuses (here its `AUTH`: the
+/// password changed while the locker's connection was cut, then changed
+/// back) does not break the locker for good. redis-rs's connection manager
+/// starts over only after an I/O error; a refused set-up stayed its answer
+/// to every later command, until the locker was built again.
+#[tokio::test]
+async fn a_refused_reconnect_does_not_break_the_locker_for_good() {
+    init_tracing();
+    let server = RedisServer::start().await;
+    let mut admin = server.conn().await;
+    let config_set = |password: &'static str| {
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("SET").arg("requirepass").arg(password);
+        cmd
+    };
+    // Set on an open connection, which stays authenticated.
+    let () = config_set("pw").query_async(&mut admin).await.unwrap();
+    let url = format!("redis://:pw@127.0.0.1:{}", server.port());
+    let locker = RedisLocker::connect(&url).await.expect("connect");
+    let lease = locker.try_lock("reconnect").await.unwrap().expect("free");
+    lease.release().await.unwrap();
+
+    let () = config_set("changed").query_async(&mut admin).await.unwrap();
+    let _: i64 = redis::cmd("CLIENT")
+        .arg(&["KILL", "TYPE", "normal", "SKIPME", "yes"][..])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    // The first try finds the connection cut, which starts the reconnect;
+    // one a moment later gets its refusal.
+    let cut = locker.try_lock("reconnect").await;
+    assert!(cut.is_err(), "{cut:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let refused = locker.try_lock("reconnect").await;
+    assert!(
+        matches!(&refused, Err(Error::Redis(err)) if err.kind() == redis::ErrorKind::AuthenticationFailed),
+        "{refused:?}"
+    );
+    let () = config_set("pw").query_async(&mut admin).await.unwrap();
+
+    let until = Instant::now() + Duration::from_secs(5);
+    let mut last = None;
+    while Instant::now() < until {
+        match locker.try_lock("reconnect").await {
+            Ok(Some(lease)) => {
+                lease.release().await.unwrap();
+                return;
+            }
+            other => last = Some(format!("{other:?}")),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the locker never recovered: last try {last:?}");
+}

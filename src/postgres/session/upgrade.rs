@@ -44,8 +44,10 @@ impl UpgradeableLock {
     /// granted ahead of it at once. Costs 1 round trip when upgraded (none if
     /// already upgraded), 2 when another session reads the key (the second
     /// gives back an exclusive lock granted in the instant the wait gave
-    /// up), and 2 more on a session with a `statement_timeout` or a
-    /// `transaction_timeout`. With
+    /// up); on a session with a `statement_timeout` or a
+    /// `transaction_timeout`, where the first statement only tries, 3 more
+    /// whenever that try fails (the wait in a transaction of its own that
+    /// lifts the limits, and its end). With
     /// fencing, the upgrade draws a fresh token (a sequence draw, no durable
     /// write). The statements run on the lock's connection, after a
     /// heartbeat in flight, if any. Fails with [`Error::LockLost`] if the

@@ -28,15 +28,17 @@ tokio::task_local! {
     static HELD: Vec<(String, LockKey)>;
 }
 
-/// The database `pool` connects to, as far as its options show.
+/// The database `pool` connects to, as far as its options show: where they
+/// name none, the server takes the user's name (two users' pools without
+/// a database name reach two databases; one user's with and without its
+/// own name, the same one). Host names are not resolved: two names of one
+/// server count as two.
 pub(crate) fn database_of(pool: &PgPool) -> String {
     let options = pool.connect_options();
-    format!(
-        "{}:{}/{}",
-        options.get_host(),
-        options.get_port(),
-        options.get_database().unwrap_or_default()
-    )
+    let database = options
+        .get_database()
+        .unwrap_or_else(|| options.get_username());
+    format!("{}:{}/{}", options.get_host(), options.get_port(), database)
 }
 
 /// `Err(NestedLock)` when an enclosing call already holds `key` on
@@ -57,4 +59,23 @@ pub(crate) async fn holding<F: Future>(database: String, key: &LockKey, f: F) ->
     let mut held = HELD.try_with(Clone::clone).unwrap_or_default();
     held.push((database, key.clone()));
     HELD.scope(held, f).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(url: &str) -> PgPool {
+        sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy(url)
+            .expect("a valid URL")
+    }
+
+    #[tokio::test]
+    async fn a_database_left_out_is_the_users_own() {
+        let alice = database_of(&pool("postgres://alice@db:5432"));
+        assert_eq!(alice, database_of(&pool("postgres://alice@db:5432/alice")));
+        assert_ne!(alice, database_of(&pool("postgres://bob@db:5432")));
+        assert_ne!(alice, database_of(&pool("postgres://alice@db:5432/other")));
+    }
 }

@@ -156,7 +156,12 @@
 //!   leave unsubscribes.
 //! * **One wake per release.** In one locker a release wakes one waiter of
 //!   the key, the one waiting longest; the others sleep on. A woken waiter
-//!   that is dropped before its try passes the wake on.
+//!   that is dropped before its try passes the wake on. Under Redlock every
+//!   node's message of one release wakes one waiter, so a release can wake
+//!   up to one per node: the first woken may try before the other nodes
+//!   have let the key go, and the later messages are what wake a waiter
+//!   once they have. The extra tries count against a
+//!   [`retry_count`](crate::redis::RedlockBuilder::retry_count).
 //! * **The fallback poll.** Pub/sub is at-most-once, and a holder that
 //!   vanishes without releasing (a crash, a partition: its key expires
 //!   after at most the TTL) sends nothing. So a waiter also tries again

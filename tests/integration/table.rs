@@ -471,23 +471,11 @@ async fn a_grant_sent_late_waits_only_until_its_task_gives_up(pool: PgPool) {
 /// the row (the row expires after a TTL).
 #[sqlx::test(migrations = false)]
 async fn a_release_given_up_ends_on_the_server_too(pool: PgPool) {
-    migrated(&pool).await;
-    let deadline = Duration::from_millis(400);
-    let locker = TableLocker::builder(pool.clone())
-        .ttl(Duration::from_secs(30))
-        .release_timeout(deadline)
-        .build()
-        .expect("valid settings");
-    let lease = locker.try_lock("table:late-release").await.unwrap();
-    let lease = lease.expect("free");
-    let blocker = rows_locked(&pool, "distlock.leases").await;
+    let (lease, blocker) = held_behind_a_locked_row(&pool, "table:late-release").await;
     let started = Instant::now();
     let released = lease.release().await;
-    assert!(
-        matches!(released, Err(Error::ReleaseTimedOut { after, .. }) if after == deadline),
-        "{released:?}"
-    );
-    waited_at_least(started, deadline);
+    given_up_at_the_deadline(&released);
+    waited_at_least(started, RELEASE_DEADLINE);
     let waiting = waiting_a_moment_later(&pool, "lease_release").await;
     blocker.rollback().await.expect("rollback");
     assert_eq!(waiting, 0, "a release given up still waits on the server");
@@ -542,6 +530,37 @@ async fn a_wait_is_woken_after_the_first_runtime_shut_down(
     );
 }
 
+/// The release deadline of [`held_behind_a_locked_row`]'s locker.
+const RELEASE_DEADLINE: Duration = Duration::from_millis(400);
+
+/// A lease on `key` (TTL 30 s, release deadline [`RELEASE_DEADLINE`]),
+/// its row locked by another transaction, left open.
+async fn held_behind_a_locked_row(
+    pool: &PgPool,
+    key: &str,
+) -> (
+    distlock::postgres::TableLease,
+    sqlx::Transaction<'static, sqlx::Postgres>,
+) {
+    migrated(pool).await;
+    let locker = TableLocker::builder(pool.clone())
+        .ttl(Duration::from_secs(30))
+        .release_timeout(RELEASE_DEADLINE)
+        .build()
+        .expect("valid settings");
+    let lease = locker.try_lock(key).await.unwrap().expect("free");
+    let blocker = rows_locked(pool, "distlock.leases").await;
+    (lease, blocker)
+}
+
+/// `release()` gave up at [`RELEASE_DEADLINE`].
+fn given_up_at_the_deadline(released: &Result<(), Error>) {
+    assert!(
+        matches!(released, Err(Error::ReleaseTimedOut { after, .. }) if *after == RELEASE_DEADLINE),
+        "{released:?}"
+    );
+}
+
 /// A release whose wait for a locked row the *server* gives up first (its
 /// statement-local `lock_timeout`, SQLSTATE 55P03) is reported as the
 /// client's own give-up would be, `ReleaseTimedOut`, not as a database
@@ -551,16 +570,7 @@ async fn a_wait_is_woken_after_the_first_runtime_shut_down(
 /// server's answer is there before the timer is looked at.
 #[sqlx::test(migrations = false)]
 async fn a_release_the_server_gives_up_first_is_release_timed_out(pool: PgPool) {
-    migrated(&pool).await;
-    let deadline = Duration::from_millis(400);
-    let locker = TableLocker::builder(pool.clone())
-        .ttl(Duration::from_secs(30))
-        .release_timeout(deadline)
-        .build()
-        .expect("valid settings");
-    let lease = locker.try_lock("table:server-gives-up").await.unwrap();
-    let lease = lease.expect("free");
-    let blocker = rows_locked(&pool, "distlock.leases").await;
+    let (lease, blocker) = held_behind_a_locked_row(&pool, "table:server-gives-up").await;
     let release = tokio::spawn(lease.release());
     let pid = bounded(
         "the release waits on the row",
@@ -586,15 +596,12 @@ async fn a_release_the_server_gives_up_first_is_release_timed_out(pool: PgPool) 
     // The server's lock_timeout (what was left of the deadline) passes
     // while no task of this runtime runs.
     drop(common::starve_runtime(
-        deadline + Duration::from_millis(300),
+        RELEASE_DEADLINE + Duration::from_millis(300),
     ));
     let released = bounded("release()", Duration::from_secs(5), release)
         .await
         .expect("the release task");
-    assert!(
-        matches!(released, Err(Error::ReleaseTimedOut { after, .. }) if after == deadline),
-        "{released:?}"
-    );
+    given_up_at_the_deadline(&released);
     let alive: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity WHERE pid = $1)",
     )

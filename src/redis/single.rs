@@ -190,8 +190,11 @@ impl RedisLocker {
     /// the semaphore's reserved namespace
     /// ([`Semaphore::SLOT_NAMESPACE`](crate::Semaphore::SLOT_NAMESPACE)),
     /// with [`Error::CommandTimedOut`] when the server does not answer
-    /// within the command deadline, and with [`Error::Redis`] for an error
-    /// of the client or the server.
+    /// within the command deadline, or its grant is read only after the
+    /// lease's validity (TTL less 1% and 2 ms; a runtime that ran the call
+    /// too late: by this process's clock the key may already have expired,
+    /// so the grant is not handed out and the key is deleted again), and
+    /// with [`Error::Redis`] for an error of the client or the server.
     ///
     /// # Cancel safety
     ///
@@ -315,6 +318,11 @@ impl RedisLocker {
     /// One `SET PX` if free (with `INCR` of the fence counter) under the
     /// command deadline, capped so that a reply always arrives while the TTL
     /// lasts. On error the `SET` may still have landed: the caller cleans up.
+    ///
+    /// A grant read only after the validity (the reply arrived in time, but
+    /// the runtime ran this task too late) counts as no reply in time: by
+    /// this process's clock the key may have expired and been taken by
+    /// another holder, so it is no lease. As Redlock's `in_time`.
     async fn attempt(&self, claim: &Arc<Claim>) -> Result<Option<RedisLease>, Failure> {
         let started = Instant::now();
         let within = self.config.command_timeout.min(claim.window());
@@ -322,6 +330,13 @@ impl RedisLocker {
         let reply: i64 = self.node.query(&cmd, within).await?;
         if reply < 0 {
             return Ok(None);
+        }
+        if started.elapsed() >= claim.window() {
+            tracing::warn!(
+                took_ms = started.elapsed().as_secs_f64() * 1e3,
+                "distlock: a Redis grant was read after its validity had run out"
+            );
+            return Err(Failure::TimedOut(within));
         }
         Ok(Some(RedisLease::new(
             Handle::spawn(self.backend(), Arc::clone(claim), started),

@@ -290,6 +290,55 @@ async fn a_try_without_a_reply_in_time_is_command_timed_out_and_leaves_no_key() 
     Ok(())
 }
 
+/// A grant whose reply is read only after the lease's validity (the
+/// server answered in time, but the holder's runtime was starved) is no
+/// lease: by its own clock it may already have expired and been taken by
+/// another holder. The try reports it as a reply not read in time and
+/// deletes the key again (compare-then-`DEL`), as Redlock refuses a quorum
+/// reached too late.
+#[tokio::test]
+async fn a_grant_read_after_the_validity_is_refused_and_its_key_deleted() -> anyhow::Result<()> {
+    let server = RedisServer::start().await;
+    let locker = locker_with(&server, |b| b.ttl(SHORT_TTL)).await;
+    // The reply leaves the server at 150 ms, within the validity (295 ms);
+    // the runtime is starved from 50 to 450 ms, so the reply is read only
+    // then, and the command's timer has fired meanwhile.
+    let _: String = server.run(&["CLIENT", "PAUSE", "150", "WRITE"]).await;
+    let trying = {
+        let locker = locker.clone();
+        tokio::spawn(async move { locker.try_lock("jobs:read-late").await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let starved = common::starve_runtime(Duration::from_millis(400));
+    // Lengthened behind the try's back (from this thread: the runtime is
+    // still starved), so that only the try's cleanup, not the TTL, can
+    // delete the key within the check below.
+    let mut direct = redis::Client::open(server.url())?.get_connection()?;
+    let lengthened: i64 = redis::cmd("PEXPIRE")
+        .arg("jobs:read-late")
+        .arg(60_000)
+        .query(&mut direct)?;
+    assert_eq!(lengthened, 1, "the grant landed on the server");
+    drop(starved);
+    match trying.await? {
+        Err(Error::CommandTimedOut { key, .. }) => {
+            assert_eq!(key, LockKey::from("jobs:read-late"))
+        }
+        Ok(Some(lease)) => panic!(
+            "a lease past its validity was handed out (lost: {:?})",
+            lease.loss()
+        ),
+        other => panic!("expected CommandTimedOut, got {other:?}"),
+    }
+    eventually(
+        "the late grant's key was deleted",
+        Duration::from_secs(2),
+        async || server.get("jobs:read-late").await.is_none(),
+    )
+    .await;
+    Ok(())
+}
+
 /// A semaphore over the Redis locker (the generic path, one try per slot)
 /// names the semaphore in the errors of its acquisition, as the PostgreSQL
 /// semaphore does, not its internal slot key

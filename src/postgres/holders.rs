@@ -7,7 +7,7 @@ use sqlx::{Executor, Postgres, Row};
 
 use crate::postgres::holder::{AdvisoryKey, Holder, LockMode};
 use crate::postgres::request::key::BoundAll;
-use crate::postgres::request::sql::KEYS_AS_LOCKED;
+use crate::postgres::request::sql::{KEY_AND_INTENT_AS_LOCKED, KEYS_AS_LOCKED};
 use crate::postgres::wait_chain::resolve;
 use crate::{Error, LockKey};
 
@@ -127,9 +127,28 @@ pub(crate) async fn around(
     conn: &mut PgConnection,
     keys: &BoundAll<'_>,
 ) -> Result<Snapshot, Error> {
+    around_as(conn, keys, KEYS_AS_LOCKED).await
+}
+
+/// A [`Snapshot`] around one key wanted upgradeable and its upgrade
+/// intent (places 0 and 1 of [`Snapshot::wanted`]), on `conn`: 1 round trip.
+pub(crate) async fn around_upgradeable(
+    conn: &mut PgConnection,
+    key: &BoundAll<'_>,
+) -> Result<Snapshot, Error> {
+    around_as(conn, key, KEY_AND_INTENT_AS_LOCKED).await
+}
+
+/// A [`Snapshot`] around the rows `w` of `keys_as_locked` (built from
+/// `keys`).
+async fn around_as(
+    conn: &mut PgConnection,
+    keys: &BoundAll<'_>,
+    keys_as_locked: &str,
+) -> Result<Snapshot, Error> {
     let sql: String = [
         "WITH RECURSIVE ",
-        KEYS_AS_LOCKED,
+        keys_as_locked,
         ", ",
         LOCK_ROWS,
         AROUND,

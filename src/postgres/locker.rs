@@ -123,13 +123,19 @@ impl PgLocker {
     pub(crate) async fn timeout_error_as(
         &self,
         key: &crate::LockKey,
-        mode: LockMode,
+        wanted: impl Into<crate::postgres::timeout::Wanted>,
         started: std::time::Instant,
         conn: Option<crate::postgres::conn::held::HeldConn>,
     ) -> crate::Error {
         let within = self.config().heartbeat_timeout;
-        crate::postgres::timeout::timeout_error(self.pool(), within, (key, mode), started, conn)
-            .await
+        crate::postgres::timeout::timeout_error(
+            self.pool(),
+            within,
+            (key, wanted.into()),
+            started,
+            conn,
+        )
+        .await
     }
 
     pub(crate) fn config(&self) -> &Config {

@@ -97,14 +97,29 @@ async fn answered_on<T>(
     answer
 }
 
-/// Builds [`Error::Timeout`] for `key`, wanted in `mode`, with the chain
+/// How a wait wanted its key, for naming whom it waited for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wanted {
+    /// The key alone, or shared with readers.
+    Mode(LockMode),
+    /// Upgradeable: the key's upgrade intent alone, then the key shared.
+    Upgradeable,
+}
+
+impl From<LockMode> for Wanted {
+    fn from(mode: LockMode) -> Self {
+        Wanted::Mode(mode)
+    }
+}
+
+/// Builds [`Error::Timeout`] for `key`, wanted as `wanted`, with the chain
 /// behind whom it waited for: looked up on `conn` when the caller still has
 /// a usable connection (it must hold nothing), else on one from `pool`.
 /// Only a connection that answered goes back to the pool.
 pub(crate) async fn timeout_error(
     pool: &PgPool,
     within: Duration,
-    (key, mode): (&LockKey, LockMode),
+    (key, wanted): (&LockKey, Wanted),
     started: Instant,
     conn: Option<HeldConn>,
 ) -> Error {
@@ -119,13 +134,14 @@ pub(crate) async fn timeout_error(
     };
     let chain = match conn {
         Some(mut conn) => {
-            let found = look(&mut conn, std::slice::from_ref(key), within)
+            let around = Around::of(wanted);
+            let found = look(&mut conn, std::slice::from_ref(key), around, within)
                 .await
                 .found();
             if found.is_some() {
                 conn.into_pool();
             }
-            found.map(|snapshot| blocked(&snapshot, 1, mode).1)
+            found.map(|snapshot| blocked_as(&snapshot, wanted))
         }
         None => None,
     };
@@ -144,7 +160,7 @@ pub(crate) async fn timeout_error_all(
     mut conn: HeldConn,
     holds_nothing: bool,
 ) -> Error {
-    let found = look(&mut conn, keys, within).await.found();
+    let found = look(&mut conn, keys, Around::Keys, within).await.found();
     if holds_nothing && found.is_some() {
         conn.into_pool();
     } else {
@@ -173,7 +189,7 @@ pub(crate) async fn timeout_error_beside(
     key: &LockKey,
     started: Instant,
 ) -> Result<Error, LossReason> {
-    let snapshot = match look(conn, std::slice::from_ref(key), within).await {
+    let snapshot = match look(conn, std::slice::from_ref(key), Around::Keys, within).await {
         Looked::Found(snapshot) => Some(snapshot),
         Looked::Refused => None,
         Looked::Unanswered(reason) => return Err(reason),
@@ -229,8 +245,26 @@ impl Looked {
     }
 }
 
+/// What a lookup reads besides the wanted keys' rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Around {
+    /// The keys alone.
+    Keys,
+    /// One key and its upgrade intent (wanted places 0 and 1).
+    KeyAndIntent,
+}
+
+impl Around {
+    fn of(wanted: Wanted) -> Self {
+        match wanted {
+            Wanted::Mode(_) => Around::Keys,
+            Wanted::Upgradeable => Around::KeyAndIntent,
+        }
+    }
+}
+
 /// The snapshot around `keys` on `conn`, within `within`.
-async fn look(conn: &mut HeldConn, keys: &[LockKey], within: Duration) -> Looked {
+async fn look(conn: &mut HeldConn, keys: &[LockKey], around: Around, within: Duration) -> Looked {
     let mut bound = BoundAll::default();
     for key in keys {
         let Ok(args) = key.args() else {
@@ -238,7 +272,12 @@ async fn look(conn: &mut HeldConn, keys: &[LockKey], within: Duration) -> Looked
         };
         bound.push(args.into());
     }
-    let lookup = holders::around(conn.conn(), &bound);
+    let lookup = async {
+        match around {
+            Around::Keys => holders::around(conn.conn(), &bound).await,
+            Around::KeyAndIntent => holders::around_upgradeable(conn.conn(), &bound).await,
+        }
+    };
     match tokio::time::timeout(within, lookup).await {
         Ok(Ok(snapshot)) => Looked::Found(snapshot),
         // An answer read whole (a server error, a row that did not
@@ -250,6 +289,33 @@ async fn look(conn: &mut HeldConn, keys: &[LockKey], within: Duration) -> Looked
         Ok(Err(_)) => Looked::Refused,
         Err(_) => Looked::Unanswered(LossReason::HeartbeatTimedOut(within)),
     }
+}
+
+/// Whom a wait for one key, wanted as `wanted`, waited for. An upgradeable
+/// wait takes the key's intent first: another session holding the intent
+/// is whom it waited for (a plain reader beside it never is); with the
+/// intent free, the wait was for the key shared, behind a writer.
+fn blocked_as(snapshot: &Snapshot, wanted: Wanted) -> WaitChain {
+    let mode = match wanted {
+        Wanted::Mode(mode) => mode,
+        Wanted::Upgradeable => {
+            let intent_holder = snapshot
+                .wanted
+                .iter()
+                .find(|&&(place, _)| place == 1)
+                .and_then(|&(_, intent)| {
+                    snapshot
+                        .holders
+                        .iter()
+                        .find(|h| h.granted && h.key == intent && h.pid != snapshot.me)
+                });
+            if let Some(holder) = intent_holder {
+                return chain_from(&snapshot.holders, holder);
+            }
+            LockMode::Shared
+        }
+    };
+    blocked(snapshot, 1, mode).1
 }
 
 /// Of the first `n` wanted keys, the one the caller was not granted, and the

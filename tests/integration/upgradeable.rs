@@ -13,9 +13,9 @@ use std::time::Duration;
 use common::drop_after::drop_after;
 use common::*;
 use distlock::{Error, LockKey, LossReason, PgLocker, UpgradeableLock};
-use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, Postgres};
+use sqlx::{PgConnection, PgPool};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -137,6 +137,75 @@ async fn a_second_upgradeable_holder_waits_for_the_first(pool: PgPool) {
     let second = bounded("handed over", WAIT, waiter).await.unwrap().unwrap();
     reader.release().await.unwrap();
     second.release().await.unwrap();
+}
+
+/// Two sessions, the one with the lower pid first: the order in which a
+/// lookup of the key's holders lists them.
+async fn two_sessions_lower_pid_first(pool: &PgPool) -> ((PgConnection, i32), (PgConnection, i32)) {
+    let (mut one, mut two) = (observer_for(pool).await, observer_for(pool).await);
+    let (a, b) = (backend_pid(&mut one).await, backend_pid(&mut two).await);
+    if a < b {
+        ((one, a), (two, b))
+    } else {
+        ((two, b), (one, a))
+    }
+}
+
+/// A timed-out `lock_upgradeable` names whom it waited for: the key's
+/// upgradeable holder (the holder of its intent), not a plain reader beside
+/// it, whose read it would have shared; with the intent free, the writer.
+/// The reader has the lower pid, so it is the first of the key's holders.
+#[sqlx::test(migrations = false)]
+async fn a_timed_out_upgradeable_wait_names_the_intents_holder_not_a_reader(pool: PgPool) {
+    let b = locker(&pool);
+    let k = "upgradeable:named";
+    let ((mut reader, reader_pid), (mut holder, holder_pid)) =
+        two_sessions_lower_pid_first(&pool).await;
+    sqlx::query("SELECT pg_advisory_lock_shared(hashtext($1)::int8)")
+        .bind(k)
+        .execute(&mut reader)
+        .await
+        .unwrap();
+    // An upgradeable holder as the library takes it: the intent, then the
+    // key shared.
+    sqlx::query(
+        "SELECT pg_advisory_lock($2, hashtext($1)), pg_advisory_lock_shared(hashtext($1)::int8)",
+    )
+    .bind(k)
+    .bind(UpgradeableLock::INTENT_NAMESPACE)
+    .execute(&mut holder)
+    .await
+    .unwrap();
+    for timeout in [Duration::ZERO, Duration::from_millis(300)] {
+        match b.lock_upgradeable(k, timeout).await.map(|_| ()) {
+            Err(Error::Timeout {
+                holder_pid: named, ..
+            }) => assert_eq!(
+                named,
+                Some(holder_pid),
+                "names the intent's holder, not the reader {reader_pid} (timeout {timeout:?})"
+            ),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+    }
+    // The intent free, a writer holds the key: the wait was for the writer.
+    close(holder).await;
+    sqlx::query("SELECT pg_advisory_unlock_shared(hashtext($1)::int8), pg_advisory_lock(hashtext($1)::int8)")
+        .bind(k)
+        .execute(&mut reader)
+        .await
+        .unwrap();
+    match b
+        .lock_upgradeable(k, Duration::from_millis(300))
+        .await
+        .map(|_| ())
+    {
+        Err(Error::Timeout {
+            holder_pid: named, ..
+        }) => assert_eq!(named, Some(reader_pid)),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    close(reader).await;
 }
 
 #[sqlx::test(migrations = false)]

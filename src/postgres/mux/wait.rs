@@ -155,7 +155,7 @@ impl Mux {
         conn: Option<HeldConn>,
     ) -> Error {
         let within = self.config.heartbeat_timeout;
-        let key = (key, crate::postgres::holder::LockMode::Exclusive);
+        let key = (key, crate::postgres::holder::LockMode::Exclusive.into());
         crate::postgres::timeout::timeout_error(self.pool(), within, key, started, conn).await
     }
 }

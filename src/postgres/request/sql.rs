@@ -212,13 +212,33 @@ macro_rules! counted {
 /// and small ids), else a 32-bit hash of the resolved key.
 macro_rules! intent {
     ($f:literal) => {
+        concat!("pg_catalog.", $f, "(-2147483647, ", intent_value!("k"), ")")
+    };
+}
+
+/// The second half of the upgrade intent ([`intent`]) of the resolved key
+/// `$k` (with `space`, `a` and `b` as [`resolved`] gives them), an `int4`.
+macro_rules! intent_value {
+    ($k:literal) => {
         concat!(
-            "pg_catalog.",
-            $f,
-            "(-2147483647, (CASE WHEN k.space OPERATOR(pg_catalog.=) 1 AND k.a OPERATOR(pg_catalog.>=) -2147483648 \
-             AND k.a OPERATOR(pg_catalog.<=) 2147483647 \
-             THEN k.a ELSE pg_catalog.hashtext(pg_catalog.concat_ws(':', k.space, k.a, k.b)) END)\
-             ::pg_catalog.int4)"
+            "(CASE WHEN ",
+            $k,
+            ".space OPERATOR(pg_catalog.=) 1 AND ",
+            $k,
+            ".a OPERATOR(pg_catalog.>=) -2147483648 \
+             AND ",
+            $k,
+            ".a OPERATOR(pg_catalog.<=) 2147483647 \
+             THEN ",
+            $k,
+            ".a ELSE pg_catalog.hashtext(pg_catalog.concat_ws(':', ",
+            $k,
+            ".space, ",
+            $k,
+            ".a, ",
+            $k,
+            ".b)) END)\
+             ::pg_catalog.int4"
         )
     };
 }
@@ -737,18 +757,36 @@ pub(crate) const WAIT_ALL: &str = concat!(
      FROM t"
 );
 
+/// The rows of [`KEYS_AS_LOCKED`]'s `w`, one per key of `given`.
+macro_rules! given_as_locked {
+    () => {
+        "SELECT g.i, g.space AS s, \
+       CASE WHEN g.space OPERATOR(pg_catalog.=) 1 THEN (g.a OPERATOR(pg_catalog.>>) 32) OPERATOR(pg_catalog.&) 4294967295 ELSE g.a OPERATOR(pg_catalog.&) 4294967295 END AS c, \
+       CASE WHEN g.space OPERATOR(pg_catalog.=) 1 THEN g.a OPERATOR(pg_catalog.&) 4294967295 ELSE g.b OPERATOR(pg_catalog.&) 4294967295 END AS o \
+       FROM given g"
+    };
+}
+
 /// The keys `$1`, `$2`, `$3` (three arrays, as [`resolved_all`]) in the
 /// shape `pg_locks` shows advisory locks, for statements that look keys up
 /// there: CTEs for a `WITH` list (which may be `WITH RECURSIVE`), ending in
 /// `w`, one row per key, with `i` its 1-based place in the caller's list,
 /// `s` the key space as `objsubid` (1 or 2), `c` and `o` its `classid` and
 /// `objid` widened to `int8`.
-pub(crate) const KEYS_AS_LOCKED: &str = concat!(
+pub(crate) const KEYS_AS_LOCKED: &str =
+    concat!(resolved_all!(), ", w AS (", given_as_locked!(), ")");
+
+/// [`KEYS_AS_LOCKED`] for one key wanted upgradeable: `w` holds the key
+/// (`i` 1) and its upgrade intent (`i` 2, in the two-`int4` space), so that
+/// a lookup after a missed deadline sees who holds either.
+pub(crate) const KEY_AND_INTENT_AS_LOCKED: &str = concat!(
     resolved_all!(),
-    ", w AS (SELECT g.i, g.space AS s, \
-       CASE WHEN g.space OPERATOR(pg_catalog.=) 1 THEN (g.a OPERATOR(pg_catalog.>>) 32) OPERATOR(pg_catalog.&) 4294967295 ELSE g.a OPERATOR(pg_catalog.&) 4294967295 END AS c, \
-       CASE WHEN g.space OPERATOR(pg_catalog.=) 1 THEN g.a OPERATOR(pg_catalog.&) 4294967295 ELSE g.b OPERATOR(pg_catalog.&) 4294967295 END AS o \
-       FROM given g)"
+    ", w AS (",
+    given_as_locked!(),
+    " UNION ALL SELECT g.i OPERATOR(pg_catalog.+) 1, 2, (-2147483647)::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295, \
+       ",
+    intent_value!("g"),
+    "::pg_catalog.int8 OPERATOR(pg_catalog.&) 4294967295 FROM given g)"
 );
 
 /// What every transaction-scoped try sets and checks beside its lock call

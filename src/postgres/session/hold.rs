@@ -24,12 +24,16 @@ pub(crate) enum Hold {
 }
 
 impl Hold {
-    /// The mode its wait wants the key in, for naming whom a missed
-    /// deadline waited for: only a shared hold shares the key with readers.
-    pub(crate) fn wanted(self) -> crate::postgres::holder::LockMode {
+    /// How its wait wants the key, for naming whom a missed deadline waited
+    /// for: a shared hold shares the key with readers, an upgradeable one
+    /// with readers but not with another upgradeable holder (its intent).
+    pub(crate) fn wanted(self) -> crate::postgres::timeout::Wanted {
+        use crate::postgres::holder::LockMode;
+        use crate::postgres::timeout::Wanted;
         match self {
-            Hold::Shared => crate::postgres::holder::LockMode::Shared,
-            _ => crate::postgres::holder::LockMode::Exclusive,
+            Hold::Shared => Wanted::Mode(LockMode::Shared),
+            Hold::Upgradeable => Wanted::Upgradeable,
+            Hold::Exclusive | Hold::All | Hold::Permit => Wanted::Mode(LockMode::Exclusive),
         }
     }
 

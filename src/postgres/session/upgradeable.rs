@@ -56,7 +56,8 @@ impl PgLocker {
     /// shared against each other's upgrade. Costs as for [`lock`](Self::lock):
     /// 1 round trip when free, 2 when it waits (4 on a session with a
     /// `statement_timeout` or `transaction_timeout`), plus 1 to name a holder
-    /// on timeout; a wait that fails closes its connection. A `timeout` of zero
+    /// on timeout (the intent's holder, or with the intent free the writer,
+    /// never a plain reader); a wait that fails closes its connection. A `timeout` of zero
     /// is a single try; one longer than the server's `lock_timeout` can express
     /// (about 24.8 days) means "as long as the server allows", as for
     /// [`lock`](Self::lock). In the multiplexed mode it takes a connection of

@@ -310,7 +310,31 @@ impl PgSlots {
     /// the session has a limit on a wait), and 1 more per announced freed
     /// slot; none for a permit handed over in the process's turn. Pool
     /// errors are retried until the deadline.
+    ///
+    /// A permit lost before the caller gets it (handed over, then its
+    /// session ended while this waiter's task had not run yet) is no
+    /// permit: the server freed its slot, and another process may hold it.
+    /// It is dropped, and the wait goes on as a new arrival.
     pub(crate) async fn acquire(
+        &self,
+        name: &str,
+        started: Instant,
+        deadline: tokio::time::Instant,
+    ) -> Result<(u32, SessionLock), Error> {
+        loop {
+            let (slot, lock) = self.acquire_once(name, started, deadline).await?;
+            if !lock.is_lost() {
+                return Ok((slot, lock));
+            }
+            drop(lock);
+            if tokio::time::Instant::now() >= deadline {
+                return Err(timeout(name, started));
+            }
+        }
+    }
+
+    /// One registration's part of [`acquire`](Self::acquire).
+    async fn acquire_once(
         &self,
         name: &str,
         started: Instant,

@@ -213,31 +213,83 @@ async fn a_permit_goes_to_the_process_first_in_line(
 #[sqlx::test(migrations = false)]
 async fn a_lost_permit_is_not_handed_over(_pool_opts: PgPoolOptions, opts: PgConnectOptions) {
     let name = "relay:lost";
-    let pool = pool_of(&opts, 6).await;
-    let sem = PgLocker::new(pool.clone())
-        .semaphore(name, 1)
-        .expect("valid");
-    let held = sem.try_acquire().await.expect("try").expect("free");
-    let pid = slot_holder(&pool, name).await.expect("held");
+    let (pool, sem, held, pid) = one_permit_held(&opts, name).await;
     let waiter = tokio::spawn({
         let sem = sem.clone();
         async move { sem.acquire(Duration::from_secs(10)).await }
     });
     until_queued(&pool, name).await;
-    sqlx::query("SELECT pg_terminate_backend($1)")
-        .bind(pid)
-        .execute(&pool)
-        .await
-        .expect("terminate");
+    terminate(&pool, pid).await;
     tokio::time::timeout(Duration::from_secs(5), held.lost())
         .await
         .expect("the loss is seen");
     drop(held);
     let permit = waiter.await.expect("task").expect("the waiter is served");
-    assert!(!permit.is_lost(), "the waiter was handed a lost permit");
-    let now = slot_holder(&pool, name).await.expect("held");
+    served_by_another_backend(&pool, name, permit, pid).await;
+}
+
+/// A pool, a 1-permit semaphore `name` on it, its permit held, and the
+/// backend that holds the permit's slot.
+async fn one_permit_held(
+    opts: &PgConnectOptions,
+    name: &str,
+) -> (PgPool, Semaphore, SemaphorePermit, i32) {
+    let pool = pool_of(opts, 6).await;
+    let sem = PgLocker::new(pool.clone())
+        .semaphore(name, 1)
+        .expect("valid");
+    let held = sem.try_acquire().await.expect("try").expect("free");
+    let pid = slot_holder(&pool, name).await.expect("held");
+    (pool, sem, held, pid)
+}
+
+/// Ends the session `pid`.
+async fn terminate(pool: &PgPool, pid: i32) {
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(pool)
+        .await
+        .expect("terminate");
+}
+
+/// A waiter's `permit` of `name` is not lost, and its slot is held by
+/// another backend than the lost permit's (`pid`); then it is released.
+async fn served_by_another_backend(pool: &PgPool, name: &str, permit: SemaphorePermit, pid: i32) {
+    assert!(
+        !permit.is_lost(),
+        "the waiter took a lost permit: {:?}",
+        permit.loss()
+    );
+    let now = slot_holder(pool, name).await.expect("held");
     assert_ne!(now, pid);
     permit.release().await.expect("release");
+}
+
+/// A permit lost after it was handed over, before its waiter took it (the
+/// waiter's task not run meanwhile), is not the waiter's permit: the wait
+/// goes on and gets the slot from the server, on a backend that holds it.
+/// Handed out, it would be one holder more than the permits (the server
+/// freed its slot with the session).
+#[sqlx::test(migrations = false)]
+async fn a_permit_lost_on_its_way_to_the_waiter_is_not_taken(
+    _pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let name = "relay:lost-on-its-way";
+    let (pool, sem, held, pid) = one_permit_held(&opts, name).await;
+    let mut waiting = std::pin::pin!(sem.acquire(Duration::from_secs(10)));
+    tokio::select! {
+        biased;
+        got = &mut waiting => panic!("served while the permit was held: {got:?}"),
+        () = until_queued(&pool, name) => {}
+    }
+    held.release().await.expect("release");
+    // Handed over (in the waiter's channel); now its session ends, and its
+    // loss is seen (the goodbye at once, the heartbeat within 2 s).
+    terminate(&pool, pid).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let permit = waiting.await.expect("the waiter is served");
+    served_by_another_backend(&pool, name, permit, pid).await;
 }
 
 /// With fencing, each holder draws its own token: a permit given up is not

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::pgbouncer::PgBouncer;
 use common::proxy::Proxy;
 use common::row_waits::{rows_locked, waited_at_least, waiting_a_moment_later, waiting_on_locks};
-use common::{bounded, init_tracing};
+use common::{bounded, eventually, init_tracing};
 use distlock::postgres::TableLocker;
 use distlock::{Error, JobOutcome, LockKey, LossReason, SingletonJob};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -614,6 +614,55 @@ async fn a_release_the_server_gives_up_first_is_release_timed_out(pool: PgPool) 
         alive,
         "the release's connection was closed though the server answered"
     );
+}
+
+/// A grant the server made in time, but whose answer the caller read only
+/// past the renewal deadline (its future not polled meanwhile, as on a
+/// starved runtime), is no lease: it is lost by the clock already, and
+/// from a TTL on the row may be another holder's. The try reports no answer
+/// in time, and the grant is released in the background at once, long
+/// before it would expire.
+#[sqlx::test(migrations = false)]
+async fn a_grant_read_past_the_renewal_deadline_is_refused_and_released(pool: PgPool) {
+    migrated(&pool).await;
+    let ttl = Duration::from_millis(1500);
+    let locker = locker(&pool, ttl);
+    let key = "table:read-late";
+    let (_expired, blocker) = expired_and_blocked(&pool, &locker, key).await;
+    let sent = Instant::now();
+    let mut trying = std::pin::pin!(locker.try_lock(key));
+    tokio::select! {
+        biased;
+        tried = &mut trying => panic!("answered while the row was locked: {tried:?}"),
+        () = tokio::time::sleep(Duration::from_millis(200)) => {}
+    }
+    // The statement's own task takes the row and answers; the try is not
+    // polled again until past its renewal deadline (2/3 of a TTL from the
+    // send, 1,000 ms), long before the grant would expire (1,700 ms).
+    blocker.commit().await.expect("commit");
+    tokio::time::sleep_until((sent + ttl * 2 / 3 + Duration::from_millis(200)).into()).await;
+    match trying.await {
+        Err(Error::CommandTimedOut { key: named, .. }) => assert_eq!(named, LockKey::from(key)),
+        Ok(Some(lease)) => panic!(
+            "a lease past its renewal deadline was handed out (lost: {:?})",
+            lease.loss()
+        ),
+        other => panic!("expected CommandTimedOut, got {other:?}"),
+    }
+    eventually(
+        "the late grant released",
+        Duration::from_millis(300),
+        async || {
+            let live: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM distlock.leases WHERE expires_at > clock_timestamp()",
+            )
+            .fetch_one(&pool)
+            .await
+            .expect("count live leases");
+            live == 0
+        },
+    )
+    .await;
 }
 
 /// Takes `key` on `locker`, expires its lease, waits for its loss, and

@@ -337,7 +337,10 @@ impl TableLocker {
     /// [TTL](TableLockerBuilder::ttl) from the statement's send: on a
     /// stalled network or server (bytes stop flowing, nothing is closed),
     /// the call fails then with [`Error::CommandTimedOut`] instead of
-    /// hanging until TCP gives up. Nothing is held for the caller: the
+    /// hanging until TCP gives up. So does a grant answered in time but read
+    /// only past that deadline (a runtime that ran the call too late): such
+    /// a lease would be lost by the clock already, so it is released in the
+    /// background instead of handed out. Nothing is held for the caller: the
     /// statement's task keeps its connection for a third of a TTL more and
     /// releases a grant that comes in by then; after that it closes the
     /// connection (so stalled calls do not drain the pool). A statement
@@ -511,6 +514,19 @@ impl TableLocker {
             key: key.clone(),
             task: "lease_acquire",
         })??;
+        // A grant read only past the renewal deadline (answered in time,
+        // but this call ran too late: the channel is polled before the
+        // timer) is lost by the clock already, and its row may be another
+        // holder's from a TTL on: dropped armed, it is released in the
+        // background, and the call hears what it would have heard had the
+        // timer come first.
+        if matches!(answer, Answer::Granted { .. }) && tokio::time::Instant::now() >= give_up {
+            drop(answer);
+            return Err(Error::CommandTimedOut {
+                key: key.clone(),
+                after: give_up - sent,
+            });
+        }
         Ok(self.taken(answer, key, expr, sent))
     }
 

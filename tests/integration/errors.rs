@@ -9,11 +9,12 @@ use crate::common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::pgbouncer::PgBouncer;
 use common::*;
 use distlock::memory::MemoryLocker;
 use distlock::{Error, FencingToken, LockKey, Locker, PgLocker, SingletonJob};
-use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
+use sqlx::{Connection, PgConnection, PgPool};
 
 /// The advice every error for a missing schema gives.
 const MIGRATE_FIRST: &str = "call distlock::migrate first";
@@ -464,6 +465,46 @@ async fn a_foreign_prepared_statement_is_a_pooler_on_every_session_path(pool: Pg
     );
     close(holder).await;
     foreign.close().await;
+}
+
+/// The multiplexed locker's shared connection opened on a server session
+/// that already has a statement under sqlx's first name (a transaction
+/// pooler with one server connection, another sqlx client's statement on
+/// it): the connection's first named statement collides (42P05). That is
+/// `PoolerDetected`, as on every other session path, not a connection that
+/// failed to open (which a caller would retry). The pooler probe before it
+/// sees one backend throughout, so only the collision tells.
+#[sqlx::test(migrations = false)]
+async fn a_multiplexed_connection_opened_on_a_shared_session_is_a_pooler(pool: PgPool) {
+    let direct = pool.connect_options().as_ref().clone();
+    let bouncer = PgBouncer::builder(direct.get_port())
+        .set("default_pool_size", "1")
+        .start()
+        .await;
+    // sqlx's own statement cache: queries use named statements.
+    let through = direct.host("127.0.0.1").port(bouncer.port());
+    let mut other = PgConnection::connect_with(&through)
+        .await
+        .expect("another client");
+    let one: i32 = sqlx::query_scalar("SELECT $1::int4")
+        .bind(1)
+        .fetch_one(&mut other)
+        .await
+        .expect("its prepared statement");
+    assert_eq!(one, 1);
+    let clients = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(through)
+        .await
+        .expect("pool through pgbouncer");
+    let mux = PgLocker::builder(clients.clone())
+        .multiplex(1)
+        .build()
+        .expect("valid settings");
+    refused("multiplexed try_lock", mux.try_lock("k").await);
+    drop(mux);
+    clients.close().await;
+    close(other).await;
 }
 
 /// A fenced grant that came without a token is distlock's own finding,

@@ -142,9 +142,20 @@ async fn connect(config: &DriverConfig) -> Result<(PgListener, i32), Error> {
         listener.eager_reconnect(false);
         let conn = (&mut listener).acquire().await?;
         PoolerCheck::default().ensure_session(conn).await?;
+        // The connection's first named statement: a server session that a
+        // transaction pooler shares has another client's under that name
+        // (42P05) while its backend stays the same, so the probe saw
+        // nothing; as on every session path, that is a pooler.
         let pid: i32 = sqlx::query_scalar(FIRST_HEARTBEAT)
             .fetch_one(&mut *conn)
-            .await?;
+            .await
+            .map_err(|err| {
+                if shared_session(&err) {
+                    shared_session_error(&err)
+                } else {
+                    Error::from(err)
+                }
+            })?;
         Ok::<_, Error>((listener, pid))
     };
     match timeout(config.connect_timeout, open).await {

@@ -291,6 +291,13 @@ pub enum Error {
     /// error that the closure did not return (for example one it ignored):
     /// PostgreSQL would have turned the `COMMIT` into a `ROLLBACK`, so none of
     /// the closure's work was committed. The transaction was rolled back.
+    ///
+    /// "Nothing was committed" holds for the lock's own transaction. A
+    /// closure that ended it itself (a raw `COMMIT`) and then began another
+    /// which an error aborted is reported so too, since the aborted
+    /// transaction hides the sign it ended the first
+    /// ([`TransactionEnded`](Self::TransactionEnded)): what it did before its
+    /// own `COMMIT` stays committed.
     #[error(
         "the transaction holding lock {} was aborted by an SQL error the closure did not \
          return; nothing was committed",

@@ -167,6 +167,32 @@ async fn a_nested_with_advisory_lock_on_the_same_key_says_it_is_nested(pool: PgP
     );
 }
 
+/// Two spellings of one server lock are one lock for the nesting check too:
+/// `LockKey::hashed64(name)` and the id of its value both lock that
+/// `bigint`, so an inner call on the one inside an outer call on the other
+/// could never be granted (it came back busy, and a waiting one waited for
+/// itself until its timeout).
+#[sqlx::test(migrations = false)]
+async fn a_nested_lock_on_another_spelling_of_the_same_server_lock_is_nested(pool: PgPool) {
+    let locker = PgLocker::new(pool);
+    let outer = LockKey::hashed64("k");
+    let inner = LockKey::id(outer.pg_bigint().expect("a bigint key"));
+    let nested = locker
+        .with_advisory_lock(outer, async |_conn| {
+            let nested = locker
+                .with_advisory_lock(inner, async |_conn| Ok::<_, Error>(()))
+                .await;
+            Ok::<_, Error>(nested)
+        })
+        .await
+        .expect("outer")
+        .expect("outer took the free key");
+    assert!(
+        matches!(nested, Err(Error::NestedLock { .. })),
+        "{nested:?}"
+    );
+}
+
 /// The regression: the waiting variant blocked until its timeout and then
 /// named the enclosing transaction's own backend as "the holder".
 #[sqlx::test(migrations = false)]

@@ -1037,6 +1037,25 @@ async fn kept_connections_expire_after_the_first_runtime_shut_down(
     );
 }
 
+/// The connections kept when the sweeper's runtime shuts down go back to
+/// the pool with it: nothing else would return them (here they would not
+/// expire for a minute), and `PgPool::close` waits for every connection.
+#[sqlx::test(migrations = false)]
+async fn connections_kept_when_the_sweepers_runtime_shuts_down_go_back(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = common::pool_for_runtimes(&connect);
+    let locker = PgLocker::builder(pool.clone())
+        .heartbeat_timeout(PATIENT)
+        .keep_warm(2, Duration::from_secs(60))
+        .build()
+        .expect("valid settings");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    lock_once_on(rt, &locker, "session:sweeper-gone", false);
+    bounded("pool.close()", Duration::from_secs(5), pool.close()).await;
+}
+
 // ---- Reader-writer session locks -------------------------------------------
 
 #[sqlx::test(migrations = false)]

@@ -1014,6 +1014,40 @@ async fn try_lock_xact_holds_until_the_callers_transaction_ends(pool: PgPool) {
     tx.commit().await.unwrap();
 }
 
+/// A transaction the server has ended while sqlx still counts it open (a
+/// `COMMIT` sent as SQL through the `Transaction`) is no transaction for
+/// the lock either: taken, the lock would end with its statement, and the
+/// caller would go on believing it holds the key. Both calls refuse it,
+/// and a second session can take the key meanwhile; in a transaction
+/// begun again by SQL the lock is taken and held.
+#[sqlx::test(migrations = false)]
+async fn a_transaction_ended_by_sql_is_refused(pool: PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::raw_sql("COMMIT").execute(&mut *tx).await.unwrap();
+    let tried = distlock::try_lock_xact(&mut *tx, "own:ended").await;
+    assert!(matches!(tried, Err(Error::NotInTransaction)), "{tried:?}");
+    let waited = distlock::lock_xact(&mut *tx, "own:ended", Duration::from_secs(1)).await;
+    assert!(matches!(waited, Err(Error::NotInTransaction)), "{waited:?}");
+    let mut obs = observer_for(&pool).await;
+    let free: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext('own:ended'))")
+        .fetch_one(&mut obs)
+        .await
+        .unwrap();
+    assert!(free, "the key is free: nothing holds it for the caller");
+    sqlx::query("SELECT pg_advisory_unlock_all()")
+        .execute(&mut obs)
+        .await
+        .unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut *tx).await.unwrap();
+    assert!(
+        distlock::try_lock_xact(&mut *tx, "own:ended")
+            .await
+            .unwrap()
+    );
+    assert_eq!(granted_count(&mut obs).await, 1, "held in the block");
+    drop(tx);
+}
+
 #[sqlx::test(migrations = false)]
 async fn a_connection_outside_a_transaction_is_refused(pool: PgPool) {
     let mut conn = pool.acquire().await.unwrap();

@@ -100,18 +100,27 @@ impl Warm {
         if state.conns.len() >= self.max {
             return;
         }
-        if !state.sweeping {
+        let start = if state.sweeping {
+            None
+        } else {
             let Ok(runtime) = tokio::runtime::Handle::try_current() else {
                 return;
             };
             state.sweeping = true;
+            Some(runtime)
+        };
+        state.conns.push((conn, Instant::now()));
+        drop(state);
+        // Spawned with the mutex let go: a runtime shutting down drops the
+        // new task inside `spawn`, and the sweeper's drop takes the mutex
+        // (this thread would wait for itself for ever).
+        if let Some(runtime) = start {
             let sweeper = Sweeper {
                 warm: Arc::downgrade(self),
                 finished: false,
             };
             runtime.spawn(sweeper.run(self.pool.clone()));
         }
-        state.conns.push((conn, Instant::now()));
     }
 
     /// An idle connection in the pool, or room to open one: no one can be
@@ -185,15 +194,17 @@ impl Sweeper {
 impl Drop for Sweeper {
     /// Dropped unfinished, by the runtime it ran on shutting down (a
     /// locker may serve several runtimes): marked gone, so that the next
-    /// connection kept starts another sweeper on its own runtime. Without
-    /// it the kept connections never expired, and stayed out of the pool
-    /// until it closed.
+    /// connection kept starts another sweeper on its own runtime, and the
+    /// connections kept go back with it (dropped after the mutex is let
+    /// go: their return to the pool is a task on this runtime, which,
+    /// shutting down, drops it, and with it the connection). Nothing else
+    /// returned them, and `PgPool::close` waits for every connection.
     fn drop(&mut self) {
         if self.finished {
             return;
         }
         if let Some(warm) = self.warm.upgrade() {
-            warm.lock().sweeping = false;
+            drop(warm.drain());
         }
     }
 }
@@ -335,6 +346,34 @@ pub(crate) fn is_broken(err: &sqlx::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A connection kept on a runtime that shuts down (its task list
+    /// closed): the sweeper's new task is dropped inside `spawn`, and its
+    /// drop takes the state's mutex, which `keep` must not hold then (this
+    /// thread waited for itself for ever). The connection goes back with
+    /// the sweeper.
+    #[sqlx::test(migrations = false)]
+    async fn keeping_a_connection_on_a_runtime_shutting_down_returns(pool: PgPool) {
+        let conn = WatchedConn::acquire(&pool).await.expect("a connection");
+        let warm = Warm::new(pool.clone(), 2, Duration::from_secs(60));
+        let dead = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime");
+        let handle = dead.handle().clone();
+        dead.shutdown_background();
+        let (done, returned) = std::sync::mpsc::channel();
+        let kept = Arc::clone(&warm);
+        std::thread::spawn(move || {
+            let _entered = handle.enter();
+            kept.keep(conn);
+            let _ = done.send(());
+        });
+        returned
+            .recv_timeout(Duration::from_secs(5))
+            .expect("keep() returned");
+        assert!(warm.lock().conns.is_empty(), "kept past its sweeper");
+        assert!(!warm.lock().sweeping, "a sweeper believed running");
+    }
 
     #[test]
     fn only_connection_failures_count_as_broken() {

@@ -25,6 +25,7 @@
 pub(crate) mod fragments;
 pub(crate) mod key;
 pub(crate) mod key_args;
+pub(crate) mod literal;
 pub(crate) mod lock_request;
 pub(crate) mod prepared_try;
 pub(crate) mod sql;

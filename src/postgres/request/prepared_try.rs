@@ -73,19 +73,9 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 /// Nothing the caller chose is ever read as SQL, whatever the session's
 /// `standard_conforming_strings`.
 pub(crate) fn begin_and_try(lock: Lock, key: Bound<'_>) -> String {
-    let (space, value, name) = key.values();
-    let value = value.map_or_else(|| "NULL".to_owned(), |value| format!("'{value}'"));
-    let name = name.map_or_else(
-        || "NULL".to_owned(),
-        |name| {
-            format!(
-                "pg_catalog.convert_from(pg_catalog.decode('{}', 'hex'), 'UTF8')",
-                hex::encode(name)
-            )
-        },
-    );
+    let [space, value, name] = crate::postgres::request::literal::key_literals(key);
     format!(
-        "BEGIN; EXECUTE {}('{space}', {value}, {name})",
+        "BEGIN; EXECUTE {}({space}, {value}, {name})",
         prepared(lock).name
     )
 }

@@ -954,18 +954,40 @@ pub(crate) fn xact_wait(lock: Lock) -> &'static str {
     }
 }
 
-/// `try_lock_xact` in the caller's transaction: the lock and the standby
-/// check (which fails the statement, and the caller's transaction, on a
-/// standby); changes no setting.
+/// Whether a transaction block is open, read by a statement sent alone as
+/// a simple query (which sets both timestamps once, for the one message):
+/// outside a block the statement's own transaction starts with it, inside
+/// one the block began with an earlier message. Under the extended
+/// protocol the two differ outside a block too (`Bind` starts the
+/// transaction, `Execute` the statement), so only a simple query may read
+/// it.
+macro_rules! in_transaction_block {
+    () => {
+        "pg_catalog.transaction_timestamp() OPERATOR(pg_catalog.<) pg_catalog.statement_timestamp()"
+    };
+}
+
+/// `try_lock_xact` in the caller's transaction, sent as a simple query
+/// (see [`caller_xact`]): the lock, taken only inside a transaction block
+/// (outside one it would end with the statement; the server's view, not
+/// sqlx's count of the transactions it began, which a `COMMIT` sent as SQL
+/// leaves behind), and the standby check (which fails the statement, and
+/// the caller's transaction, on a standby); changes no setting. Columns:
+/// taken (NULL: the session marker seen), the standby check, in a block,
+/// the backend pid.
 pub(crate) const CALLER_XACT_TRY: &str = concat!(
     "WITH ",
     resolved!(),
-    " SELECT CASE WHEN ",
+    " SELECT CASE WHEN NOT ",
+    in_transaction_block!(),
+    " THEN false WHEN ",
     session_marker!(none),
     " THEN ",
     call!("k", "pg_try_advisory_xact_lock"),
     " END, ",
     standby_check!(),
+    ", ",
+    in_transaction_block!(),
     ", pg_catalog.pg_backend_pid() FROM k"
 );
 
@@ -973,8 +995,10 @@ pub(crate) const CALLER_XACT_TRY: &str = concat!(
 /// once under `lock_timeout` `$4` when the session has no
 /// `statement_timeout`, and only tries when it has one, lifting it for the
 /// wait that follows a busy key (which puts it back: [`xact_wait`]). The
-/// caller's `lock_timeout` is put back in the same statement. Columns:
-/// taken, the `statement_timeout` before.
+/// caller's `lock_timeout` is put back in the same statement. Sent as a
+/// simple query, and takes nothing outside a transaction block, as
+/// [`CALLER_XACT_TRY`]. Columns: taken, the `statement_timeout` before,
+/// two settings, in a block, the backend pid.
 pub(crate) const CALLER_XACT_FIRST: &str = concat!(
     "WITH ",
     resolved!(),
@@ -983,6 +1007,8 @@ pub(crate) const CALLER_XACT_FIRST: &str = concat!(
        pg_catalog.set_config('lock_timeout', $4, true), ",
     standby_check!(),
     ", CASE WHEN NOT ",
+    in_transaction_block!(),
+    " THEN false WHEN NOT ",
     session_marker!(none),
     " THEN NULL WHEN pg_catalog.current_setting('statement_timeout') OPERATOR(pg_catalog.=) '0' THEN ",
     wait_call!("k", "pg_advisory_xact_lock"),
@@ -990,8 +1016,9 @@ pub(crate) const CALLER_XACT_FIRST: &str = concat!(
     call!("k", "pg_try_advisory_xact_lock"),
     " END AS ok FROM k) \
      SELECT l.ok, l.st, pg_catalog.set_config('lock_timeout', l.prev, true), \
-       CASE WHEN NOT l.ok THEN pg_catalog.set_config('statement_timeout', '0', true) END, \
-       pg_catalog.pg_backend_pid() FROM l"
+       CASE WHEN NOT l.ok THEN pg_catalog.set_config('statement_timeout', '0', true) END, ",
+    in_transaction_block!(),
+    ", pg_catalog.pg_backend_pid() FROM l"
 );
 
 #[cfg(test)]

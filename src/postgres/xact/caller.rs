@@ -4,11 +4,13 @@
 
 use std::time::{Duration, Instant};
 
-use sqlx::{Connection, PgConnection};
+use sqlx::postgres::PgRow;
+use sqlx::{Connection, PgConnection, Row};
 
 use crate::postgres::pooler::marker_seen;
 use crate::postgres::request::fragments::millis_setting;
 use crate::postgres::request::key::Bound;
+use crate::postgres::request::literal::with_literals;
 use crate::postgres::request::lock_request::Request;
 use crate::postgres::request::row::xact_taken;
 use crate::postgres::request::{Lock, sql, unlimited};
@@ -25,10 +27,16 @@ use crate::{Error, LockKey, span};
 /// transaction begun through sqlx is refused with
 /// [`Error::NotInTransaction`]: the lock would end with the statement that
 /// took it. (A transaction opened by sending `BEGIN` as SQL is not seen by
-/// sqlx and is refused as well; use `conn.begin()`.)
+/// sqlx and is refused as well; use `conn.begin()`.) So is one that the
+/// server has ended while sqlx still counts it open (a `COMMIT` sent as
+/// SQL): the statement asks the server whether a transaction block is
+/// open, and takes nothing if not.
 ///
 /// Costs 1 round trip; it takes the same server lock as hand-written
-/// `SELECT pg_try_advisory_xact_lock(hashtext('k'))`. Changes none of the
+/// `SELECT pg_try_advisory_xact_lock(hashtext('k'))`. The statement goes as
+/// a simple query, with the key written into its text (the server can tell
+/// an open block from the statement's own transaction only there), so the
+/// server plans it on each call. Changes none of the
 /// transaction's settings, nor the connection's: unlike the statements on
 /// connections distlock takes from the pool, it sets no TCP keepalives, so
 /// a holder cut off by a partition keeps the lock until the server's own
@@ -69,12 +77,25 @@ async fn try_in_caller(conn: &mut PgConnection, key: &LockKey) -> Result<bool, E
     in_transaction(conn)?;
     // On a standby the check fails the statement, and with it the caller's
     // transaction, which then holds nothing.
-    let row = Bound::from(args)
-        .bind(sqlx::query(sql::CALLER_XACT_TRY))
+    let statement = with_literals(sql::CALLER_XACT_TRY, args.into(), None);
+    let row = sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
         .fetch_one(&mut *conn)
         .await
         .map_err(|err| locking_error(err, key))?;
+    in_block(&row)?;
     xact_taken(&row)?.map_err(marker_seen)
+}
+
+/// Whether the statement in `row` (its last column but one) found a
+/// transaction block open; refuses it as [`Error::NotInTransaction`]
+/// otherwise: the lock, had it been taken, ended with the statement.
+fn in_block(row: &PgRow) -> Result<(), Error> {
+    let at = row.len().saturating_sub(2);
+    if row.try_get::<bool, _>(at)? {
+        Ok(())
+    } else {
+        Err(Error::NotInTransaction)
+    }
 }
 
 /// Takes the transaction-scoped advisory lock `key` inside the transaction
@@ -89,7 +110,8 @@ async fn try_in_caller(conn: &mut PgConnection, key: &LockKey) -> Result<bool, E
 /// waits with the limit lifted and puts it back. A `timeout`
 /// longer than `lock_timeout` can express (about 24.8 days) means "as long
 /// as the server allows". Refuses a connection outside a transaction as
-/// [`try_lock_xact`] does.
+/// [`try_lock_xact`] does, and sends its first statement as a simple
+/// query as that does.
 ///
 /// **A timeout aborts the caller's transaction**: PostgreSQL fails the
 /// statement with `lock_not_available`, and a failed statement inside a
@@ -143,8 +165,7 @@ async fn wait_in_caller(
     in_transaction(conn)?;
     let started = Instant::now();
     match wait_in_xact(conn, args.into(), timeout).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(pid)) => Err(marker_seen(pid)),
+        Ok(taken) => taken,
         // The timeout aborted the caller's transaction, the one connection
         // there is: nothing can look for the holder.
         Err(err) if lock_not_available(&err) => {
@@ -164,8 +185,10 @@ fn in_transaction(conn: &PgConnection) -> Result<(), Error> {
 }
 
 /// Waits for the lock under our `lock_timeout`, putting the caller's back;
-/// `Err(pid)` when the session carries another client's lock marker
-/// (nothing was attempted).
+/// `Ok(Err(..))` when nothing was attempted: the session carries another
+/// client's lock marker ([`Error::PoolerDetected`]), or no transaction
+/// block is open ([`Error::NotInTransaction`]). The first statement is a
+/// simple query (see [`in_block`]).
 /// A session without `statement_timeout` waits in the first statement; one
 /// with it only tries there (the timer is armed when a statement starts,
 /// so a wait under it would end at the session's limit), lifts the limit
@@ -176,17 +199,20 @@ async fn wait_in_xact(
     conn: &mut PgConnection,
     key: Bound<'_>,
     timeout: Duration,
-) -> Result<Result<(), i32>, sqlx::Error> {
+) -> Result<Result<(), Error>, sqlx::Error> {
     let started = tokio::time::Instant::now();
-    let row = key
-        .bind(sqlx::query(sql::CALLER_XACT_FIRST))
-        .bind(millis_setting(timeout))
+    let timeout_setting = millis_setting(timeout);
+    let statement = with_literals(sql::CALLER_XACT_FIRST, key, Some(&timeout_setting));
+    let row = sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
         .fetch_one(&mut *conn)
         .await?;
+    if let Err(refused) = in_block(&row) {
+        return Ok(Err(refused));
+    }
     match xact_taken(&row)? {
         Ok(true) => return Ok(Ok(())),
         Ok(false) => {}
-        Err(pid) => return Ok(Err(pid)),
+        Err(pid) => return Ok(Err(marker_seen(pid))),
     }
     let limit: Option<String> = sqlx::Row::try_get(&row, 1)?;
     let restore = limit.filter(|limit| unlimited::limited(Some(limit)));

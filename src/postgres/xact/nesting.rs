@@ -42,15 +42,28 @@ pub(crate) fn database_of(pool: &PgPool) -> String {
 }
 
 /// `Err(NestedLock)` when an enclosing call already holds `key` on
-/// `database`.
+/// `database`, under this spelling or another of the same server lock
+/// that the client can tell (`LockKey::hashed64(name)` and the id of its
+/// value; a name and the id of its `hashtext` only the server knows).
 pub(crate) fn refuse_nested(database: &str, key: &LockKey) -> Result<(), Error> {
     let nested = HELD
-        .try_with(|held| held.iter().any(|(d, k)| d == database && k == key))
+        .try_with(|held| {
+            held.iter()
+                .any(|(d, k)| d == database && same_server_lock(k, key))
+        })
         .unwrap_or(false);
     if nested {
         return Err(Error::NestedLock { key: key.clone() });
     }
     Ok(())
+}
+
+/// Whether `a` and `b` bind the same server lock: the same arguments.
+fn same_server_lock(a: &LockKey, b: &LockKey) -> bool {
+    match (a.args(), b.args()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
 }
 
 /// Runs `f` with `key` on `database` recorded as held by it (and by what it

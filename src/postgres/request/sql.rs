@@ -968,7 +968,8 @@ macro_rules! in_transaction_block {
 }
 
 /// `try_lock_xact` in the caller's transaction, sent as a simple query
-/// (see [`caller_xact`]): the lock, taken only inside a transaction block
+/// (so flat, with the key resolved in place: the server plans it on each
+/// call): the lock, taken only inside a transaction block
 /// (outside one it would end with the statement; the server's view, not
 /// sqlx's count of the transactions it began, which a `COMMIT` sent as SQL
 /// leaves behind), and the standby check (which fails the statement, and
@@ -976,19 +977,17 @@ macro_rules! in_transaction_block {
 /// taken (NULL: the session marker seen), the standby check, in a block,
 /// the backend pid.
 pub(crate) const CALLER_XACT_TRY: &str = concat!(
-    "WITH ",
-    resolved!(),
-    " SELECT CASE WHEN NOT ",
+    "SELECT CASE WHEN NOT ",
     in_transaction_block!(),
     " THEN false WHEN ",
     session_marker!(none),
     " THEN ",
-    call!("k", "pg_try_advisory_xact_lock"),
+    call_in_place!("pg_try_advisory_xact_lock"),
     " END, ",
     standby_check!(),
     ", ",
     in_transaction_block!(),
-    ", pg_catalog.pg_backend_pid() FROM k"
+    ", pg_catalog.pg_backend_pid()"
 );
 
 /// The first statement of `lock_xact` in the caller's transaction: waits at

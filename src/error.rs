@@ -39,7 +39,10 @@ pub enum Error {
     Redis(#[from] redis::RedisError),
 
     /// The server did not answer a try's lock command within its deadline:
-    /// a stalled network or server. The deadline is Redis's command deadline
+    /// a stalled network or server. A Redis or lease-table grant whose
+    /// answer came in time but was read only after the lease's validity (a
+    /// runtime that ran the call too late) counts as none: it is not handed
+    /// out, already lost by the clock, and is given back. The deadline is Redis's command deadline
     /// (`RedisLockerBuilder::command_timeout`), or for a PostgreSQL try
     /// (`try_lock`, `try_lock_shared`, `try_lock_upgradeable`,
     /// `try_lock_all`, `with_advisory_lock`, `Semaphore::try_acquire` and

@@ -307,7 +307,10 @@ impl Semaphore {
     /// take the queue, 1 to give it back if it is the last waiter (none when
     /// its own try on the queue's connection takes the slot: that statement
     /// gives the queue back), and the background tries (see "Waiting on
-    /// PostgreSQL"), in arrival order.
+    /// PostgreSQL"), in arrival order. A permit handed over whose session
+    /// ended before this call took it is not returned (the server freed its
+    /// slot): the wait goes on, behind the process's waiters that came
+    /// since.
     /// Elsewhere: tries every slot and polls (see the type's documentation).
     ///
     /// # Cancel safety

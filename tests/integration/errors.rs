@@ -147,17 +147,7 @@ async fn a_semaphore_try_on_a_full_pool_names_the_semaphore(pool: PgPool) {
 /// one holds returned `Ok(None)`, as if another process held it.
 #[sqlx::test(migrations = false)]
 async fn a_nested_with_advisory_lock_on_the_same_key_says_it_is_nested(pool: PgPool) {
-    let locker = PgLocker::new(pool);
-    let inner = locker
-        .with_advisory_lock("k", async |_conn| {
-            let nested = locker
-                .with_advisory_lock("k", async |_conn| Ok::<_, Error>(()))
-                .await;
-            Ok::<_, Error>(nested)
-        })
-        .await
-        .expect("outer")
-        .expect("outer took the free key");
+    let inner = nested(&PgLocker::new(pool), "k".into(), "k".into()).await;
     let err = inner.expect_err("nested on the same key");
     assert!(matches!(err, Error::NestedLock { .. }), "{err:?}");
     let text = shown(&err);
@@ -174,10 +164,15 @@ async fn a_nested_with_advisory_lock_on_the_same_key_says_it_is_nested(pool: PgP
 /// itself until its timeout).
 #[sqlx::test(migrations = false)]
 async fn a_nested_lock_on_another_spelling_of_the_same_server_lock_is_nested(pool: PgPool) {
-    let locker = PgLocker::new(pool);
     let outer = LockKey::hashed64("k");
     let inner = LockKey::id(outer.pg_bigint().expect("a bigint key"));
-    let nested = locker
+    let inner = nested(&PgLocker::new(pool), outer, inner).await;
+    assert!(matches!(inner, Err(Error::NestedLock { .. })), "{inner:?}");
+}
+
+/// What `with_advisory_lock(inner)` answers inside `with_advisory_lock(outer)`.
+async fn nested(locker: &PgLocker, outer: LockKey, inner: LockKey) -> Result<Option<()>, Error> {
+    locker
         .with_advisory_lock(outer, async |_conn| {
             let nested = locker
                 .with_advisory_lock(inner, async |_conn| Ok::<_, Error>(()))
@@ -186,11 +181,7 @@ async fn a_nested_lock_on_another_spelling_of_the_same_server_lock_is_nested(poo
         })
         .await
         .expect("outer")
-        .expect("outer took the free key");
-    assert!(
-        matches!(nested, Err(Error::NestedLock { .. })),
-        "{nested:?}"
-    );
+        .expect("outer took the free key")
 }
 
 /// The regression: the waiting variant blocked until its timeout and then

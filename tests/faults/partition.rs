@@ -22,7 +22,12 @@
 //!    the partition and is answered once the link heals);
 //! 4. a session lock on a connection whose application had set
 //!    `tcp_user_timeout` itself (`-c tcp_user_timeout=30000`), which the
-//!    lock statements once took for "keepalives already set".
+//!    lock statements once took for "keepalives already set";
+//! 5. an idempotency key claimed by `idempotency::once` whose closure sleeps
+//!    past the cut: when a second `once` on the key, made by the test over
+//!    the Unix-domain socket, gets to run (the claim's row stays locked
+//!    until the server ends the holder's transaction), and that exactly one
+//!    of the two ran.
 //!
 //! Every claim is checked and the broken ones reported together. The run
 //! takes about a minute: the waiter's timeout (43 s) must outlast the bound.
@@ -46,6 +51,9 @@ const SESSION_KEY: &str = "partition:session";
 const WAITER_KEY: &str = "partition:waiter";
 const XACT_KEY: &str = "partition:xact";
 const PRESET_KEY: &str = "partition:preset";
+/// The idempotency key `once` claims on both sides: `(ONCE_SCOPE, ONCE_KEY)`.
+const ONCE_SCOPE: &str = "partition";
+const ONCE_KEY: &str = "once";
 
 /// The holder's heartbeat and its deadline: lost() within about 2 s.
 const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -112,7 +120,7 @@ async fn work(url: &str, out: &str) {
     let locker = locker_on(options.clone()).await;
     // An application that set tcp_user_timeout itself (to the value the
     // lock statements use), but not the keepalives.
-    let preset_locker = locker_on(options.options([("tcp_user_timeout", "30000")])).await;
+    let preset_locker = locker_on(options.clone().options([("tcp_user_timeout", "30000")])).await;
 
     // 1. A session lock.
     let session = locker
@@ -148,6 +156,29 @@ async fn work(url: &str, out: &str) {
         }
     });
 
+    // 5. An idempotency claim whose closure sleeps past the cut.
+    let once = tokio::spawn({
+        let log = log.clone();
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
+            .await
+            .expect("pool across the veth pair");
+        async move {
+            let result = distlock::idempotency::once(&pool, ONCE_SCOPE, ONCE_KEY, async |conn| {
+                let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                    .fetch_one(&mut *conn)
+                    .await
+                    .map_err(Error::from)?;
+                log.line("once_entered", pid);
+                tokio::time::sleep(XACT_SLEEP).await;
+                Ok::<_, Error>("worker".to_owned())
+            })
+            .await;
+            log.line("once_returned", outcome(result.as_ref()));
+        }
+    });
+
     // 2. A waiter behind the observer's lock.
     let waiter = tokio::spawn({
         let (locker, log) = (locker.clone(), log.clone());
@@ -168,6 +199,7 @@ async fn work(url: &str, out: &str) {
     drop((session, preset));
     waiter.await.expect("waiter task");
     xact.await.expect("xact task");
+    once.await.expect("once task");
     log.line("done", "");
 }
 
@@ -270,7 +302,7 @@ async fn a_partition_the_server_sees_frees_every_lock_within_the_keepalive_bound
             if found.iter().all(Option::is_some) {
                 pids = found.map(|p| p.unwrap_or_default());
             }
-            found.iter().all(Option::is_some)
+            found.iter().all(Option::is_some) && event(&log, "once_entered").is_some()
         },
     )
     .await;
@@ -288,6 +320,29 @@ async fn a_partition_the_server_sees_frees_every_lock_within_the_keepalive_bound
 
     let cut_at = now_ns();
     net.cut();
+
+    // 5. A second `once` on the key, from this side: it waits on the
+    // holder's uncommitted claim until the server ends that transaction.
+    let second_once = tokio::spawn({
+        let local = local.clone();
+        async move {
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .connect_with(local)
+                .await
+                .expect("pool over the Unix socket");
+            let ran = tokio::time::timeout(
+                SERVER_BOUND + Duration::from_secs(20),
+                distlock::idempotency::once(&pool, ONCE_SCOPE, ONCE_KEY, async |_| {
+                    Ok::<_, Error>("observer".to_owned())
+                }),
+            )
+            .await;
+            let at = now_ns();
+            pool.close().await;
+            (at, format!("{ran:?}"))
+        }
+    });
 
     // Watch the server free each lock (or stop watching at 45 s).
     let watched: [(&str, i32, bool); 4] = [
@@ -324,6 +379,12 @@ async fn a_partition_the_server_sees_frees_every_lock_within_the_keepalive_bound
         since_cut(xact_freed)
     );
 
+    let (second_once_at, second_once) = second_once.await.expect("the second once");
+    println!(
+        "idempotency: the second once returned {:.3} s after the cut: {second_once}",
+        secs(cut_at, second_once_at)
+    );
+
     // The waiter returns at its own deadline, inside the partition.
     let (waiter_start, _) = event(&log, "waiter_start").expect("the waiter started");
     let waiter_limit = WAITER_TIMEOUT + HEARTBEAT_TIMEOUT + Duration::from_secs(30);
@@ -349,6 +410,7 @@ async fn a_partition_the_server_sees_frees_every_lock_within_the_keepalive_bound
     let (waiter_at, waiter_outcome) = lost("waiter_returned");
     let (xact_entered, _) = lost("xact_entered");
     let (xact_at, xact_outcome) = lost("xact_returned");
+    let (_, once_outcome) = lost("once_returned");
     println!(
         "holders: lost() {:.3} s after the cut ({lost_reason}); with tcp_user_timeout \
          preset {:.3} s ({preset_reason})",
@@ -369,6 +431,7 @@ async fn a_partition_the_server_sees_frees_every_lock_within_the_keepalive_bound
         secs(cut_at, heal_at),
         secs(heal_at, xact_at)
     );
+    println!("idempotency: the worker's once returned {once_outcome}");
     println!("worker exited {:.3} s after the heal", secs(heal_at, done));
 
     // Every claim is checked, and every broken one reported together.
@@ -462,6 +525,19 @@ async fn a_partition_the_server_sees_frees_every_lock_within_the_keepalive_bound
     check(
         xact_outcome.starts_with("error ") || xact_outcome.starts_with("timeout "),
         format!("the transaction's caller got {xact_outcome}"),
+    );
+    // 5. The idempotency claim: the server ended the holder's transaction
+    // within the bound, so the second `once` ran; the worker's did not.
+    check(
+        second_once.starts_with("Ok(Ok(Ran(\"observer\"") && secs(cut_at, second_once_at) <= bound,
+        format!(
+            "the second once returned {:.3} s after the cut: {second_once}",
+            secs(cut_at, second_once_at)
+        ),
+    );
+    check(
+        !once_outcome.starts_with("ok "),
+        format!("the worker's once, cut off, got {once_outcome}"),
     );
     for key in [SESSION_KEY, PRESET_KEY, XACT_KEY] {
         let held = rows(&mut obs, key).await.iter().any(|(_, g)| *g);

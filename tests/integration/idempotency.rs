@@ -511,3 +511,48 @@ async fn drop_at_each_await(pool: &PgPool, sweep: usize) -> usize {
     }
     cancelled
 }
+
+/// A `once` waiting on another transaction's uncommitted claim, dropped
+/// (its connection closed), does not leave its backend queued on the row:
+/// the claim sets `client_connection_check_interval`, so the server ends the
+/// wait of a client that has gone. Without it the backend waits on for as
+/// long as the holder's transaction runs.
+#[sqlx::test(migrations = false)]
+async fn a_waiting_claim_whose_client_went_away_leaves_the_server(pool: PgPool) {
+    distlock::migrate(&pool).await.unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    assert!(
+        idempotency::claim(&mut holder, "charge", "gone")
+            .await
+            .unwrap()
+    );
+    let waiting = idempotency::once(&pool, "charge", "gone", async |_| {
+        Ok::<_, Error>("waiter".to_owned())
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), waiting)
+            .await
+            .is_err(),
+        "the second once waits on the uncommitted claim"
+    );
+    let mut obs = pool.acquire().await.unwrap();
+    let queued = async |obs: &mut PgConnection| -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND wait_event_type = 'Lock' AND query LIKE '%idempotency_keys%'",
+        )
+        .fetch_one(obs)
+        .await
+        .unwrap()
+    };
+    let mut left = queued(&mut obs).await;
+    for _ in 0..50 {
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        left = queued(&mut obs).await;
+    }
+    assert_eq!(left, 0, "the dropped once's backend still waits on the row");
+    holder.rollback().await.unwrap();
+}

@@ -19,6 +19,7 @@ use sqlx::{Connection, PgConnection, PgPool, Row};
 
 use crate::Error;
 use crate::postgres::conn::held::HeldConn;
+use crate::postgres::request::fragments::{client_check, keepalives};
 
 /// The longest `scope`, and the longest `key`, that [`claim`], [`once`],
 /// [`once_in`], [`store`] and [`stored`] take, in bytes of UTF-8. Together they form the primary key of
@@ -33,6 +34,26 @@ pub const MAX_KEY_LEN: usize = 1024;
 /// "timestamp out of range", and nothing is older than a century anyway.
 pub const MAX_PURGE_AGE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// Inserts the claim of `(scope, key)` (`$1`, `$2`) after setting the
+/// session settings every lock statement sets: the claim's row stays locked
+/// for the rest of the claimant's transaction, and another claim of the pair
+/// waits on it, as a lock's waiter would. The keepalives let the server end
+/// the transaction of a claimant cut off by a partition within about 25 s,
+/// which frees the row, rather than after the operating system's two hours;
+/// the client check ends a waiting statement whose client has gone. The CTE
+/// is read before the row is inserted, so the keepalives (socket options,
+/// in force at once) act during the claim's own wait; the client check is
+/// armed as a statement starts, so it acts from the next statement on
+/// ([`once`] sets both before its claim, in [`BEGIN`]).
+const CLAIM: &str = concat!(
+    "WITH s AS (SELECT ",
+    client_check!(),
+    " AS c, ",
+    keepalives!(),
+    " AS k) INSERT INTO distlock.idempotency_keys (scope, key) SELECT $1, $2 FROM s \
+     ON CONFLICT DO NOTHING"
+);
+
 /// Claims `(scope, key)`: `true` exactly once, `false` if it was claimed
 /// before.
 ///
@@ -40,6 +61,18 @@ pub const MAX_PURGE_AGE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// call waits for it to finish: `false` if it committed, `true` if it rolled
 /// back. Call it in the transaction that makes the effect. Costs 1 round trip.
 /// Needs [`migrate`](crate::migrate).
+///
+/// Like a lock statement, the claim sets the session's TCP keepalives
+/// (idle 10 s, 3 probes 5 s apart, `tcp_user_timeout` 30 s) where they are
+/// not set yet: an uncommitted claim holds its row as a lock would, so a
+/// claimant cut off by a network partition has its transaction ended by the
+/// server within about 25 s (and the pair can be claimed again) instead of
+/// the operating system's two hours, during which every other claim of the
+/// pair would wait. It also sets a 100 ms `client_connection_check_interval`,
+/// which the server arms as each statement starts: from the next statement
+/// on, a statement whose client has gone is ended within 100 ms. They stay
+/// set for the session (harmless for the connection's later users), unless
+/// the transaction rolls back.
 ///
 /// `scope` and `key` must be valid key names ([`Error::InvalidKey`]
 /// otherwise) of at most [`MAX_KEY_LEN`] bytes each
@@ -52,14 +85,12 @@ pub const MAX_PURGE_AGE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// transaction that is settled by your commit or rollback.
 pub async fn claim(conn: &mut PgConnection, scope: &str, key: &str) -> Result<bool, Error> {
     validate(scope, key)?;
-    let inserted = sqlx::query(
-        "INSERT INTO distlock.idempotency_keys (scope, key) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-    )
-    .bind(scope)
-    .bind(key)
-    .execute(conn)
-    .await?
-    .rows_affected();
+    let inserted = sqlx::query(CLAIM)
+        .bind(scope)
+        .bind(key)
+        .execute(conn)
+        .await?
+        .rows_affected();
     Ok(inserted == 1)
 }
 
@@ -89,7 +120,10 @@ pub enum Once {
 /// result that PostgreSQL text cannot hold (a NUL byte), which fails with
 /// [`Error::InvalidArgument`] after `f` ran (what `f` did outside the
 /// database is not undone: return text without NUL). Costs 4 round
-/// trips plus `f`'s own, on one connection of `pool`. `scope` and `key` are
+/// trips plus `f`'s own, on one connection of `pool`; its `BEGIN` sets the
+/// settings [`claim`] sets, so that a claim waiting on a concurrent call's is
+/// ended within 100 ms when this call is dropped, and a claimant cut off by
+/// a partition loses its claim within about 25 s. `scope` and `key` are
 /// checked as in [`claim`] before a connection is taken. To run it inside a
 /// transaction of your own (a `with_advisory_lock` closure's `conn`), use
 /// [`once_in`].
@@ -116,7 +150,7 @@ where
     // transaction sqlx does not track (its rollback on drop counts only
     // transactions it saw begin), and its next user's writes with it.
     let mut conn = HeldConn::new(conn, true);
-    let ran = run_once(conn.conn(), scope, key, f).await;
+    let ran = run_once(conn.conn(), Some(BEGIN), scope, key, f).await;
     conn.disarm();
     ran
 }
@@ -166,7 +200,7 @@ where
     if !conn.is_in_transaction() {
         refuse_untracked_transaction(conn).await?;
     }
-    run_once(conn, scope, key, f).await
+    run_once(conn, None, scope, key, f).await
 }
 
 /// [`Error::InvalidArgument`] if the server has a transaction open on
@@ -195,13 +229,31 @@ async fn refuse_untracked_transaction(conn: &mut PgConnection) -> Result<(), Err
     Ok(())
 }
 
-/// [`once_in`] past its checks.
-async fn run_once<F, E>(conn: &mut PgConnection, scope: &str, key: &str, f: F) -> Result<Once, E>
+/// [`once`]'s transaction begins with the settings of [`CLAIM`], in the
+/// round trip of its `BEGIN`: the server arms the client check as a
+/// statement starts, so the one the claim sets would be in force from the
+/// statement after it only, and a claim that waits on another's row would
+/// wait without it.
+const BEGIN: &str = concat!("BEGIN; SELECT ", client_check!(), ", ", keepalives!());
+
+/// [`once`] and [`once_in`] past their checks: the transaction (a savepoint
+/// where `conn` is in one) begun with `begin` or sqlx's own `BEGIN`.
+async fn run_once<F, E>(
+    conn: &mut PgConnection,
+    begin: Option<&'static str>,
+    scope: &str,
+    key: &str,
+    f: F,
+) -> Result<Once, E>
 where
     F: AsyncFnOnce(&mut PgConnection) -> Result<String, E>,
     E: From<Error>,
 {
-    let mut tx = conn.begin().await.map_err(Error::from)?;
+    let tx = match begin {
+        Some(begin) => conn.begin_with(begin).await,
+        None => conn.begin().await,
+    };
+    let mut tx = tx.map_err(Error::from)?;
     if !claim(&mut tx, scope, key).await? {
         tx.rollback().await.map_err(Error::from)?;
         return Ok(stored(conn, scope, key)

@@ -31,7 +31,9 @@ pub enum LossReason {
     /// A lock statement on a connection shared by many locks (multiplexed
     /// mode) failed after it may have taken its lock, so the session may
     /// hold a lock no guard owns. The session was closed, which frees it,
-    /// and with it every lock on that connection. The text is the error.
+    /// and with it every lock on that connection. A failed statement that
+    /// the session shows to have taken nothing (one more lookup, 1 round
+    /// trip) costs no other lock. The text is the error.
     SessionAbandoned(String),
     /// The lease's time to live ran out or its key now holds another owner's
     /// token (lease-based backends such as Redis).

@@ -1,7 +1,8 @@
 //! Exhausting PostgreSQL's shared lock table (SQLSTATE 53200, "out of shared
 //! memory"): every way of taking a lock reports the typed
-//! `Error::LockTableFull`, nothing a failed attempt took stays held, and
-//! the server and the locker recover once the table drains.
+//! `Error::LockTableFull`, nothing a failed attempt took stays held, a
+//! multiplexed connection's other locks survive its failed try (fenced or
+//! not), and the server and the locker recover once the table drains.
 //!
 //! The lock table is shared by the whole cluster, every database included,
 //! so this test has a test binary of its own (no other test of this suite
@@ -83,14 +84,20 @@ async fn lock_table_exhaustion_is_typed_leaves_nothing_held_and_recovers(
         .connect_with(opts.clone().application_name("distlock-lock-table"))
         .await
         .expect("pool");
+    distlock::migrate(&pool).await.expect("migrate");
     let locker = PgLocker::new(pool.clone());
     let mux = PgLocker::builder(pool.clone())
         .multiplex(1)
         .build()
         .expect("valid settings");
+    let fenced_mux = PgLocker::builder(pool.clone())
+        .multiplex(1)
+        .fencing(true)
+        .build()
+        .expect("valid settings");
     // Every connection this test needs is open before the table fills:
     // the pool's three, the multiplexed one, the observer.
-    for l in [&locker, &mux] {
+    for l in [&locker, &mux, &fenced_mux] {
         l.try_lock("lt:warm")
             .await
             .expect("warm-up")
@@ -99,6 +106,13 @@ async fn lock_table_exhaustion_is_typed_leaves_nothing_held_and_recovers(
             .await
             .expect("release");
     }
+    // Held through the full table on the fenced multiplexed connection: a
+    // failed try on that connection that took nothing must not cost it.
+    let kept = fenced_mux
+        .try_lock("lt:kept")
+        .await
+        .expect("try_lock")
+        .expect("lt:kept is free");
     let mut obs = observer(&opts).await;
     let mut filler = opts
         .clone()
@@ -127,6 +141,7 @@ async fn lock_table_exhaustion_is_typed_leaves_nothing_held_and_recovers(
         "lock",
         "with_advisory_lock",
         "multiplexed try_lock",
+        "fenced multiplexed try_lock",
     ] {
         let mut outcome = None;
         for _ in 0..5 {
@@ -144,9 +159,14 @@ async fn lock_table_exhaustion_is_typed_leaves_nothing_held_and_recovers(
                     .with_advisory_lock("lt:xact", async |_| Ok::<_, Error>(()))
                     .await
                     .map(|done| done.is_some()),
-                _ => match mux.try_lock("lt:mux").await {
+                "multiplexed try_lock" => match mux.try_lock("lt:mux").await {
                     Ok(Some(lock)) => lock.release().await.map(|()| true),
                     Ok(None) => panic!("lt:mux is free"),
+                    Err(err) => Err(err),
+                },
+                _ => match fenced_mux.try_lock("lt:muxf").await {
+                    Ok(Some(lock)) => lock.release().await.map(|()| true),
+                    Ok(None) => panic!("lt:muxf is free"),
                     Err(err) => Err(err),
                 },
             };
@@ -163,7 +183,8 @@ async fn lock_table_exhaustion_is_typed_leaves_nothing_held_and_recovers(
         }
         outcomes.push((what, outcome));
     }
-    let partial = others(&mut obs, db, filler_pid).await;
+    // Less the one lock held on purpose (`lt:kept`).
+    let partial = others(&mut obs, db, filler_pid).await - 1;
     let new_connection = tokio::time::timeout(Duration::from_secs(5), opts.connect()).await;
     let connects_while_full = matches!(new_connection, Ok(Ok(_)));
     if let Ok(Ok(conn)) = new_connection {
@@ -194,7 +215,13 @@ async fn lock_table_exhaustion_is_typed_leaves_nothing_held_and_recovers(
             other => panic!("{what} with a full lock table: {other:?}"),
         }
     }
+    assert_eq!(
+        kept.loss(),
+        None,
+        "a failed try on the multiplexed connection cost the lock it held"
+    );
     assert_eq!(partial, 0, "a failed attempt left a lock behind");
+    kept.release().await.expect("release the kept lock");
 
     // The server accepts connections again, and the lockers work.
     let mut fresh = opts
@@ -207,7 +234,7 @@ async fn lock_table_exhaustion_is_typed_leaves_nothing_held_and_recovers(
         .await
         .expect("query");
     let _ = fresh.close().await;
-    for l in [&locker, &mux] {
+    for l in [&locker, &mux, &fenced_mux] {
         bounded(
             "lock after the table drained",
             Duration::from_secs(10),

@@ -636,15 +636,11 @@ async fn a_cancelled_wait_is_abandoned_on_the_server_promptly(pool: PgPool) {
     close(obs).await;
 }
 
-/// A multiplexed try whose token write fails after the grant must not leave
-/// the key held by the shared session with no guard owning it.
-#[sqlx::test(migrations = false)]
-async fn a_fenced_try_whose_token_write_fails_leaves_no_lock_on_the_shared_session(
-    _opts: PgPoolOptions,
-    connect: PgConnectOptions,
-) {
-    // Shared connections are opened from the pool's connect options, so
-    // they inherit this lock_timeout, which ends the blocked token write.
+/// A migrated pool whose connections carry a `lock_timeout` of 300 ms, and
+/// a fenced multiplexed locker on it. Shared connections are opened from
+/// the pool's connect options, so they inherit the `lock_timeout`, which
+/// ends a token write that [`block_fencing_counters`] holds up.
+async fn fenced_mux_under_lock_timeout(connect: &PgConnectOptions) -> (PgPool, PgLocker) {
     let pool = PgPoolOptions::new()
         .connect_with(connect.clone().options([("lock_timeout", "300ms")]))
         .await
@@ -655,6 +651,17 @@ async fn a_fenced_try_whose_token_write_fails_leaves_no_lock_on_the_shared_sessi
         .multiplex(1)
         .build()
         .expect("valid settings");
+    (pool, locker)
+}
+
+/// A multiplexed try whose token write fails after the grant must not leave
+/// the key held by the shared session with no guard owning it.
+#[sqlx::test(migrations = false)]
+async fn a_fenced_try_whose_token_write_fails_leaves_no_lock_on_the_shared_session(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (pool, locker) = fenced_mux_under_lock_timeout(&connect).await;
     let mut obs = observer(&connect).await;
     let raw = Raw::text("mux:leak");
     let first = locker.try_lock("mux:leak").await.unwrap().expect("free");
@@ -673,6 +680,44 @@ async fn a_fenced_try_whose_token_write_fails_leaves_no_lock_on_the_shared_sessi
     assert!(raw_can_take(&mut obs, &raw).await);
     let again = locker.try_lock("mux:leak").await.unwrap();
     assert!(again.is_some(), "the key stayed on the shared session");
+}
+
+/// The same, where the failed try's name is another spelling of a lock the
+/// shared session holds: PostgreSQL grants it again (one more level, no
+/// new row in `pg_locks`), so the session cannot show that the try took
+/// nothing, and the connection goes with both. Were it kept, the extra
+/// level would hold the key past the other lock's release.
+#[sqlx::test(migrations = false)]
+async fn a_failed_fenced_try_that_reentered_a_held_lock_is_not_trusted_to_have_taken_nothing(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let (pool, locker) = fenced_mux_under_lock_timeout(&connect).await;
+    let mut obs = observer(&connect).await;
+    let id = i64::from(hashtext(&mut obs, "mux:respelled").await);
+    let held = locker
+        .try_lock(LockKey::id(id))
+        .await
+        .unwrap()
+        .expect("free");
+    let blocker = block_fencing_counters(&pool).await;
+    let outcome = locker.try_lock("mux:respelled").await;
+    assert!(outcome.is_err(), "no token, no lock: {outcome:?}");
+    unblock_fencing_counters(blocker).await;
+    bounded(
+        "the held lock reported lost",
+        Duration::from_secs(5),
+        held.lost(),
+    )
+    .await;
+    drop(held);
+    eventually(
+        "no advisory lock left",
+        Duration::from_secs(2),
+        async || granted_count(&mut obs).await == 0,
+    )
+    .await;
+    close(obs).await;
 }
 
 #[sqlx::test(migrations = false)]

@@ -28,6 +28,7 @@ use crate::postgres::conn::watched::close_listener;
 use crate::postgres::pooler::{
     PoolerCheck, backend_changed, loss_reason, marker_seen, shared_session, shared_session_error,
 };
+use crate::postgres::request::key_args::KeyArgs;
 use crate::postgres::session::heartbeat::FIRST_HEARTBEAT;
 use crate::postgres::sqlstate::{connect_error, locking_error, sqlstate};
 use crate::{Error, LockKey, LossReason};
@@ -301,29 +302,22 @@ impl Driver {
                 answer(reply, place, Err(TryError::Failed(refused)));
                 return Err(LossReason::SessionShared(err.to_string()));
             }
-            // A full lock table is raised by the lock function itself, so an
-            // unfenced try that hit it took nothing; the session stays.
-            Ok(Err(err)) if !fencing && is_lock_table_full(&err) => {
-                answer(
-                    reply,
-                    place,
-                    Err(TryError::Failed(locking_error(err, &key))),
-                );
-                return Ok(());
-            }
             // Any other error may come after the grant (the token write
             // timing out, a statement_timeout): session advisory locks
             // survive the error of the statement that took them, so the
-            // session may now hold a lock no guard owns. Closing it is the
-            // one sure way to free it.
+            // session may now hold a lock no guard owns, which closing it
+            // is the one sure way to free. Unless it provably took nothing
+            // (a full lock table, raised by the lock function itself): then
+            // the session, and every other lock on it, stays.
             Ok(Err(err)) => {
                 let reason = LossReason::SessionAbandoned(err.to_string());
+                let stays = self.took_nothing(args).await;
                 answer(
                     reply,
                     place,
                     Err(TryError::Failed(locking_error(err, &key))),
                 );
-                return Err(reason);
+                return if stays { Ok(()) } else { Err(reason) };
             }
             Ok(Ok(row)) => row,
         };
@@ -472,6 +466,25 @@ impl Driver {
     /// the session unknown, so it costs the whole connection (closing it is
     /// what frees the lock for sure). An answer of `false` is the caller's
     /// to judge (see [`released_elsewhere`]). 1 round trip.
+    /// Whether the try of `args` that just failed took nothing: the session
+    /// holds exactly the driver's locks (each a server lock of its own, so
+    /// one row apiece in `pg_locks`), and the try's key is none of them (a
+    /// re-entry would add no row). An unanswered lookup proves nothing.
+    async fn took_nothing(&mut self, args: KeyArgs<'_>) -> bool {
+        let query = sql::held_after(args).fetch_one(&mut self.conn);
+        let Ok(Ok(row)) = timeout(self.statement_timeout, query).await else {
+            return false;
+        };
+        let Ok(after) = sql::decode_held_after(&row) else {
+            return false;
+        };
+        after.pid == self.pid
+            && usize::try_from(after.held).is_ok_and(|held| held == self.locks.len())
+            && after
+                .key
+                .is_some_and(|key| !self.by_server.contains_key(&key))
+    }
+
     async fn unlock_level(&mut self, key: ServerKey, held: usize) -> Result<bool, LossReason> {
         let query = sql::unlock(key, self.pid, held).fetch_one(&mut self.conn);
         let row = match timeout(self.statement_timeout, query).await {
@@ -559,12 +572,6 @@ fn released_elsewhere(key: ServerKey) -> LossReason {
         "the session no longer held the advisory lock {key:?} at its unlock: \
          something outside this connection released locks on it"
     ))
-}
-
-/// Whether a failed statement is PostgreSQL's "out of shared memory" (the
-/// lock table is full).
-fn is_lock_table_full(err: &sqlx::Error) -> bool {
-    sqlstate(err).as_deref() == Some(crate::postgres::sqlstate::OUT_OF_SHARED_MEMORY)
 }
 
 /// Whether a failed statement means the session is gone or unusable, rather

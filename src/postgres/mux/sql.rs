@@ -32,6 +32,39 @@ impl ServerKey {
     pub(super) fn known(key: &LockKey) -> Option<Self> {
         key.pg_bigint().map(Self::BigInt)
     }
+
+    /// The server key of a key the server resolved to `(space, a, b)`
+    /// (`resolved` in `request::sql`); `None` outside both keyspaces.
+    fn resolved(space: i32, a: i64, b: i64) -> Option<Self> {
+        match space {
+            1 => Some(Self::BigInt(a)),
+            _ => Some(Self::Pair(i32::try_from(a).ok()?, i32::try_from(b).ok()?)),
+        }
+    }
+}
+
+/// What [`held_after`] read: the failed try's key as the server resolved
+/// it, how many advisory locks the session holds, and its backend pid.
+#[derive(Debug)]
+pub(super) struct HeldAfter {
+    pub(super) key: Option<ServerKey>,
+    pub(super) held: i64,
+    pub(super) pid: i32,
+}
+
+/// The lookup after a failed try (see [`sql::MUX_HELD_AFTER`]).
+pub(super) fn held_after(args: KeyArgs<'_>) -> PgQuery<'_> {
+    Bound::from(args).bind(sqlx::query(sql::MUX_HELD_AFTER))
+}
+
+/// Decodes [`held_after`]'s row.
+pub(super) fn decode_held_after(row: &PgRow) -> Result<HeldAfter, sqlx::Error> {
+    use sqlx::Row;
+    Ok(HeldAfter {
+        key: ServerKey::resolved(row.try_get(0)?, row.try_get(1)?, row.try_get(2)?),
+        held: row.try_get(3)?,
+        pid: row.try_get(4)?,
+    })
 }
 
 /// What one try statement answered.
@@ -66,10 +99,9 @@ pub(super) fn decode_try(
 ) -> Result<TryRow, Error> {
     let row = SessionRow::decode(row, asked, fencing)?;
     let key = match row.resolved {
-        Some((1, a, _)) => ServerKey::BigInt(a),
-        Some((_, a, b)) => match (i32::try_from(a), i32::try_from(b)) {
-            (Ok(a), Ok(b)) => ServerKey::Pair(a, b),
-            _ => {
+        Some((space, a, b)) => match ServerKey::resolved(space, a, b) {
+            Some(key) => key,
+            None => {
                 return Err(Error::InvalidKey {
                     key: asked.clone(),
                     reason: "the server resolved it outside the two-int4 keyspace",

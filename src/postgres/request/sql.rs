@@ -701,6 +701,22 @@ pub(crate) const MUX_WAIT_UNTIL_FREE: &str = concat!(
     " FROM k"
 );
 
+/// What a multiplexed connection holds after a failed try, to tell whether
+/// the try took anything: session advisory locks survive the error of the
+/// statement that took them (a token draw failing after the grant, say).
+/// Columns: the try's key `$1`–`$3` as [`resolved`] resolves it (`space`,
+/// `a`, `b`), how many advisory locks the session holds (one row per lock in
+/// `pg_locks`, whatever its re-entry count) and the backend pid. Reads the
+/// lock table without taking a place in it, so it answers when the table
+/// is full.
+pub(crate) const MUX_HELD_AFTER: &str = concat!(
+    "WITH ",
+    resolved!(),
+    " SELECT k.space, k.a, k.b, (SELECT pg_catalog.count(*) FROM pg_catalog.pg_locks l \
+     WHERE l.pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid() \
+     AND l.locktype OPERATOR(pg_catalog.=) 'advisory'), pg_catalog.pg_backend_pid() FROM k"
+);
+
 /// What a connection about to wait sets first (see
 /// [`session_settings`]), returning its limit on a wait ([`wait_limit`]).
 pub(crate) const WAIT_SETTINGS: &str = concat!("SELECT ", wait_limit!(), session_settings!());

@@ -1049,3 +1049,77 @@ async fn a_reader_asking_to_upgrade_during_an_upgrade_waits_for_its_timeout(pool
     reader.release().await.unwrap();
     close(obs).await;
 }
+
+/// A keeper dropped with its runtime while an upgrade on another runtime
+/// holds the lock's connection cannot close it (it never blocks for the
+/// slot): the guard reads `KeeperStopped`, so the upgrade must not answer
+/// `Ok` for a lock nobody keeps, and must close the connection it holds,
+/// freeing the key, rather than put it back unwatched until the guard drops.
+#[sqlx::test(migrations = false)]
+async fn an_upgrade_that_outlives_its_keepers_runtime_gives_the_lock_up(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let k = "upgradeable:keeper-gone";
+    // The lock's connection is opened on this runtime, whose reactor then
+    // serves its socket: only the keeper lives on the runtime that goes.
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(1)
+        .connect_with(connect.clone())
+        .await
+        .unwrap();
+    // This runtime must not block meanwhile: it serves the socket.
+    let (to_main, from_thread) = tokio::sync::oneshot::channel();
+    let (to_thread, from_main) = std::sync::mpsc::channel::<()>();
+    let thread = std::thread::spawn({
+        let pool = pool.clone();
+        move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            let lock = rt.block_on(async {
+                let lock = PgLocker::builder(pool)
+                    .heartbeat(Duration::from_millis(50))
+                    .build()
+                    .expect("valid settings")
+                    .lock_upgradeable(k, WAIT)
+                    .await
+                    .unwrap();
+                // Past the first heartbeat: the keeper runs on this runtime.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                lock
+            });
+            to_main.send(lock).expect("the test waits");
+            from_main.recv().unwrap();
+            drop(rt);
+        }
+    });
+    let mut upgradeable = from_thread.await.unwrap();
+    let b = locker(&other_pool(&PgPoolOptions::new().connect_lazy_with(connect.clone())).await);
+    let reader = b.lock_shared(k, WAIT).await.unwrap();
+    let mut obs = observer(&connect).await;
+    let upgrading = tokio::spawn(async move {
+        let upgraded = upgradeable.upgrade(WAIT).await;
+        (upgraded, upgradeable)
+    });
+    wait_for_waiters(&mut obs, 1, WAIT).await;
+    // The keeper's runtime shuts down while the upgrade holds the slot.
+    to_thread.send(()).unwrap();
+    tokio::task::spawn_blocking(move || thread.join().unwrap())
+        .await
+        .unwrap();
+    reader.release().await.unwrap();
+    let (upgraded, upgradeable) = bounded("the upgrade", WAIT, upgrading).await.unwrap();
+    assert!(upgradeable.is_lost(), "the keeper stopped");
+    match upgraded {
+        Err(Error::LockLost { reason, .. }) => assert_eq!(reason, LossReason::KeeperStopped),
+        other => panic!("the upgrade of a lock nobody keeps answered {other:?}"),
+    }
+    eventually(
+        "the server frees the key",
+        Duration::from_secs(5),
+        async || raw_can_take(&mut obs, &Raw::text(k)).await,
+    )
+    .await;
+    drop(upgradeable);
+    close(obs).await;
+}

@@ -11,6 +11,7 @@
 
 use tokio::sync::MutexGuard;
 
+use crate::loss_state::LossState;
 use crate::postgres::conn::held::HeldConn;
 use crate::postgres::session::keeper::Keeper;
 use crate::postgres::session::slot::Slot;
@@ -31,6 +32,7 @@ pub(crate) enum Failure {
 pub(crate) struct InFlight<'a> {
     slot: &'a Slot<Keeper>,
     key: &'a LockKey,
+    loss: &'a LossState,
     /// `None` once the operation has finished, one way or the other.
     conn: Option<MutexGuard<'a, Option<HeldConn>>>,
 }
@@ -41,7 +43,7 @@ impl<'a> InFlight<'a> {
     pub(crate) async fn begin(
         slot: &'a Slot<Keeper>,
         key: &'a LockKey,
-        loss: &crate::loss_state::LossState,
+        loss: &'a LossState,
     ) -> Result<Self, Error> {
         let conn = slot.conn().await;
         if conn.is_none() {
@@ -53,6 +55,7 @@ impl<'a> InFlight<'a> {
         Ok(Self {
             slot,
             key,
+            loss,
             conn: Some(conn),
         })
     }
@@ -64,13 +67,21 @@ impl<'a> InFlight<'a> {
 
     /// Ends the operation: the connection stays with the lock on `Ok` and
     /// [`Failure::Kept`]; on [`Failure::Broken`] it is closed and the lock
-    /// reported lost, and the caller gets [`Error::LockLost`].
+    /// reported lost, and the caller gets [`Error::LockLost`]. So it is, and
+    /// the caller told so, when the guard reads the lock as lost by now: its
+    /// keeper stopped meanwhile (dropped with its runtime, it could not take
+    /// the connection this operation held, to close it), and a connection
+    /// put back would hold the lock with no one keeping it.
     ///
     /// A kept connection was read on the caller's task, which took the
     /// socket's wake-up from the keeper: the keeper is asked to watch it
     /// again, or a server ending the session would go unnoticed until the
     /// next heartbeat.
     pub(crate) fn finish<T>(mut self, outcome: Result<T, Failure>) -> Result<T, Error> {
+        let outcome = match (outcome, self.loss.loss()) {
+            (Ok(_) | Err(Failure::Kept(_)), Some(reason)) => Err(Failure::Broken(reason)),
+            (outcome, _) => outcome,
+        };
         match outcome {
             Ok(value) => {
                 self.keep();

@@ -78,7 +78,9 @@ impl std::fmt::Debug for Keeper {
 impl Drop for Keeper {
     fn drop(&mut self) {
         // A busy slot is being released, or a heartbeat dropped mid-flight
-        // still holds it (its connection then closes with the slot).
+        // still holds it (its connection then closes with the slot), or an
+        // upgrade or downgrade does, which finds the lock lost when it ends
+        // (`InFlight::finish`) and closes the connection then.
         let Some(mut slot) = self.slot.try_conn() else {
             return;
         };

@@ -462,10 +462,6 @@ impl Driver {
         step
     }
 
-    /// Runs one `pg_advisory_unlock`; any failure leaves the lock's state on
-    /// the session unknown, so it costs the whole connection (closing it is
-    /// what frees the lock for sure). An answer of `false` is the caller's
-    /// to judge (see [`released_elsewhere`]). 1 round trip.
     /// Whether the try of `args` that just failed took nothing: the session
     /// holds exactly the driver's locks (each a server lock of its own, so
     /// one row apiece in `pg_locks`), and the try's key is none of them (a
@@ -485,6 +481,10 @@ impl Driver {
                 .is_some_and(|key| !self.by_server.contains_key(&key))
     }
 
+    /// Runs one `pg_advisory_unlock`; any failure leaves the lock's state on
+    /// the session unknown, so it costs the whole connection (closing it is
+    /// what frees the lock for sure). An answer of `false` is the caller's
+    /// to judge (see [`released_elsewhere`]). 1 round trip.
     async fn unlock_level(&mut self, key: ServerKey, held: usize) -> Result<bool, LossReason> {
         let query = sql::unlock(key, self.pid, held).fetch_one(&mut self.conn);
         let row = match timeout(self.statement_timeout, query).await {

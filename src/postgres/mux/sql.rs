@@ -34,7 +34,8 @@ impl ServerKey {
     }
 
     /// The server key of a key the server resolved to `(space, a, b)`
-    /// (`resolved` in `request::sql`); `None` outside both keyspaces.
+    /// (`resolved` in `request::sql`): space 1 is one `bigint`, any other
+    /// two `int4`s (`None` where `a` or `b` is out of their range).
     fn resolved(space: i32, a: i64, b: i64) -> Option<Self> {
         match space {
             1 => Some(Self::BigInt(a)),

@@ -233,8 +233,13 @@ async fn refuse_untracked_transaction(conn: &mut PgConnection) -> Result<(), Err
 /// round trip of its `BEGIN`: the server arms the client check as a
 /// statement starts, so the one the claim sets would be in force from the
 /// statement after it only, and a claim that waits on another's row would
-/// wait without it.
-const BEGIN: &str = concat!("BEGIN; SELECT ", client_check!(), ", ", keepalives!());
+/// wait without it. The settings come first: a failure there ends the
+/// query before its `BEGIN`, leaving no transaction open (sqlx counts one
+/// only once the query has left the session in a block; after a failed
+/// `SELECT` behind a `BEGIN` the server would hold an aborted transaction
+/// that nothing ends). Statements before a `BEGIN` in one simple query run
+/// in the transaction it opens.
+const BEGIN: &str = concat!("SELECT ", client_check!(), ", ", keepalives!(), "; BEGIN");
 
 /// [`once`] and [`once_in`] past their checks: the transaction (a savepoint
 /// where `conn` is in one) begun with `begin` or sqlx's own `BEGIN`.

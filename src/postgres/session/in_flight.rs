@@ -78,33 +78,37 @@ impl<'a> InFlight<'a> {
     /// again, or a server ending the session would go unnoticed until the
     /// next heartbeat.
     pub(crate) fn finish<T>(mut self, outcome: Result<T, Failure>) -> Result<T, Error> {
-        let outcome = match (outcome, self.loss.loss()) {
-            (Ok(_) | Err(Failure::Kept(_)), Some(reason)) => Err(Failure::Broken(reason)),
-            (outcome, _) => outcome,
-        };
-        match outcome {
-            Ok(value) => {
-                self.keep();
-                Ok(value)
-            }
-            Err(Failure::Kept(err)) => {
-                self.keep();
-                Err(err)
-            }
+        let kept = match outcome {
+            Ok(value) => self.keep().map(|()| Ok(value)),
+            Err(Failure::Kept(err)) => self.keep().map(|()| Err(err)),
             Err(Failure::Broken(reason)) => {
                 self.abandon(reason.clone());
-                Err(Error::LockLost {
-                    key: self.key.clone(),
-                    reason,
-                })
+                Err(reason)
             }
-        }
+        };
+        kept.unwrap_or_else(|reason| {
+            Err(Error::LockLost {
+                key: self.key.clone(),
+                reason,
+            })
+        })
     }
 
-    /// Lets go of the slot, the connection still in it.
-    fn keep(&mut self) {
+    /// Lets go of the slot, the connection still in it, unless the guard
+    /// reads the lock lost by then: the connection is then closed, and the
+    /// reason returned. Read after letting go, so that a keeper stopping
+    /// at any moment before is seen (it never waits for the slot, so it
+    /// leaves a busy slot's connection to whoever holds it).
+    fn keep(&mut self) -> Result<(), LossReason> {
         self.conn = None;
         self.slot.signal_rewatch();
+        let Some(reason) = self.loss.loss() else {
+            return Ok(());
+        };
+        if let Some(mut conn) = self.slot.try_conn() {
+            self.slot.abandon(&mut conn, self.key, reason.clone());
+        }
+        Err(reason)
     }
 
     fn abandon(&mut self, reason: LossReason) {

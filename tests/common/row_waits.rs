@@ -58,3 +58,35 @@ pub async fn waiting_on_locks(pool: &PgPool, function: &str) -> i64 {
     .await
     .expect("count waiting backends")
 }
+
+/// The pid of a backend of this test's database that waits for a lock in
+/// a statement calling `function` (as [`waiting_on_locks`]), once there is
+/// one; panics after 5 s.
+pub async fn waiting_pid(pool: &PgPool, function: &str) -> i32 {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let pid: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_catalog.pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock' \
+             AND strpos(query, $1) > 0",
+        )
+        .bind(format!("distlock.{function}("))
+        .fetch_optional(pool)
+        .await
+        .expect("find the waiting backend");
+        match pid {
+            Some(pid) => return pid,
+            None if Instant::now() < until => tokio::time::sleep(Duration::from_millis(10)).await,
+            None => panic!("no backend waits in distlock.{function} after 5 s"),
+        }
+    }
+}
+
+/// Whether the backend `pid` is still there.
+pub async fn backend_alive(pool: &PgPool, pid: i32) -> bool {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity WHERE pid = $1)")
+        .bind(pid)
+        .fetch_one(pool)
+        .await
+        .expect("look the backend up")
+}

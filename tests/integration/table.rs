@@ -15,7 +15,10 @@ use std::time::{Duration, Instant};
 
 use common::pgbouncer::PgBouncer;
 use common::proxy::Proxy;
-use common::row_waits::{rows_locked, waited_at_least, waiting_a_moment_later, waiting_on_locks};
+use common::row_waits::{
+    backend_alive, rows_locked, waited_at_least, waiting_a_moment_later, waiting_on_locks,
+    waiting_pid,
+};
 use common::{bounded, eventually, init_tracing};
 use distlock::postgres::TableLocker;
 use distlock::{Error, JobOutcome, LockKey, LossReason, SingletonJob};
@@ -572,27 +575,7 @@ fn given_up_at_the_deadline(released: &Result<(), Error>) {
 async fn a_release_the_server_gives_up_first_is_release_timed_out(pool: PgPool) {
     let (lease, blocker) = held_behind_a_locked_row(&pool, "table:server-gives-up").await;
     let release = tokio::spawn(lease.release());
-    let pid = bounded(
-        "the release waits on the row",
-        Duration::from_secs(5),
-        async {
-            loop {
-                let pid: Option<i32> = sqlx::query_scalar(
-                    "SELECT pid FROM pg_catalog.pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock' \
-                 AND strpos(query, 'distlock.lease_release(') > 0",
-                )
-                .fetch_optional(&pool)
-                .await
-                .expect("find the waiting release");
-                match pid {
-                    Some(pid) => return pid,
-                    None => tokio::time::sleep(Duration::from_millis(10)).await,
-                }
-            }
-        },
-    )
-    .await;
+    let pid = waiting_pid(&pool, "lease_release").await;
     // The server's lock_timeout (what was left of the deadline) passes
     // while no task of this runtime runs.
     drop(common::starve_runtime(
@@ -602,17 +585,96 @@ async fn a_release_the_server_gives_up_first_is_release_timed_out(pool: PgPool) 
         .await
         .expect("the release task");
     given_up_at_the_deadline(&released);
-    let alive: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity WHERE pid = $1)",
-    )
-    .bind(pid)
-    .fetch_one(&pool)
-    .await
-    .expect("look the release's backend up");
+    let alive = backend_alive(&pool, pid).await;
     blocker.rollback().await.expect("rollback");
     assert!(
         alive,
         "the release's connection was closed though the server answered"
+    );
+}
+
+/// A grant whose wait for a locked row the *server* gives up first (its
+/// statement-local `lock_timeout`, SQLSTATE 55P03, a TTL from the send) is
+/// reported as the task's own give-up would be, `CommandTimedOut`, not as a
+/// database error; nothing is granted once the row is freed, and the
+/// connection, which the server answered, is kept rather than closed. The
+/// task's timer usually fires first; here the runtime is starved while the
+/// grant waits, so that the server's answer is there before the timer is
+/// looked at.
+#[sqlx::test(migrations = false)]
+async fn a_grant_the_server_gives_up_first_is_command_timed_out(pool: PgPool) {
+    migrated(&pool).await;
+    let ttl = Duration::from_millis(1500);
+    let locker = locker(&pool, ttl);
+    let key = "table:grant-server-gives-up";
+    let (_expired, blocker) = expired_and_blocked(&pool, &locker, key).await;
+    let trying = tokio::spawn({
+        let locker = locker.clone();
+        async move { locker.try_lock(key).await.map(|lease| lease.is_some()) }
+    });
+    let pid = waiting_pid(&pool, "lease_acquire").await;
+    // The server's lock_timeout (a TTL from the send) passes while no task
+    // of this runtime runs.
+    drop(common::starve_runtime(ttl + Duration::from_millis(300)));
+    let tried = bounded("try_lock()", Duration::from_secs(5), trying)
+        .await
+        .expect("the try's task");
+    assert!(
+        matches!(tried, Err(Error::CommandTimedOut { .. })),
+        "{tried:?}"
+    );
+    let alive = backend_alive(&pool, pid).await;
+    blocker.commit().await.expect("commit");
+    assert!(
+        alive,
+        "the grant's connection was closed though the server answered"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let live: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM distlock.leases WHERE expires_at > clock_timestamp()",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("count live leases");
+    assert_eq!(live, 0, "a grant the server gave up on was made later");
+}
+
+/// A renewal whose wait for its locked row the *server* gives up first
+/// (55P03 at the attempt's budget) counts as an attempt that got no answer
+/// in time, as the task's own give-up would: past the deadline the lease
+/// is lost with `HeartbeatTimedOut`, not the server's error as a
+/// `ConnectionFailed`, and the connection, which the server answered, is
+/// kept rather than closed. The runtime is starved while the renewal
+/// waits, past the lease's deadline, so that the server's answer is there
+/// before the task's timer is looked at.
+#[sqlx::test(migrations = false)]
+async fn a_renewal_the_server_gives_up_first_is_no_answer_in_time(pool: PgPool) {
+    migrated(&pool).await;
+    let ttl = Duration::from_millis(1500);
+    let locker = locker(&pool, ttl);
+    let lease = locker
+        .try_lock("table:renewal-server-gives-up")
+        .await
+        .unwrap()
+        .expect("free");
+    let granted = Instant::now();
+    let blocker = rows_locked(&pool, "distlock.leases").await;
+    let pid = waiting_pid(&pool, "lease_renew").await;
+    // Past the deadline (2/3 of a TTL from the grant) with no task of this
+    // runtime running: the server's lock_timeout ends the renewal first.
+    drop(common::starve_runtime(
+        (granted + ttl + Duration::from_millis(300)).saturating_duration_since(Instant::now()),
+    ));
+    let reason = bounded("lost()", ttl, lease.lost()).await;
+    let alive = backend_alive(&pool, pid).await;
+    blocker.rollback().await.expect("rollback");
+    assert!(
+        matches!(reason, LossReason::HeartbeatTimedOut(_)),
+        "{reason:?}"
+    );
+    assert!(
+        alive,
+        "the renewal's connection was closed though the server answered"
     );
 }
 

@@ -24,8 +24,10 @@ pub(crate) enum Command {
     /// while the command ran (the command is stopped). See --help for all codes.
     ///
     /// The command runs in a process group of its own: forwarded signals
-    /// (SIGINT, SIGTERM, SIGHUP) and stops reach everything it started, and
-    /// nothing of it is left running when the lock is released.
+    /// (SIGINT, SIGTERM, SIGHUP) and the terminal's stops reach everything
+    /// it started in that group, and nothing left in the group is running
+    /// when the lock is released (a stop or signal sent to distlock alone,
+    /// and a process that leaves the group, are beyond it: see the README).
     Run(RunArgs),
     /// List the sessions holding or awaiting advisory locks in the database
     /// (with --lease-table, the live leases of distlock.leases).

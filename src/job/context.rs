@@ -10,8 +10,13 @@ use crate::{FencingToken, Lease, LockKey};
 ///
 /// The [cancellation token](Self::cancellation_token) is cancelled the moment
 /// the lease is lost, and also when the run ends, so tasks the job spawned
-/// can stop with it. Pass a clone to such tasks; the job itself can race its
-/// work against [`cancelled`](Self::cancelled).
+/// can stop with it. Pass a clone to such tasks: they are told, not waited
+/// for (the runner releases the lease, or reports the loss, meanwhile). The
+/// job itself is dropped at its next `.await` once the lease is lost,
+/// unless the runner gives it a
+/// [`stop_grace`](crate::SingletonJobBuilder::stop_grace): only then does
+/// it see the token fire, and can race its work against
+/// [`cancelled`](Self::cancelled) to stop cleanly.
 #[derive(Debug, Clone)]
 pub struct JobContext<'a> {
     pub(crate) lease: &'a dyn Lease,

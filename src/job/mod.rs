@@ -63,7 +63,8 @@ use window::{Claim, RunWindow, WindowStart};
 ///     tick.tick().await;
 ///     let outcome = job
 ///         .run(async |ctx| {
-///             // ... send reminders; stop early when ctx.is_cancelled() ...
+///             // ... send reminders (dropped at the next .await if the lease
+///             // is lost; tasks spawned here watch ctx.cancellation_token()) ...
 ///             Ok::<_, distlock::Error>(3)
 ///         })
 ///         .await?;
@@ -301,6 +302,12 @@ impl SingletonJob {
                     // Let a job that watches its token stop cleanly; its result
                     // no longer counts.
                     let _ = tokio::time::timeout(self.stop_grace, &mut running).await;
+                }
+                // Dropping an unfinished job runs its code too (the `Drop`
+                // of what it holds), which may panic as its polls may.
+                let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(running)));
+                if let Err(payload) = dropped {
+                    tracing::warn!(job = %self.key, panic = %panic_message(payload.as_ref()), "job panicked as it was dropped after its lease was lost");
                 }
                 Finished::Lost(reason)
             }

@@ -781,6 +781,39 @@ async fn a_job_on_the_memory_backend_is_stopped_when_its_lease_is_lost() {
     assert_eq!(outcome.name(), "lost", "{outcome:?}");
 }
 
+/// A job whose future panics as it is dropped (a value it holds panics in
+/// its `Drop`), dropped because its lease was lost: the panic is caught as
+/// one while it runs would be, and the run reports `Lost`, the lease given
+/// back; it unwound out of `run`.
+#[tokio::test]
+async fn a_job_that_panics_as_it_is_dropped_after_a_loss_is_reported_lost() {
+    struct PanicsOnDrop;
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("dropped");
+        }
+    }
+    let memory = distlock::memory::MemoryLocker::new();
+    let job = SingletonJob::new(Arc::new(memory.clone()), "job:panics-on-drop");
+    let running = tokio::spawn(async move {
+        job.run(async |_ctx| {
+            let _held = PanicsOnDrop;
+            std::future::pending::<()>().await;
+            Ok::<_, Error>(())
+        })
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(memory.lose("job:panics-on-drop"));
+    let outcome = tokio::time::timeout(Duration::from_secs(5), running)
+        .await
+        .expect("the job stops")
+        .expect("run does not panic")
+        .unwrap();
+    assert_eq!(outcome.name(), "lost", "{outcome:?}");
+    assert!(!memory.is_held("job:panics-on-drop"), "the lease went back");
+}
+
 /// A minimum hold too long to add to the clock keeps the lock for as long as
 /// the runtime lives instead of panicking after the job ran.
 #[tokio::test]

@@ -81,7 +81,9 @@ impl SingletonJobBuilder {
     /// the record is on `pool`.
     ///
     /// The row is written *before* the job starts: a replica that crashes
-    /// mid-run is not retried within the window (at most once). Its
+    /// mid-run is not retried within the window (at most once), and neither
+    /// is a run that failed, panicked or lost its lock: a transient error
+    /// costs the rest of the window. Its
     /// `finished_at` and `outcome` columns record how runs ended; delete a
     /// row to allow another run in that window. The `job` column holds the
     /// key's name for a plain text key, and a name tagged with the key's

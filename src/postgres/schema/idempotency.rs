@@ -38,7 +38,7 @@ pub const MAX_PURGE_AGE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// session settings every lock statement sets: the claim's row stays locked
 /// for the rest of the claimant's transaction, and another claim of the pair
 /// waits on it, as a lock's waiter would. The keepalives let the server end
-/// the transaction of a claimant cut off by a partition within about 25 s,
+/// the transaction of a claimant cut off by a partition within about 25–30 s,
 /// which frees the row, rather than after the operating system's two hours;
 /// the client check ends a waiting statement whose client has gone. The CTE
 /// is read before the row is inserted, so the keepalives (socket options,
@@ -66,7 +66,7 @@ const CLAIM: &str = concat!(
 /// (idle 10 s, 3 probes 5 s apart, `tcp_user_timeout` 30 s) where they are
 /// not set yet: an uncommitted claim holds its row as a lock would, so a
 /// claimant cut off by a network partition has its transaction ended by the
-/// server within about 25 s (and the pair can be claimed again) instead of
+/// server within about 25–30 s (and the pair can be claimed again) instead of
 /// the operating system's two hours, during which every other claim of the
 /// pair would wait. It also sets a 100 ms `client_connection_check_interval`,
 /// which the server arms as each statement starts: from the next statement
@@ -123,7 +123,7 @@ pub enum Once {
 /// trips plus `f`'s own, on one connection of `pool`; its `BEGIN` sets the
 /// settings [`claim`] sets, so that a claim waiting on a concurrent call's is
 /// ended within 100 ms when this call is dropped, and a claimant cut off by
-/// a partition loses its claim within about 25 s. `scope` and `key` are
+/// a partition loses its claim within about 25–30 s. `scope` and `key` are
 /// checked as in [`claim`] before a connection is taken. To run it inside a
 /// transaction of your own (a `with_advisory_lock` closure's `conn`), use
 /// [`once_in`].

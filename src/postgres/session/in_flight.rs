@@ -105,7 +105,9 @@ impl<'a> InFlight<'a> {
         let Some(reason) = self.loss.loss() else {
             return Ok(());
         };
-        if let Some(mut conn) = self.slot.try_conn() {
+        // Only a connection still in the slot: one the keeper took and
+        // closed after a loss of its own was reported (and counted) there.
+        if let Some(mut conn) = self.slot.try_conn().filter(|conn| conn.is_some()) {
             self.slot.abandon(&mut conn, self.key, reason.clone());
         }
         Err(reason)

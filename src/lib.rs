@@ -82,6 +82,7 @@
     clippy::unwrap_used
 )]
 
+mod backoff;
 mod capability;
 mod deadline;
 mod error;

@@ -130,7 +130,16 @@ impl SingletonJob {
     /// Returns `Err` only when the lock backend or the run record fails
     /// before the job starts; everything that happens to the job itself is a
     /// [`JobOutcome`]. Costs the backend's try and release (for PostgreSQL 1
-    /// round trip each), plus 2 with a run record. A record statement
+    /// round trip each), plus 2 with a run record. With a run record, a
+    /// tick that finds the lock held reads the record (1 round trip) and
+    /// skips if a run started in the current window; otherwise the holder
+    /// is a run of another window (a replica whose clock is a little ahead
+    /// claiming the window that ends, or a long run of an earlier one), and
+    /// the tick tries the lock again, pausing 20 ms doubling to 1 s
+    /// (jittered) and reading the record between tries, for up to one
+    /// window, holding no connection meanwhile; it runs the window if it
+    /// takes the lock first, and is `Skipped` if the window stays held. A
+    /// record statement
     /// with no answer within 5 s of its send (a stalled network) is given
     /// up, its connection closed: the claim of the window, before the job,
     /// makes the call return [`Error::CommandTimedOut`] naming the job's
@@ -143,7 +152,9 @@ impl SingletonJob {
     /// # Cancel safety
     ///
     /// Dropping the future drops the job and the lease; a dropped lease is
-    /// released in the background, and the cancellation token fires.
+    /// released in the background, and the cancellation token fires. A
+    /// tick waiting out a holder of another window holds nothing between
+    /// its tries.
     pub async fn run<F, T, E>(&self, job: F) -> Result<JobOutcome<T, E>, Error>
     where
         F: AsyncFnOnce(JobContext<'_>) -> Result<T, E>,
@@ -163,7 +174,7 @@ impl SingletonJob {
     where
         F: AsyncFnOnce(JobContext<'_>) -> Result<T, E>,
     {
-        let Some(lease) = self.locker.try_lock(self.key.clone()).await? else {
+        let Some(lease) = self.take_lock().await? else {
             // Routine on every idle replica at every tick: not worth INFO.
             tracing::debug!(job = %self.key, "job skipped: another holder has the lock");
             crate::metrics::job_finished(&self.key, "skipped", None);
@@ -211,6 +222,45 @@ impl SingletonJob {
         }
         crate::metrics::job_finished(&self.key, outcome.name(), Some(took));
         Ok(outcome)
+    }
+
+    /// Tries the lock; `None` when another holder keeps it.
+    ///
+    /// With a run record, a tick that finds the lock held makes sure the
+    /// holder runs this window: a holder of an earlier one would leave it
+    /// to nobody. Such a holder is a replica whose tick reached the server
+    /// just before the window began (its clock a little ahead), which
+    /// claimed the window that was ending and found it run, or a run of an
+    /// earlier window still going. So the tick asks the record whether the
+    /// current window is recorded; while it is not, it tries the lock again
+    /// after a pause (`window_wait`), for up to one window. Between tries
+    /// it holds no connection. The record, not the lock, keeps a window to
+    /// one run: taking the lock late costs no second run.
+    async fn take_lock(&self) -> Result<Option<Box<dyn Lease>>, Error> {
+        let first = self.locker.try_lock(self.key.clone()).await?;
+        let (None, Some(window)) = (&first, &self.window) else {
+            return Ok(first);
+        };
+        let give_up = crate::deadline::from_now(window.length());
+        let mut pauses = crate::backoff::exponential(window_wait::FIRST, window_wait::MAX);
+        loop {
+            let started = window
+                .record
+                .started(&self.key, &window.job, window.length_us);
+            if started.await? {
+                return Ok(None);
+            }
+            let left = give_up.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            let pause = pauses.next().unwrap_or(window_wait::MAX).min(left);
+            tracing::debug!(job = %self.key, ?pause, "lock held by a run of another window: trying again");
+            tokio::time::sleep(pause).await;
+            if let Some(lease) = self.locker.try_lock(self.key.clone()).await? {
+                return Ok(Some(lease));
+            }
+        }
     }
 
     /// The outcome once releasing the lease failed with `err`: a job that
@@ -369,6 +419,17 @@ fn loss_shown_by(err: &Error) -> Option<LossReason> {
         }),
         _ => None,
     }
+}
+
+/// The pauses of a tick waiting out a holder of another window: jittered,
+/// doubling from 20 ms to 1 s, so replicas that tick together do not try
+/// together, a holder that is letting go is followed within milliseconds,
+/// and one that runs long costs about two round trips a second.
+mod window_wait {
+    use std::time::Duration;
+
+    pub(super) const FIRST: Duration = Duration::from_millis(20);
+    pub(super) const MAX: Duration = Duration::from_secs(1);
 }
 
 /// Releases a lease, logging (not returning) a failure: by now the job has

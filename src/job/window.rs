@@ -51,6 +51,10 @@ pub(crate) trait RunRecord: Debug + Send + Sync {
     /// a record exists; errors name `key`, the job's lock.
     async fn claim(&self, key: &LockKey, job: &str, length_us: i64) -> Result<Claim, Error>;
 
+    /// Whether (job, the current window of `length_us` microseconds) is
+    /// recorded: a run started in it, here or elsewhere.
+    async fn started(&self, key: &LockKey, job: &str, length_us: i64) -> Result<bool, Error>;
+
     /// Notes how the run in the window starting at `start` ended.
     async fn finish(
         &self,
@@ -68,6 +72,13 @@ pub(crate) struct RunWindow {
     pub(crate) record: std::sync::Arc<dyn RunRecord>,
     pub(crate) job: std::sync::Arc<str>,
     pub(crate) length_us: i64,
+}
+
+impl RunWindow {
+    /// The windows' length.
+    pub(crate) fn length(&self) -> Duration {
+        Duration::from_micros(self.length_us.unsigned_abs())
+    }
 }
 
 /// The longest job name a run record keeps, in bytes: the name is part of

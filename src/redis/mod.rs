@@ -211,7 +211,6 @@
 //! [`Redlock::check_setup`]: crate::redis::Redlock::check_setup
 //! [`RedlockLease::fencing_token`]: crate::redis::RedlockLease::fencing_token
 
-mod backoff;
 mod builder;
 mod claim;
 mod lease;

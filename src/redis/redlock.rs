@@ -10,7 +10,6 @@ use futures_util::future::join_all;
 use redis::{Cmd, Value};
 use tokio::time::Instant;
 
-use super::backoff::jittered;
 use super::claim::{self, Claim};
 use super::lease::RedlockLease;
 use super::node::{Failure, Node};
@@ -20,6 +19,7 @@ use super::signals::Signals;
 use super::watchdog::{Backend, Extension, Handle, InFlight};
 use super::{DEFAULT_POLL_INTERVAL, scripts};
 use crate::DEFAULT_TTL;
+use crate::backoff::jittered;
 use crate::span;
 use crate::{Error, LockKey, LossReason};
 

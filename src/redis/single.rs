@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::backoff;
 use super::claim::{self, Claim};
 use super::lease::RedisLease;
 use super::node::{Failure, Node};
@@ -16,6 +15,7 @@ use super::signals::Signals;
 use super::watchdog::{Backend, Extension, Handle, InFlight};
 use super::{DEFAULT_POLL_INTERVAL, scripts};
 use crate::DEFAULT_TTL;
+use crate::backoff;
 use crate::span;
 use crate::{Error, FencingToken, LockKey, LossReason};
 

@@ -17,9 +17,9 @@ use tokio::task::JoinHandle;
 use tokio::time::{sleep, timeout};
 use tokio_util::sync::CancellationToken;
 
-use super::backoff;
 use super::node::{self, Node};
 use super::signals::Shared;
+use crate::backoff;
 
 /// How long opening the connection, or one `SUBSCRIBE`/`UNSUBSCRIBE`, may
 /// take before the connection counts as broken.

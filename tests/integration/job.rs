@@ -402,6 +402,151 @@ async fn jobs_on_different_locks_keep_different_run_records(pool: PgPool) {
     assert_eq!(records, 4);
 }
 
+/// A job with a run record whose ticks find the lock held by a replica that
+/// will not run this window: one whose tick reached the server just before
+/// the window began (its clock a little ahead), which claimed the window
+/// that was ending, found it already run and is about to let go. Here that
+/// replica is a plain lease released after 300 ms. Every other replica's
+/// tick fell in the new window; they used to skip at once, and nobody ran
+/// the window. They now wait for the lock (up to one window) and claim the
+/// window themselves: exactly one runs it, the others find it run.
+#[sqlx::test(migrations = false)]
+async fn ticks_that_find_the_lock_held_by_a_replica_of_the_last_window_run_this_one(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let holder = PgLocker::new(pool.clone())
+        .try_lock("job:boundary")
+        .await
+        .expect("try")
+        .expect("free");
+    let ran = Arc::new(AtomicUsize::new(0));
+    // Replicas on one pool of five connections: a tick that waited on the
+    // server would hold one for as long as it waits.
+    let replicas: Vec<_> = (0..6)
+        .map(|_| {
+            let job = SingletonJob::builder(locker(&pool), "job:boundary")
+                .once_per_window(pool.clone(), Duration::from_secs(86_400))
+                .build()
+                .expect("valid settings");
+            let ran = ran.clone();
+            tokio::spawn(async move {
+                job.run(async |_ctx| {
+                    ran.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, Error>(())
+                })
+                .await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    holder.release().await.expect("release");
+    let mut outcomes = Vec::new();
+    for replica in replicas {
+        let outcome = bounded("a replica's tick", Duration::from_secs(10), replica)
+            .await
+            .expect("joined")
+            .expect("run");
+        outcomes.push(outcome);
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 1, "{outcomes:?}");
+    let ran_here = outcomes.iter().filter(|o| o.is_ran()).count();
+    let found_run = outcomes
+        .iter()
+        .filter(|o| matches!(o, JobOutcome::AlreadyRanInWindow { .. }))
+        .count();
+    assert_eq!((ran_here, found_run), (1, 5), "{outcomes:?}");
+    let records: i64 = sqlx::query_scalar("SELECT count(*) FROM distlock.job_runs")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(records, 1);
+}
+
+/// A replica whose tick finds the lock held waits at most one window: a
+/// holder that keeps it longer (a job of an earlier window still running)
+/// leaves the tick `Skipped` after about the window's length, not after the
+/// holder.
+#[sqlx::test(migrations = false)]
+async fn a_tick_waits_for_a_held_lock_at_most_one_window(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let holder = PgLocker::new(pool.clone())
+        .try_lock("job:overrun")
+        .await
+        .expect("try")
+        .expect("free");
+    let window = Duration::from_secs(1);
+    let job = SingletonJob::builder(locker(&pool), "job:overrun")
+        .once_per_window(pool.clone(), window)
+        .build()
+        .expect("valid settings");
+    let started = Instant::now();
+    let outcome = bounded(
+        "a tick behind a long holder",
+        Duration::from_secs(10),
+        job.run(async |_ctx| -> Result<(), Error> { panic!("the lock is held") }),
+    )
+    .await
+    .expect("run");
+    let waited = started.elapsed();
+    assert!(matches!(outcome, JobOutcome::Skipped), "{outcome:?}");
+    assert!(
+        waited >= window.mul_f64(0.9) && waited < Duration::from_secs(5),
+        "waited {waited:?}"
+    );
+    holder.release().await.expect("release");
+    // Without a run record a tick never waits.
+    let plain = SingletonJob::new(locker(&pool), "job:overrun");
+    let _held = PgLocker::new(pool.clone())
+        .try_lock("job:overrun")
+        .await
+        .expect("try")
+        .expect("free");
+    let started = Instant::now();
+    let outcome = plain
+        .run(async |_ctx| -> Result<(), Error> { panic!("the lock is held") })
+        .await
+        .expect("run");
+    assert!(matches!(outcome, JobOutcome::Skipped), "{outcome:?}");
+    assert!(started.elapsed() < Duration::from_millis(900));
+}
+
+/// A tick that finds the lock held by a replica running the job in this
+/// window (the record shows it) skips at once: it does not wait for the
+/// job, and the job runs once.
+#[sqlx::test(migrations = false)]
+async fn a_tick_that_finds_this_window_running_skips_at_once(pool: PgPool) {
+    distlock::migrate(&pool).await.expect("migrate");
+    let job = || {
+        SingletonJob::builder(locker(&pool), "job:running")
+            .once_per_window(pool.clone(), Duration::from_secs(86_400))
+            .build()
+            .expect("valid settings")
+    };
+    let (started_tx, started_rx) = oneshot::channel();
+    let (finish_tx, finish_rx) = oneshot::channel::<()>();
+    let first = job();
+    let running = tokio::spawn(async move {
+        first
+            .run(async |_ctx| {
+                let _ = started_tx.send(());
+                let _ = finish_rx.await;
+                Ok::<_, Error>(())
+            })
+            .await
+    });
+    started_rx.await.expect("the first run started");
+    let outcome = bounded(
+        "a tick while this window runs",
+        Duration::from_secs(2),
+        job().run(async |_ctx| -> Result<(), Error> { panic!("ran twice in one window") }),
+    )
+    .await
+    .expect("run");
+    assert!(matches!(outcome, JobOutcome::Skipped), "{outcome:?}");
+    let _ = finish_tx.send(());
+    let first = running.await.expect("joined").expect("first run");
+    assert!(first.is_ran(), "{first:?}");
+}
+
 /// A key too long for the run record's index is refused by `build`, not by
 /// the server at every run after the lock was taken.
 #[sqlx::test(migrations = false)]

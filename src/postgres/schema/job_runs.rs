@@ -13,17 +13,38 @@ use crate::{Error, LockKey};
 
 /// The window is computed from the *server's* clock so that replicas with
 /// skewed clocks still agree on it; windows are aligned to the Unix epoch
-/// (a one-day window starts at midnight UTC). One statement, one round trip.
-const CLAIM: &str = "WITH w AS ( \
-       SELECT now_us OPERATOR(pg_catalog.-) (now_us OPERATOR(pg_catalog.%) $2) AS start_us \
-       FROM (SELECT (extract(epoch FROM pg_catalog.clock_timestamp()) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8 AS now_us) n \
-     ), ins AS ( \
-       INSERT INTO distlock.job_runs (job, window_start) \
-       SELECT $1, 'epoch'::pg_catalog.timestamptz OPERATOR(pg_catalog.+) (w.start_us OPERATOR(pg_catalog.*) '1 microsecond'::pg_catalog.interval) FROM w \
+/// (a one-day window starts at midnight UTC). A CTE `w` of one row: the
+/// current window's start in microseconds (`start_us`, for `$2`-µs windows)
+/// and as a timestamp (`start`).
+macro_rules! current_window {
+    () => {
+        "WITH w AS ( \
+           SELECT start_us, 'epoch'::pg_catalog.timestamptz OPERATOR(pg_catalog.+) (start_us OPERATOR(pg_catalog.*) '1 microsecond'::pg_catalog.interval) AS start \
+           FROM (SELECT now_us OPERATOR(pg_catalog.-) (now_us OPERATOR(pg_catalog.%) $2) AS start_us \
+             FROM (SELECT (extract(epoch FROM pg_catalog.clock_timestamp()) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8 AS now_us) n) s \
+         )"
+    };
+}
+
+/// Records the current window unless it is recorded. One statement, one
+/// round trip.
+const CLAIM: &str = concat!(
+    current_window!(),
+    ", ins AS ( \
+       INSERT INTO distlock.job_runs (job, window_start) SELECT $1, w.start FROM w \
        ON CONFLICT (job, window_start) DO NOTHING \
        RETURNING 1 \
      ) \
-     SELECT w.start_us, EXISTS (SELECT 1 FROM ins) FROM w";
+     SELECT w.start_us, EXISTS (SELECT 1 FROM ins) FROM w"
+);
+
+/// Whether the current window is recorded (a run started in it). Reads
+/// only; one round trip.
+const STARTED: &str = concat!(
+    current_window!(),
+    " SELECT EXISTS (SELECT 1 FROM distlock.job_runs r, w \
+       WHERE r.job OPERATOR(pg_catalog.=) $1 AND r.window_start OPERATOR(pg_catalog.=) w.start)"
+);
 
 const FINISH: &str = "UPDATE distlock.job_runs SET finished_at = pg_catalog.now(), outcome = $3 \
      WHERE job OPERATOR(pg_catalog.=) $1 AND window_start OPERATOR(pg_catalog.=) ('epoch'::pg_catalog.timestamptz \
@@ -49,6 +70,15 @@ impl RunRecord for JobRuns {
         } else {
             Claim::AlreadyRan(start)
         })
+    }
+
+    /// 1 round trip, no write.
+    async fn started(&self, key: &LockKey, job: &str, length_us: i64) -> Result<bool, Error> {
+        let query = sqlx::query_scalar(STARTED).bind(job).bind(length_us);
+        answered_on_pool(&self.0, (key, RECORD_WITHIN), async |conn| {
+            Ok(query.fetch_one(conn).await?)
+        })
+        .await
     }
 
     /// 1 round trip, one durable write.
@@ -92,6 +122,14 @@ impl SingletonJobBuilder {
     /// different locks never share a record; [`build`](Self::build) refuses
     /// a key whose name there would be longer than 1,024 bytes
     /// ([`Error::InvalidKey`](crate::Error::InvalidKey)).
+    ///
+    /// A tick that finds the job's lock held by a run of another window
+    /// waits for it, for up to one window (see
+    /// [`SingletonJob::run`](crate::SingletonJob::run)): a replica whose
+    /// clock is a little ahead claims the window that is ending just as
+    /// the others' ticks arrive, and skipping behind it left the new window
+    /// to nobody. A tick that finds the current window recorded skips at
+    /// once.
     ///
     /// Costs 2 round trips per run (record, finish), each a durable write,
     /// each given up after 5 s without an answer (see

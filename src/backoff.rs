@@ -1,7 +1,8 @@
 //! Jittered delays between acquisition attempts.
 //!
 //! Random delays keep contenders that failed together from retrying in
-//! lockstep (and, for Redlock, from splitting the vote again).
+//! lockstep (for Redlock, from splitting the vote again; for singleton
+//! jobs' replicas, from polling together).
 
 use std::time::Duration;
 
@@ -26,6 +27,7 @@ pub(crate) fn exponential(first: Duration, max: Duration) -> ExponentialBackoff 
 /// `Duration::MAX`. Redlock's retry delay is a fixed part plus an
 /// independent random part (its builder sets both), which backon's
 /// jitter, a random part of the delay itself, cannot express.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) fn jittered(base: Duration, jitter: Duration) -> Duration {
     let nanos = u64::try_from(jitter.as_nanos()).unwrap_or(u64::MAX);
     base.saturating_add(Duration::from_nanos(rand::rng().random_range(0..=nanos)))

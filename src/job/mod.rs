@@ -23,7 +23,7 @@ pub use context::JobContext;
 pub use outcome::JobOutcome;
 
 use crate::{Error, Lease, LockKey, Locker, LossReason, PoolerEvidence};
-use window::{Claim, RunWindow, WindowStart};
+use window::{Claim, Current, RunWindow, WindowStart};
 
 /// Runs a job on at most one replica at a time: try the lock, run, release.
 ///
@@ -135,19 +135,25 @@ impl SingletonJob {
     /// skips if a run started in the current window; otherwise the holder
     /// is a run of another window (a replica whose clock is a little ahead
     /// claiming the window that ends, or a long run of an earlier one), and
-    /// the tick tries the lock again, pausing 20 ms doubling to 1 s
-    /// (jittered) and reading the record between tries, for up to one
-    /// window, holding no connection meanwhile; it runs the window if it
-    /// takes the lock first, and is `Skipped` if the window stays held. A
-    /// record statement
-    /// with no answer within 5 s of its send (a stalled network) is given
-    /// up, its connection closed: the claim of the window, before the job,
-    /// makes the call return [`Error::CommandTimedOut`] naming the job's
-    /// key once the lock is released (which under the same stall takes up
-    /// to the locker's release deadline; the window may have been recorded
-    /// all the same, and is then not run: at most once); the note of how
-    /// the run ended, after the job, only logs a warning and the outcome is
-    /// kept.
+    /// the tick tries the lock again after jittered pauses (10–20 ms at
+    /// first, doubling to 0.5–1 s), reading the record after each busy try,
+    /// until the window ends by the server's clock, holding no connection
+    /// meanwhile: it runs the window if it takes the lock first, and is
+    /// `Skipped` once a run started in the window or the window ended (then
+    /// with a warning: nobody ran the window here). So `run` may take until
+    /// the window ends behind a holder of another window.
+    ///
+    /// A record statement with no answer within 5 s of its send (a stalled
+    /// network) is given up, its connection closed: the claim of the
+    /// window, before the job, makes the call return
+    /// [`Error::CommandTimedOut`] naming the job's key once the lock is
+    /// released (which under the same stall takes up to the locker's
+    /// release deadline; the window may have been recorded all the same,
+    /// and is then not run: at most once); a read of the record by a tick
+    /// that found the lock held returns it at once (nothing is held); the
+    /// note of how the run ended, after the job, only logs a warning and
+    /// the outcome is kept. A record read on a pool with no connection to
+    /// spare returns [`Error::PoolExhausted`].
     ///
     /// # Cancel safety
     ///
@@ -231,34 +237,39 @@ impl SingletonJob {
     /// to nobody. Such a holder is a replica whose tick reached the server
     /// just before the window began (its clock a little ahead), which
     /// claimed the window that was ending and found it run, or a run of an
-    /// earlier window still going. So the tick asks the record whether the
-    /// current window is recorded; while it is not, it tries the lock again
-    /// after a pause (`window_wait`), for up to one window. Between tries
-    /// it holds no connection. The record, not the lock, keeps a window to
-    /// one run: taking the lock late costs no second run.
+    /// earlier window still going. So the tick reads the record; while no
+    /// run started in the current window, it tries the lock again after a
+    /// pause (`window_wait`), until that window ends by the server's clock.
+    /// Between tries it holds no connection. The record, not the lock,
+    /// keeps a window to one run: taking the lock late costs no second run.
     async fn take_lock(&self) -> Result<Option<Box<dyn Lease>>, Error> {
         let first = self.locker.try_lock(self.key.clone()).await?;
         let (None, Some(window)) = (&first, &self.window) else {
             return Ok(first);
         };
-        let give_up = crate::deadline::from_now(window.length());
+        let read = || {
+            window
+                .record
+                .current(&self.key, &window.job, window.length_us)
+        };
+        let Current::Open { left } = read().await? else {
+            return Ok(None);
+        };
+        let window_ends = crate::deadline::from_now(left);
+        tracing::debug!(job = %self.key, ?left, "lock held and no run started in this window: trying again until it ends");
         let mut pauses = crate::backoff::exponential(window_wait::FIRST, window_wait::MAX);
         loop {
-            let started = window
-                .record
-                .started(&self.key, &window.job, window.length_us);
-            if started.await? {
-                return Ok(None);
-            }
-            let left = give_up.saturating_duration_since(tokio::time::Instant::now());
+            let left = window_ends.saturating_duration_since(tokio::time::Instant::now());
             if left.is_zero() {
+                tracing::warn!(job = %self.key, "the window ended with the job's lock held and no run recorded in it: not run here");
                 return Ok(None);
             }
-            let pause = pauses.next().unwrap_or(window_wait::MAX).min(left);
-            tracing::debug!(job = %self.key, ?pause, "lock held by a run of another window: trying again");
-            tokio::time::sleep(pause).await;
+            tokio::time::sleep(pauses.next().unwrap_or(window_wait::MAX).min(left)).await;
             if let Some(lease) = self.locker.try_lock(self.key.clone()).await? {
                 return Ok(Some(lease));
+            }
+            if let Current::Started = read().await? {
+                return Ok(None);
             }
         }
     }
@@ -421,10 +432,12 @@ fn loss_shown_by(err: &Error) -> Option<LossReason> {
     }
 }
 
-/// The pauses of a tick waiting out a holder of another window: jittered,
-/// doubling from 20 ms to 1 s, so replicas that tick together do not try
-/// together, a holder that is letting go is followed within milliseconds,
-/// and one that runs long costs about two round trips a second.
+/// The pauses of a tick waiting out a holder of another window: jittered
+/// (each between half its bound and its bound), the bound doubling from
+/// 20 ms to 1 s, so replicas that tick together do not try together, a
+/// holder that is letting go is followed within milliseconds, and one that
+/// runs long costs at most about three round trips a second (a try and a
+/// read of the record per pause).
 mod window_wait {
     use std::time::Duration;
 

@@ -21,6 +21,15 @@ pub(crate) enum Claim {
     AlreadyRan(WindowStart),
 }
 
+/// What the record says of the current window, read without the lock.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Current {
+    /// A run started in it, here or elsewhere.
+    Started,
+    /// No run started in it yet; it ends in `left`, by the server's clock.
+    Open { left: Duration },
+}
+
 /// A window's start in microseconds since the Unix epoch.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct WindowStart(pub(crate) i64);
@@ -51,9 +60,9 @@ pub(crate) trait RunRecord: Debug + Send + Sync {
     /// a record exists; errors name `key`, the job's lock.
     async fn claim(&self, key: &LockKey, job: &str, length_us: i64) -> Result<Claim, Error>;
 
-    /// Whether (job, the current window of `length_us` microseconds) is
-    /// recorded: a run started in it, here or elsewhere.
-    async fn started(&self, key: &LockKey, job: &str, length_us: i64) -> Result<bool, Error>;
+    /// What the record says of (job, the current window of `length_us`
+    /// microseconds), read without the job's lock.
+    async fn current(&self, key: &LockKey, job: &str, length_us: i64) -> Result<Current, Error>;
 
     /// Notes how the run in the window starting at `start` ended.
     async fn finish(
@@ -72,13 +81,6 @@ pub(crate) struct RunWindow {
     pub(crate) record: std::sync::Arc<dyn RunRecord>,
     pub(crate) job: std::sync::Arc<str>,
     pub(crate) length_us: i64,
-}
-
-impl RunWindow {
-    /// The windows' length.
-    pub(crate) fn length(&self) -> Duration {
-        Duration::from_micros(self.length_us.unsigned_abs())
-    }
 }
 
 /// The longest job name a run record keeps, in bytes: the name is part of

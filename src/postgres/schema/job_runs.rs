@@ -7,20 +7,21 @@ use async_trait::async_trait;
 use sqlx::PgPool;
 
 use crate::job::SingletonJobBuilder;
-use crate::job::window::{Claim, RECORD_WITHIN, RunRecord, WindowStart};
+use crate::job::window::{Claim, Current, RECORD_WITHIN, RunRecord, WindowStart};
 use crate::postgres::timeout::answered_on_pool;
 use crate::{Error, LockKey};
 
 /// The window is computed from the *server's* clock so that replicas with
 /// skewed clocks still agree on it; windows are aligned to the Unix epoch
 /// (a one-day window starts at midnight UTC). A CTE `w` of one row: the
-/// current window's start in microseconds (`start_us`, for `$2`-µs windows)
-/// and as a timestamp (`start`).
+/// server's time in microseconds since the epoch (`now_us`), the current
+/// window's start (for `$2`-µs windows) in microseconds (`start_us`) and as
+/// a timestamp (`start`).
 macro_rules! current_window {
     () => {
         "WITH w AS ( \
-           SELECT start_us, 'epoch'::pg_catalog.timestamptz OPERATOR(pg_catalog.+) (start_us OPERATOR(pg_catalog.*) '1 microsecond'::pg_catalog.interval) AS start \
-           FROM (SELECT now_us OPERATOR(pg_catalog.-) (now_us OPERATOR(pg_catalog.%) $2) AS start_us \
+           SELECT now_us, start_us, 'epoch'::pg_catalog.timestamptz OPERATOR(pg_catalog.+) (start_us OPERATOR(pg_catalog.*) '1 microsecond'::pg_catalog.interval) AS start \
+           FROM (SELECT now_us, now_us OPERATOR(pg_catalog.-) (now_us OPERATOR(pg_catalog.%) $2) AS start_us \
              FROM (SELECT (extract(epoch FROM pg_catalog.clock_timestamp()) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8 AS now_us) n) s \
          )"
     };
@@ -38,12 +39,15 @@ const CLAIM: &str = concat!(
      SELECT w.start_us, EXISTS (SELECT 1 FROM ins) FROM w"
 );
 
-/// Whether the current window is recorded (a run started in it). Reads
-/// only; one round trip.
-const STARTED: &str = concat!(
+/// Whether the current window is recorded (a run started in it), and how
+/// many microseconds of it are left (the length less the time since its
+/// start: no sum that could overflow). Reads only; one round trip.
+const CURRENT: &str = concat!(
     current_window!(),
-    " SELECT EXISTS (SELECT 1 FROM distlock.job_runs r, w \
-       WHERE r.job OPERATOR(pg_catalog.=) $1 AND r.window_start OPERATOR(pg_catalog.=) w.start)"
+    " SELECT EXISTS (SELECT 1 FROM distlock.job_runs r \
+         WHERE r.job OPERATOR(pg_catalog.=) $1 AND r.window_start OPERATOR(pg_catalog.=) w.start), \
+       $2 OPERATOR(pg_catalog.-) (w.now_us OPERATOR(pg_catalog.-) w.start_us) \
+     FROM w"
 );
 
 const FINISH: &str = "UPDATE distlock.job_runs SET finished_at = pg_catalog.now(), outcome = $3 \
@@ -73,12 +77,20 @@ impl RunRecord for JobRuns {
     }
 
     /// 1 round trip, no write.
-    async fn started(&self, key: &LockKey, job: &str, length_us: i64) -> Result<bool, Error> {
-        let query = sqlx::query_scalar(STARTED).bind(job).bind(length_us);
-        answered_on_pool(&self.0, (key, RECORD_WITHIN), async |conn| {
-            Ok(query.fetch_one(conn).await?)
+    async fn current(&self, key: &LockKey, job: &str, length_us: i64) -> Result<Current, Error> {
+        let query = sqlx::query_as(CURRENT).bind(job).bind(length_us);
+        let (started, left_us): (bool, i64) =
+            answered_on_pool(&self.0, (key, RECORD_WITHIN), async |conn| {
+                Ok(query.fetch_one(conn).await?)
+            })
+            .await?;
+        Ok(if started {
+            Current::Started
+        } else {
+            Current::Open {
+                left: Duration::from_micros(left_us.unsigned_abs()),
+            }
         })
-        .await
     }
 
     /// 1 round trip, one durable write.
@@ -124,7 +136,7 @@ impl SingletonJobBuilder {
     /// ([`Error::InvalidKey`](crate::Error::InvalidKey)).
     ///
     /// A tick that finds the job's lock held by a run of another window
-    /// waits for it, for up to one window (see
+    /// tries it again until the window ends (see
     /// [`SingletonJob::run`](crate::SingletonJob::run)): a replica whose
     /// clock is a little ahead claims the window that is ending just as
     /// the others' ticks arrive, and skipping behind it left the new window

@@ -367,6 +367,14 @@ impl PgLockerBuilder {
     /// so whatever its statement may have taken ends with its session, as
     /// for any connection distlock closes.
     ///
+    /// A locker used on several runtimes keeps each connection for the
+    /// runtime it was kept on: it is handed out, and returned to the pool
+    /// after `idle_timeout`, only by that runtime (its socket belongs to
+    /// that runtime's reactor). A runtime that sits idle (a current-thread
+    /// runtime outside `block_on`) keeps its own until it runs again, is
+    /// dropped, or the pool closes; it never holds up another runtime's.
+    /// The `connections` limit counts all runtimes' together.
+    ///
     /// Only connections that hold no lock are kept. Session state that your
     /// own code sets on pooled connections (distlock sets none beyond the
     /// settings its lock statements document) is as it would be after a

@@ -541,3 +541,74 @@ async fn with_advisory_lock_prepares_its_try_again_where_a_session_lost_it(
     );
     assert_eq!(cost().await, (pid, 4), "prepared again");
 }
+
+/// A locker used on two runtimes: a current-thread runtime that took and
+/// released one lock and then sits idle (its `block_on` returned, nobody
+/// drives it), and the test's. The connection kept there is registered
+/// with that runtime's reactor: handed to the test's runtime, its answer
+/// would never be read. And one sweeper swept for every runtime: started
+/// on the idle one, it never ran, and connections kept on the test's
+/// runtime stayed out of the pool. Each runtime now hands out only the
+/// connections kept on it and has its own sweeper.
+#[sqlx::test(migrations = false)]
+async fn a_runtime_left_idle_strands_neither_its_kept_connection_nor_the_others(pool: PgPool) {
+    let locker = std::sync::Arc::new(
+        PgLocker::builder(pool.clone())
+            .keep_warm(3, Duration::from_millis(50))
+            .build()
+            .expect("valid settings"),
+    );
+    let on_idle = locker.clone();
+    let (idle, idle_pid) = tokio::task::spawn_blocking(move || {
+        let idle = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let pid = idle.block_on(async {
+            let lock = on_idle.try_lock("warm:idle").await.unwrap().expect("free");
+            let pid = lock.backend_pid();
+            lock.release().await.unwrap();
+            pid
+        });
+        (idle, pid)
+    })
+    .await
+    .expect("the idle runtime's thread");
+
+    // Two locks at once on the test's runtime, neither on the connection
+    // kept on the idle one; both kept once released.
+    let mut held = Vec::new();
+    for key in ["warm:here", "warm:there"] {
+        let lock = bounded(
+            "a try on the test's runtime",
+            Duration::from_secs(20),
+            locker.try_lock(key),
+        )
+        .await
+        .expect("try")
+        .expect("free");
+        assert_ne!(
+            lock.backend_pid(),
+            idle_pid,
+            "the idle runtime's connection"
+        );
+        held.push(lock);
+    }
+    for lock in held {
+        lock.release().await.unwrap();
+    }
+    // They go back after their idle time; the idle runtime's stays kept
+    // until that runtime runs again.
+    eventually(
+        "the test runtime's kept connections are back in the pool",
+        Duration::from_secs(5),
+        async || pool.num_idle() as u32 + 1 == pool.size(),
+    )
+    .await;
+    assert_eq!(pool.size(), 3);
+    // Dropped, the idle runtime's sweeper gives its connection back.
+    tokio::task::spawn_blocking(move || drop(idle))
+        .await
+        .expect("dropped");
+    all_back_in_the_pool(&pool).await;
+}

@@ -20,6 +20,13 @@
 //! connection is kept waits at most that long), or at once when the pool is
 //! closed. The sweeper runs only while something is kept.
 //!
+//! A locker may serve several runtimes. A connection is kept for the
+//! runtime it was kept on, handed out only there, and swept by that
+//! runtime's own sweeper: its socket is registered with that runtime's
+//! reactor, which another runtime does not drive, and a runtime that sits
+//! idle (a current-thread runtime outside `block_on`) must hold up only its
+//! own connections, never another runtime's (as the keepers' timer).
+//!
 //! A kept connection is not pinged before use. If the server ended its
 //! session meanwhile, the acquisition's first statement fails with a
 //! connection error; the caller then closes it and runs the statement once
@@ -31,6 +38,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use sqlx::PgPool;
+use tokio::runtime::{Handle, Id};
 use tokio::time::Instant;
 
 use crate::Error;
@@ -54,10 +62,18 @@ pub(crate) struct Warm {
 
 #[derive(Debug, Default)]
 struct State {
-    /// Oldest first; each with the time it was put back.
-    conns: Vec<(WatchedConn, Instant)>,
-    /// Whether a sweeper task is running for these connections.
-    sweeping: bool,
+    /// Oldest first.
+    conns: Vec<Kept>,
+    /// The runtimes whose sweeper task is running.
+    sweeping: Vec<Id>,
+}
+
+/// A kept connection, the runtime it was kept on, and when.
+#[derive(Debug)]
+struct Kept {
+    conn: WatchedConn,
+    runtime: Id,
+    since: Instant,
 }
 
 impl Warm {
@@ -70,14 +86,22 @@ impl Warm {
         })
     }
 
-    /// The most recently kept connection, if any, armed (see [`HeldConn`])
-    /// and coming back here when disarmed. Never waits.
+    /// The connection most recently kept on the current runtime, if any,
+    /// armed (see [`HeldConn`]) and coming back here when disarmed. Never
+    /// waits.
     pub(crate) fn checkout(self: &Arc<Self>) -> Option<HeldConn> {
         if self.pool.is_closed() {
             return None;
         }
-        let (conn, _) = self.lock().conns.pop()?;
-        Some(self.adopt(conn))
+        let runtime = Handle::try_current().ok()?.id();
+        let mut state = self.lock();
+        let at = state
+            .conns
+            .iter()
+            .rposition(|kept| kept.runtime == runtime)?;
+        let kept = state.conns.remove(at);
+        drop(state);
+        Some(self.adopt(kept.conn))
     }
 
     /// Wraps a connection from the pool: armed, and coming back here when
@@ -96,30 +120,35 @@ impl Warm {
         if self.max == 0 || self.pool.is_closed() || !self.pool_has_slack() {
             return;
         }
+        let Ok(handle) = Handle::try_current() else {
+            return;
+        };
+        let runtime = handle.id();
         let mut state = self.lock();
         if state.conns.len() >= self.max {
             return;
         }
-        let start = if state.sweeping {
-            None
-        } else {
-            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-                return;
-            };
-            state.sweeping = true;
-            Some(runtime)
-        };
-        state.conns.push((conn, Instant::now()));
+        let start = !state.sweeping.contains(&runtime);
+        if start {
+            state.sweeping.push(runtime);
+        }
+        let since = Instant::now();
+        state.conns.push(Kept {
+            conn,
+            runtime,
+            since,
+        });
         drop(state);
         // Spawned with the mutex let go: a runtime shutting down drops the
         // new task inside `spawn`, and the sweeper's drop takes the mutex
         // (this thread would wait for itself for ever).
-        if let Some(runtime) = start {
+        if start {
             let sweeper = Sweeper {
                 warm: Arc::downgrade(self),
+                runtime,
                 finished: false,
             };
-            runtime.spawn(sweeper.run(self.pool.clone()));
+            handle.spawn(sweeper.run(self.pool.clone()));
         }
     }
 
@@ -134,34 +163,44 @@ impl Warm {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Takes out the connections idle for the idle time or longer; returns
-    /// when the sweeper next has something to do (and marks it gone when
-    /// nothing is left).
-    fn expire(&self, now: Instant) -> (Vec<WatchedConn>, Next) {
+    /// Takes out the connections kept on `runtime` idle for the idle time
+    /// or longer; returns when its sweeper next has something to do (and
+    /// marks it gone when nothing of `runtime`'s is left).
+    fn expire(&self, runtime: Id, now: Instant) -> (Vec<WatchedConn>, Next) {
         let mut state = self.lock();
-        let fresh = state
+        let idle = self.idle;
+        let expired = state
             .conns
-            .iter()
-            .position(|(_, since)| now.saturating_duration_since(*since) < self.idle)
-            .unwrap_or(state.conns.len());
-        let expired = state.conns.drain(..fresh).map(|(conn, _)| conn).collect();
-        let next = match state.conns.first() {
+            .extract_if(.., |kept| {
+                kept.runtime == runtime && now.saturating_duration_since(kept.since) >= idle
+            })
+            .map(|kept| kept.conn)
+            .collect();
+        // Oldest first: the first left is the next to expire.
+        let next = match state.conns.iter().find(|kept| kept.runtime == runtime) {
             None => {
-                state.sweeping = false;
+                state.sweeping.retain(|id| *id != runtime);
                 Next::Done
             }
             // An idle time too long for the clock never expires: the
             // connection stays until the pool closes.
-            Some((_, since)) => since.checked_add(self.idle).map_or(Next::Close, Next::At),
+            Some(kept) => kept.since.checked_add(idle).map_or(Next::Close, Next::At),
         };
         (expired, next)
     }
 
-    /// Takes out every kept connection and marks the sweeper gone.
-    fn drain(&self) -> Vec<WatchedConn> {
+    /// Takes out the connections kept on `runtime` (every runtime's with
+    /// `None`: the pool closed, and `PgPool::close` waits for them all) and
+    /// marks its sweeper gone.
+    fn drain(&self, runtime: Option<Id>) -> Vec<WatchedConn> {
         let mut state = self.lock();
-        state.sweeping = false;
-        state.conns.drain(..).map(|(conn, _)| conn).collect()
+        let ours = |id: &Id| runtime.is_none_or(|runtime| *id == runtime);
+        state.sweeping.retain(|id| !ours(id));
+        state
+            .conns
+            .extract_if(.., |kept| ours(&kept.runtime))
+            .map(|kept| kept.conn)
+            .collect()
     }
 }
 
@@ -171,31 +210,35 @@ impl Home for Warm {
     }
 }
 
-/// Returns kept connections to the pool once idle for the idle time, and all
-/// of them when the pool closes (`PgPool::close` waits for every connection
-/// to come back). Ends when none is kept or the locker is gone (its kept
+/// Returns the connections kept on its runtime to the pool once idle for
+/// the idle time, and every kept connection when the pool closes
+/// (`PgPool::close` waits for every connection to come back). Ends when
+/// none of its runtime's is kept or the locker is gone (its kept
 /// connections then go back as it drops). Returned connections are dropped
 /// outside the mutex: their return to the pool (an `UNLISTEN *`, see
 /// [`WatchedConn`], then sqlx's ping) runs in a task they spawn.
 struct Sweeper {
     warm: Weak<Warm>,
+    /// The runtime whose connections it sweeps, which it runs on.
+    runtime: Id,
     /// Set where the sweeper marks itself gone, under the mutex.
     finished: bool,
 }
 
 impl Sweeper {
-    /// Sweeps until nothing is kept, the locker is gone or `pool` closes.
+    /// Sweeps until nothing of its runtime's is kept, the locker is gone or
+    /// `pool` closes.
     async fn run(mut self, pool: PgPool) {
-        sweep(&self.warm, pool).await;
+        sweep(&self.warm, self.runtime, pool).await;
         self.finished = true;
     }
 }
 
 impl Drop for Sweeper {
     /// Dropped unfinished, by the runtime it ran on shutting down (a
-    /// locker may serve several runtimes): marked gone, so that the next
-    /// connection kept starts another sweeper on its own runtime, and the
-    /// connections kept go back with it (dropped after the mutex is let
+    /// locker may serve several runtimes): marked gone, so that a
+    /// connection kept later starts another sweeper, and the connections
+    /// kept on this runtime go back with it (dropped after the mutex is let
     /// go: their return to the pool is a task on this runtime, which,
     /// shutting down, drops it, and with it the connection). Nothing else
     /// returned them, and `PgPool::close` waits for every connection.
@@ -204,18 +247,18 @@ impl Drop for Sweeper {
             return;
         }
         if let Some(warm) = self.warm.upgrade() {
-            drop(warm.drain());
+            drop(warm.drain(Some(self.runtime)));
         }
     }
 }
 
 /// The sweeper's loop, until it marks itself gone (see [`Sweeper`]).
-async fn sweep(warm: &Weak<Warm>, pool: PgPool) {
+async fn sweep(warm: &Weak<Warm>, runtime: Id, pool: PgPool) {
     let closed = pool.close_event();
     tokio::pin!(closed);
     loop {
         let Some(kept) = warm.upgrade() else { return };
-        let (expired, next) = kept.expire(Instant::now());
+        let (expired, next) = kept.expire(runtime, Instant::now());
         drop(expired);
         let next = match next {
             Next::Done => return,
@@ -227,7 +270,7 @@ async fn sweep(warm: &Weak<Warm>, pool: PgPool) {
             () = sleep_until_some(next) => {}
             () = &mut closed => {
                 if let Some(kept) = warm.upgrade() {
-                    drop(kept.drain());
+                    drop(kept.drain(None));
                 }
                 return;
             }
@@ -372,7 +415,10 @@ mod tests {
             .recv_timeout(Duration::from_secs(5))
             .expect("keep() returned");
         assert!(warm.lock().conns.is_empty(), "kept past its sweeper");
-        assert!(!warm.lock().sweeping, "a sweeper believed running");
+        assert!(
+            warm.lock().sweeping.is_empty(),
+            "a sweeper believed running"
+        );
     }
 
     #[test]

@@ -369,11 +369,15 @@ impl PgLockerBuilder {
     ///
     /// A locker used on several runtimes keeps each connection for the
     /// runtime it was kept on: it is handed out, and returned to the pool
-    /// after `idle_timeout`, only by that runtime (its socket belongs to
-    /// that runtime's reactor). A runtime that sits idle (a current-thread
-    /// runtime outside `block_on`) keeps its own until it runs again, is
-    /// dropped, or the pool closes; it never holds up another runtime's.
-    /// The `connections` limit counts all runtimes' together.
+    /// after `idle_timeout`, only by that runtime (its socket usually
+    /// belongs to that runtime's reactor). A runtime that sits idle (a
+    /// current-thread runtime outside `block_on`) never holds up another
+    /// runtime's; its own are closed (their sessions end; they hold no
+    /// lock) by the next connection kept on another runtime once they are
+    /// kept for twice `idle_timeout`, or when the pool is closed while
+    /// another runtime keeps a connection; otherwise they stay until it
+    /// runs again or is dropped. The `connections` limit counts all
+    /// runtimes' together.
     ///
     /// Only connections that hold no lock are kept. Session state that your
     /// own code sets on pooled connections (distlock sets none beyond the

@@ -543,40 +543,57 @@ async fn with_advisory_lock_prepares_its_try_again_where_a_session_lost_it(
 }
 
 /// A locker used on two runtimes: a current-thread runtime that took and
-/// released one lock and then sits idle (its `block_on` returned, nobody
-/// drives it), and the test's. The connection kept there is registered
-/// with that runtime's reactor: handed to the test's runtime, its answer
-/// would never be read. And one sweeper swept for every runtime: started
-/// on the idle one, it never ran, and connections kept on the test's
-/// runtime stayed out of the pool. Each runtime now hands out only the
-/// connections kept on it and has its own sweeper.
+/// released two locks and then sits idle (its `block_on` returned, nobody
+/// drives it), and the test's. The connections kept there are registered
+/// with that runtime's reactor: handed to the test's runtime, their
+/// answers would depend on a reactor nobody drives. And one sweeper swept
+/// for every runtime: started on the idle one, it never ran, and the
+/// connections kept on the test's runtime stayed out of the pool. Each
+/// runtime now hands out only the connections kept on it and has its own
+/// sweeper; connections of a runtime whose sweeper has not run for twice
+/// the idle time are closed by the next keep elsewhere, so that they hold
+/// neither the pool's slots nor the locker's limit.
 #[sqlx::test(migrations = false)]
-async fn a_runtime_left_idle_strands_neither_its_kept_connection_nor_the_others(pool: PgPool) {
+async fn a_runtime_left_idle_strands_neither_its_kept_connections_nor_the_others(pool: PgPool) {
+    let idle_time = Duration::from_millis(50);
     let locker = std::sync::Arc::new(
         PgLocker::builder(pool.clone())
-            .keep_warm(3, Duration::from_millis(50))
+            .keep_warm(2, idle_time)
             .build()
             .expect("valid settings"),
     );
     let on_idle = locker.clone();
-    let (idle, idle_pid) = tokio::task::spawn_blocking(move || {
+    let (idle, idle_pids) = tokio::task::spawn_blocking(move || {
         let idle = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .expect("a runtime");
-        let pid = idle.block_on(async {
-            let lock = on_idle.try_lock("warm:idle").await.unwrap().expect("free");
-            let pid = lock.backend_pid();
-            lock.release().await.unwrap();
-            pid
+        let pids = idle.block_on(async {
+            let a = on_idle
+                .try_lock("warm:idle-a")
+                .await
+                .unwrap()
+                .expect("free");
+            let b = on_idle
+                .try_lock("warm:idle-b")
+                .await
+                .unwrap()
+                .expect("free");
+            let pids = [a.backend_pid(), b.backend_pid()];
+            a.release().await.unwrap();
+            b.release().await.unwrap();
+            pids
         });
-        (idle, pid)
+        (idle, pids)
     })
     .await
     .expect("the idle runtime's thread");
+    assert_eq!(pool.num_idle(), 0, "both kept on the idle runtime");
 
-    // Two locks at once on the test's runtime, neither on the connection
-    // kept on the idle one; both kept once released.
+    // Past twice the idle time: two locks at once on the test's runtime,
+    // neither on a connection kept on the idle one; both kept once
+    // released, in place of the idle runtime's.
+    tokio::time::sleep(idle_time * 3).await;
     let mut held = Vec::new();
     for key in ["warm:here", "warm:there"] {
         let lock = bounded(
@@ -587,28 +604,26 @@ async fn a_runtime_left_idle_strands_neither_its_kept_connection_nor_the_others(
         .await
         .expect("try")
         .expect("free");
-        assert_ne!(
-            lock.backend_pid(),
-            idle_pid,
-            "the idle runtime's connection"
+        assert!(
+            !idle_pids.contains(&lock.backend_pid()),
+            "a connection kept on the idle runtime"
         );
         held.push(lock);
     }
     for lock in held {
         lock.release().await.unwrap();
     }
-    // They go back after their idle time; the idle runtime's stays kept
-    // until that runtime runs again.
-    eventually(
-        "the test runtime's kept connections are back in the pool",
-        Duration::from_secs(5),
-        async || pool.num_idle() as u32 + 1 == pool.size(),
+    // The test runtime's go back after their idle time; the idle
+    // runtime's were closed.
+    all_back_in_the_pool(&pool).await;
+    assert_eq!(pool.size(), 2);
+    bounded(
+        "close() with the idle runtime alive",
+        Duration::from_secs(10),
+        pool.close(),
     )
     .await;
-    assert_eq!(pool.size(), 3);
-    // Dropped, the idle runtime's sweeper gives its connection back.
     tokio::task::spawn_blocking(move || drop(idle))
         .await
         .expect("dropped");
-    all_back_in_the_pool(&pool).await;
 }

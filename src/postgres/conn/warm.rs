@@ -22,10 +22,14 @@
 //!
 //! A locker may serve several runtimes. A connection is kept for the
 //! runtime it was kept on, handed out only there, and swept by that
-//! runtime's own sweeper: its socket is registered with that runtime's
-//! reactor, which another runtime does not drive, and a runtime that sits
-//! idle (a current-thread runtime outside `block_on`) must hold up only its
-//! own connections, never another runtime's (as the keepers' timer).
+//! runtime's own sweeper: its socket is usually registered with that
+//! runtime's reactor, which another runtime does not drive (a statement on
+//! it from elsewhere can wait for an answer nobody reads), and a runtime
+//! that sits idle (a current-thread runtime outside `block_on`) must hold
+//! up only its own connections, never another runtime's (as the keepers'
+//! timer). Its connections are closed, not returned (no I/O), once they
+//! are kept for twice the idle time, by the next keep on another runtime
+//! ([`stranded`]), and when the pool closes.
 //!
 //! A kept connection is not pinged before use. If the server ended its
 //! session meanwhile, the acquisition's first statement fails with a
@@ -113,9 +117,8 @@ impl Warm {
 
     /// Keeps `conn`, which must hold no lock, or returns it to the pool when
     /// the locker keeps enough already, the pool has no slack, or there is
-    /// no runtime to sweep on. Never blocks (a short mutex). A connection
-    /// not kept goes back to the pool as it drops, after the mutex is let go
-    /// (locals drop in reverse order).
+    /// no runtime to sweep on. Never blocks (a short mutex). Connections
+    /// are dropped only after the mutex is let go.
     pub(crate) fn keep(self: &Arc<Self>, conn: WatchedConn) {
         if self.max == 0 || self.pool.is_closed() || !self.pool_has_slack() {
             return;
@@ -124,21 +127,11 @@ impl Warm {
             return;
         };
         let runtime = handle.id();
-        let mut state = self.lock();
-        if state.conns.len() >= self.max {
-            return;
+        let (not_kept, start, stranded) = self.store(conn, runtime);
+        for conn in stranded {
+            conn.close();
         }
-        let start = !state.sweeping.contains(&runtime);
-        if start {
-            state.sweeping.push(runtime);
-        }
-        let since = Instant::now();
-        state.conns.push(Kept {
-            conn,
-            runtime,
-            since,
-        });
-        drop(state);
+        drop(not_kept);
         // Spawned with the mutex let go: a runtime shutting down drops the
         // new task inside `spawn`, and the sweeper's drop takes the mutex
         // (this thread would wait for itself for ever).
@@ -150,6 +143,33 @@ impl Warm {
             };
             handle.spawn(sweeper.run(self.pool.clone()));
         }
+    }
+
+    /// Under the mutex: takes out other runtimes' stranded connections
+    /// ([`stranded`]), then keeps `conn` for `runtime` unless the locker
+    /// keeps enough (handing it back). Says whether `runtime` needs a
+    /// sweeper started.
+    fn store(
+        &self,
+        conn: WatchedConn,
+        runtime: Id,
+    ) -> (Option<WatchedConn>, bool, Vec<WatchedConn>) {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let stranded = stranded(&mut state, runtime, now, self.idle);
+        if state.conns.len() >= self.max {
+            return (Some(conn), false, stranded);
+        }
+        let start = !state.sweeping.contains(&runtime);
+        if start {
+            state.sweeping.push(runtime);
+        }
+        state.conns.push(Kept {
+            conn,
+            runtime,
+            since: now,
+        });
+        (None, start, stranded)
     }
 
     /// An idle connection in the pool, or room to open one: no one can be
@@ -192,14 +212,13 @@ impl Warm {
     /// Takes out the connections kept on `runtime` (every runtime's with
     /// `None`: the pool closed, and `PgPool::close` waits for them all) and
     /// marks its sweeper gone.
-    fn drain(&self, runtime: Option<Id>) -> Vec<WatchedConn> {
+    fn drain(&self, runtime: Option<Id>) -> Vec<Kept> {
         let mut state = self.lock();
         let ours = |id: &Id| runtime.is_none_or(|runtime| *id == runtime);
         state.sweeping.retain(|id| !ours(id));
         state
             .conns
             .extract_if(.., |kept| ours(&kept.runtime))
-            .map(|kept| kept.conn)
             .collect()
     }
 }
@@ -270,10 +289,46 @@ async fn sweep(warm: &Weak<Warm>, runtime: Id, pool: PgPool) {
             () = sleep_until_some(next) => {}
             () = &mut closed => {
                 if let Some(kept) = warm.upgrade() {
-                    drop(kept.drain(None));
+                    close_kept(kept.drain(None), runtime);
                 }
                 return;
             }
+        }
+    }
+}
+
+/// Connections of runtimes other than `runtime` kept for twice the idle
+/// time or longer: their own sweeper would have returned them, so their
+/// runtime is not running it (a current-thread runtime outside
+/// `block_on`). Left there, they would hold pool slots and the locker's
+/// limit for as long as it sits idle. Closed by dropping their sockets
+/// ([`WatchedConn::close`]): a return to the pool is I/O on their socket,
+/// which only their runtime's reactor completes; they hold no lock.
+fn stranded(state: &mut State, runtime: Id, now: Instant, idle: Duration) -> Vec<WatchedConn> {
+    let overdue = |kept: &mut Kept| {
+        kept.runtime != runtime
+            && kept
+                .since
+                .checked_add(idle.saturating_mul(2))
+                .is_some_and(|due| now >= due)
+    };
+    state
+        .conns
+        .extract_if(.., overdue)
+        .map(|kept| kept.conn)
+        .collect()
+}
+
+/// Gives back the connections of a closing pool, as the sweeper of
+/// `runtime`: its own through the pool (which closes them), other
+/// runtimes' by dropping their sockets, since their runtime may sit idle
+/// and the pool's closing waits for every connection.
+fn close_kept(kept: Vec<Kept>, runtime: Id) {
+    for kept in kept {
+        if kept.runtime == runtime {
+            drop(kept.conn);
+        } else {
+            kept.conn.close();
         }
     }
 }

@@ -373,8 +373,8 @@ impl PgLockerBuilder {
     /// belongs to that runtime's reactor). A runtime that sits idle (a
     /// current-thread runtime outside `block_on`) never holds up another
     /// runtime's; its own are closed (their sessions end; they hold no
-    /// lock) by the next connection kept on another runtime once they are
-    /// kept for twice `idle_timeout`, or when the pool is closed while
+    /// lock) by the next acquisition or release on another runtime once
+    /// they are kept for twice `idle_timeout`, or when the pool is closed while
     /// another runtime keeps a connection; otherwise they stay until it
     /// runs again or is dropped. The `connections` limit counts all
     /// runtimes' together.

@@ -627,3 +627,64 @@ async fn a_runtime_left_idle_strands_neither_its_kept_connections_nor_the_others
         .await
         .expect("dropped");
 }
+
+/// A connection kept on a runtime that then sits idle must not starve the
+/// others of the pool: on a pool of two, with one kept there, the test's
+/// runtime takes two locks at once. The idle runtime's connection, kept
+/// past twice the idle time, is closed by the next acquisition here, which
+/// used to wait for the pool instead.
+#[sqlx::test(migrations = false)]
+async fn a_connection_stranded_on_an_idle_runtime_frees_its_pool_slot(
+    _opts: PgPoolOptions,
+    connect: PgConnectOptions,
+) {
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(connect)
+        .await
+        .unwrap();
+    let idle_time = Duration::from_millis(50);
+    let locker = std::sync::Arc::new(
+        PgLocker::builder(pool.clone())
+            .keep_warm(2, idle_time)
+            .build()
+            .expect("valid settings"),
+    );
+    let on_idle = locker.clone();
+    let idle = tokio::task::spawn_blocking(move || {
+        let idle = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        idle.block_on(async {
+            let lock = on_idle.try_lock("warm:idle").await.unwrap().expect("free");
+            lock.release().await.unwrap();
+        });
+        idle
+    })
+    .await
+    .expect("the idle runtime's thread");
+    assert_eq!(
+        (pool.size(), pool.num_idle()),
+        (1, 0),
+        "kept on the idle runtime"
+    );
+
+    tokio::time::sleep(idle_time * 3).await;
+    let first = locker
+        .try_lock("warm:one")
+        .await
+        .expect("first")
+        .expect("free");
+    let second = locker
+        .try_lock("warm:two")
+        .await
+        .expect("second")
+        .expect("free");
+    first.release().await.unwrap();
+    second.release().await.unwrap();
+    tokio::task::spawn_blocking(move || drop(idle))
+        .await
+        .expect("dropped");
+}

@@ -28,8 +28,8 @@
 //! that sits idle (a current-thread runtime outside `block_on`) must hold
 //! up only its own connections, never another runtime's (as the keepers'
 //! timer). Its connections are closed, not returned (no I/O), once they
-//! are kept for twice the idle time, by the next keep on another runtime
-//! ([`stranded`]), and when the pool closes.
+//! are kept for twice the idle time, by the next checkout or keep on
+//! another runtime ([`stranded`]), and when the pool closes.
 //!
 //! A kept connection is not pinged before use. If the server ended its
 //! session meanwhile, the acquisition's first statement fails with a
@@ -91,7 +91,9 @@ impl Warm {
     }
 
     /// The connection most recently kept on the current runtime, if any,
-    /// armed (see [`HeldConn`]) and coming back here when disarmed. Never
+    /// armed (see [`HeldConn`]) and coming back here when disarmed. Closes
+    /// other runtimes' [`stranded`] connections first, so that an
+    /// acquisition that goes to the pool finds their slots free. Never
     /// waits.
     pub(crate) fn checkout(self: &Arc<Self>) -> Option<HeldConn> {
         if self.pool.is_closed() {
@@ -99,13 +101,17 @@ impl Warm {
         }
         let runtime = Handle::try_current().ok()?.id();
         let mut state = self.lock();
-        let at = state
+        let stranded = stranded(&mut state, runtime, Instant::now(), self.idle);
+        let ours = state
             .conns
             .iter()
-            .rposition(|kept| kept.runtime == runtime)?;
-        let kept = state.conns.remove(at);
+            .rposition(|kept| kept.runtime == runtime)
+            .map(|at| state.conns.remove(at));
         drop(state);
-        Some(self.adopt(kept.conn))
+        for conn in stranded {
+            conn.close();
+        }
+        Some(self.adopt(ours?.conn))
     }
 
     /// Wraps a connection from the pool: armed, and coming back here when

@@ -551,43 +551,13 @@ async fn with_advisory_lock_prepares_its_try_again_where_a_session_lost_it(
 /// connections kept on the test's runtime stayed out of the pool. Each
 /// runtime now hands out only the connections kept on it and has its own
 /// sweeper; connections of a runtime whose sweeper has not run for twice
-/// the idle time are closed by the next keep elsewhere, so that they hold
+/// the idle time are closed by the next checkout or keep elsewhere, so they hold
 /// neither the pool's slots nor the locker's limit.
 #[sqlx::test(migrations = false)]
 async fn a_runtime_left_idle_strands_neither_its_kept_connections_nor_the_others(pool: PgPool) {
     let idle_time = Duration::from_millis(50);
-    let locker = std::sync::Arc::new(
-        PgLocker::builder(pool.clone())
-            .keep_warm(2, idle_time)
-            .build()
-            .expect("valid settings"),
-    );
-    let on_idle = locker.clone();
-    let (idle, idle_pids) = tokio::task::spawn_blocking(move || {
-        let idle = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
-        let pids = idle.block_on(async {
-            let a = on_idle
-                .try_lock("warm:idle-a")
-                .await
-                .unwrap()
-                .expect("free");
-            let b = on_idle
-                .try_lock("warm:idle-b")
-                .await
-                .unwrap()
-                .expect("free");
-            let pids = [a.backend_pid(), b.backend_pid()];
-            a.release().await.unwrap();
-            b.release().await.unwrap();
-            pids
-        });
-        (idle, pids)
-    })
-    .await
-    .expect("the idle runtime's thread");
+    let locker = locker_on_two_runtimes(&pool, idle_time);
+    let (idle, idle_pids) = idle_after_locks(&locker, &["warm:idle-a", "warm:idle-b"]).await;
     assert_eq!(pool.num_idle(), 0, "both kept on the idle runtime");
 
     // Past twice the idle time: two locks at once on the test's runtime,
@@ -645,26 +615,8 @@ async fn a_connection_stranded_on_an_idle_runtime_frees_its_pool_slot(
         .await
         .unwrap();
     let idle_time = Duration::from_millis(50);
-    let locker = std::sync::Arc::new(
-        PgLocker::builder(pool.clone())
-            .keep_warm(2, idle_time)
-            .build()
-            .expect("valid settings"),
-    );
-    let on_idle = locker.clone();
-    let idle = tokio::task::spawn_blocking(move || {
-        let idle = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
-        idle.block_on(async {
-            let lock = on_idle.try_lock("warm:idle").await.unwrap().expect("free");
-            lock.release().await.unwrap();
-        });
-        idle
-    })
-    .await
-    .expect("the idle runtime's thread");
+    let locker = locker_on_two_runtimes(&pool, idle_time);
+    let (idle, _) = idle_after_locks(&locker, &["warm:idle"]).await;
     assert_eq!(
         (pool.size(), pool.num_idle()),
         (1, 0),
@@ -687,4 +639,46 @@ async fn a_connection_stranded_on_an_idle_runtime_frees_its_pool_slot(
     tokio::task::spawn_blocking(move || drop(idle))
         .await
         .expect("dropped");
+}
+
+/// A locker keeping up to two connections for `idle_time`, to be shared
+/// with a runtime of its own ([`idle_after_locks`]).
+fn locker_on_two_runtimes(pool: &PgPool, idle_time: Duration) -> std::sync::Arc<PgLocker> {
+    std::sync::Arc::new(
+        PgLocker::builder(pool.clone())
+            .keep_warm(2, idle_time)
+            .build()
+            .expect("valid settings"),
+    )
+}
+
+/// A current-thread runtime on which `locker` took `keys` at once and
+/// released them, left idle (its `block_on` returned), with the backend
+/// pids of those locks. Dropped, it must be dropped off the test's
+/// runtime (`spawn_blocking`).
+async fn idle_after_locks(
+    locker: &std::sync::Arc<PgLocker>,
+    keys: &'static [&'static str],
+) -> (tokio::runtime::Runtime, Vec<i32>) {
+    let locker = locker.clone();
+    tokio::task::spawn_blocking(move || {
+        let idle = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let pids = idle.block_on(async {
+            let mut held = Vec::new();
+            for key in keys {
+                held.push(locker.try_lock(*key).await.unwrap().expect("free"));
+            }
+            let pids = held.iter().map(|lock| lock.backend_pid()).collect();
+            for lock in held {
+                lock.release().await.unwrap();
+            }
+            pids
+        });
+        (idle, pids)
+    })
+    .await
+    .expect("the idle runtime's thread")
 }

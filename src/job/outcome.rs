@@ -29,7 +29,10 @@ use crate::LossReason;
 pub enum JobOutcome<T, E> {
     /// The job ran and returned `Ok`.
     Ran(T),
-    /// Someone else held the lock; the job did not run here.
+    /// Someone else held the lock; the job did not run here. With a run
+    /// record, also: a run started in the current window, or the lock
+    /// stayed held until the window ended (see
+    /// [`SingletonJob::run`](crate::SingletonJob::run)).
     Skipped,
     /// The lock was free, but the run record shows the job already started in
     /// the current window (see
